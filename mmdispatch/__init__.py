@@ -1,0 +1,54 @@
+"""mmdispatch: MMCV's device dispatcher as a standalone package.
+
+Dispatch entry points (MMCV's DISPATCH_DEVICE_IMPL functions) such as
+``roi_align_forward_impl`` check that all array arguments share one device
+and call the kernel registered for it; user-facing ops live in
+``mmdispatch.ops``.
+"""
+from mmdispatch import _core
+from mmdispatch._core import (
+    DeviceMismatchError,
+    KernelHandle,
+    KernelNotFoundError,
+    backends,
+    device_name,
+    devices,
+    get_backend,
+    op_signatures,
+    register_impl,
+    registry_table,
+    use_backend,
+)
+from mmdispatch._version import __version__
+from mmdispatch import _cuda  # installs the CUDA stream provider when CUDA is usable
+
+# Every dispatch entry point, generated from signatures.txt.
+globals().update({name: getattr(_core, name) for name in _core.op_signatures()})
+
+from mmdispatch import ops  # noqa: E402
+
+
+def build_info():
+    """How this copy was built: CUDA or not, archs, compilers, OpenMP."""
+    from mmdispatch._build_info import BUILD_INFO
+
+    return dict(BUILD_INFO)
+
+
+__all__ = [
+    "DeviceMismatchError",
+    "KernelHandle",
+    "KernelNotFoundError",
+    "backends",
+    "build_info",
+    "device_name",
+    "devices",
+    "get_backend",
+    "op_signatures",
+    "ops",
+    "register_impl",
+    "registry_table",
+    "use_backend",
+    "__version__",
+    *_core.op_signatures(),
+]

@@ -1,0 +1,126 @@
+# C declarations of the dispatcher core (include/mmdispatch/*.h) and the
+# per-call state shared by _core.pyx and the generated entry points.
+from cpython.ref cimport PyObject
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
+
+cdef extern from "mmdispatch/tensor.h" nogil:
+    enum:
+        MMD_MAX_NDIM
+        MMD_MAX_DEVICE_TYPES
+        MMD_DEVICE_CPU
+        MMD_DEVICE_CUDA
+        MMD_OK
+        MMD_ERR_VALUE
+        MMD_ERR_TYPE
+        MMD_ERR_RUNTIME
+        MMD_ERR_MEMORY
+    ctypedef enum mmd_dtype:
+        MMD_DTYPE_UNKNOWN
+        MMD_BOOL
+        MMD_INT8
+        MMD_INT16
+        MMD_INT32
+        MMD_INT64
+        MMD_UINT8
+        MMD_UINT16
+        MMD_UINT32
+        MMD_UINT64
+        MMD_FLOAT16
+        MMD_BFLOAT16
+        MMD_FLOAT32
+        MMD_FLOAT64
+    ctypedef struct mmd_tensor:
+        void *data
+        int64_t shape[8]      # MMD_MAX_NDIM
+        int64_t strides[8]
+        int32_t ndim
+        int32_t dtype
+        int32_t device_type
+        int32_t device_id
+        int32_t writable
+    ctypedef struct mmd_context:
+        void *stream
+        int32_t device_id
+    const char *mmd_last_error()
+    const char *mmd_dtype_name(int dtype)
+    size_t mmd_dtype_size(int dtype)
+    int64_t mmd_numel(const mmd_tensor *t)
+
+cdef extern from "mmdispatch/registry.h" nogil:
+    enum:
+        MMD_MAX_BACKENDS
+        MMD_TABLE_SIZE
+    unsigned char *mmd_thread_backends()
+
+cdef extern from "mmdispatch_generated.h" nogil:
+    ctypedef struct mmd_device_module:
+        const char *name
+        int device_type
+        int (*register_fn)(char *status, size_t size) noexcept nogil
+    const mmd_device_module *mmd_get_device_modules(int *count)
+
+# DLPack ABI (dlpack.h, unversioned DLManagedTensor), read from capsules.
+cdef struct DLDevice:
+    int32_t device_type
+    int32_t device_id
+
+cdef struct DLDataType:
+    uint8_t code
+    uint8_t bits
+    uint16_t lanes
+
+cdef struct DLTensor:
+    void *data
+    DLDevice device
+    int32_t ndim
+    DLDataType dtype
+    int64_t *shape
+    int64_t *strides
+    uint64_t byte_offset
+
+cdef struct DLManagedTensor:
+    DLTensor dl_tensor
+    void *manager_ctx
+    void (*deleter)(DLManagedTensor *)
+
+cdef enum:
+    MAX_ARRAY_ARGS = 16  # _codegen.MAX_ARRAY_ARGS
+    ARG_OUTPUT = 1       # _codegen.ARG_OUTPUT
+    ARG_OPTIONAL = 2     # _codegen.ARG_OPTIONAL
+
+cdef enum ArrayKind:
+    KIND_NONE = 0   # optional argument given as None
+    KIND_NUMPY
+    KIND_CUPY
+    KIND_DLPACK
+    KIND_CAI        # __cuda_array_interface__
+
+# Everything one dispatch needs, on the caller's C stack.
+cdef struct CallState:
+    PyObject *objects[MAX_ARRAY_ARGS]        # borrowed: the caller's arguments
+    int kinds[MAX_ARRAY_ARGS]
+    mmd_tensor tensors[MAX_ARRAY_ARGS]
+    const mmd_tensor *args[MAX_ARRAY_ARGS]   # NULL for an absent optional
+    void *kernel
+    bint python_kernel
+    mmd_context ctx
+
+cdef class OpRegistry:
+    cdef readonly str name
+    cdef readonly str signature
+    cdef readonly tuple param_names
+    cdef readonly tuple array_names
+    cdef void **c_table
+    cdef const char **c_origin
+    cdef list python_kernels     # slot -> active Python kernel or None
+    cdef dict python_stacks      # slot -> [KernelHandle], newest last
+    cdef int n_arrays
+    cdef int array_positions[MAX_ARRAY_ARGS]
+    cdef int array_flags[MAX_ARRAY_ARGS]
+
+    cdef str where(self, int array_index)
+    cdef int classify(self, int i, object obj, CallState *st) except -1
+    cdef object prepare(self, CallState *st)
+    cdef int check_outputs(self, CallState *st) except -1
+    cdef object not_found(self, int device_type, int device_id, int backend)
+    cdef int raise_kernel_error(self, int status) except -1

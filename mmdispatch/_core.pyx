@@ -1,0 +1,497 @@
+# cython: language_level=3, cdivision=True
+"""The device registry and dispatcher: MMCV's DeviceRegistry,
+REGISTER_DEVICE_IMPL and DISPATCH_DEVICE_IMPL over numpy, CuPy, DLPack and
+__cuda_array_interface__ arrays.
+
+One call of an entry point (generated per op into _dispatch_gen.pxi):
+  1. classify every array argument and read its device (no copies);
+  2. every array must sit on the first array's device (type and index);
+  3. slot = device_type * MMD_MAX_BACKENDS + the thread's backend;
+     a Python kernel there wins, else the C table's pointer, else
+     KernelNotFoundError;
+  4. view each array as an mmd_tensor, check outputs (writable, no overlap);
+  5. call the kernel without the GIL; a nonzero status becomes an exception
+     in one place (OpRegistry.raise_kernel_error).
+"""
+cimport numpy as cnp
+from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.stdint cimport uintptr_t
+
+import contextlib
+import operator
+import sys
+import threading
+
+cnp.import_array()
+
+include "_intake.pxi"
+
+
+class DeviceMismatchError(RuntimeError):
+    """Array arguments of one call live on different devices."""
+
+
+class KernelNotFoundError(NotImplementedError):
+    """No kernel is registered for the arrays' device and the selected backend."""
+
+
+# DLPack device type codes -> names; devices print as "cpu", "cuda:0".
+DEVICE_TYPES = {
+    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal",
+    9: "vpi", 10: "rocm", 11: "rocm_host", 12: "ext_dev", 13: "cuda_managed",
+    14: "oneapi", 15: "webgpu", 16: "hexagon", 17: "maia",
+}
+_DEVICE_CODES = {name: code for code, name in DEVICE_TYPES.items()}
+
+MAX_BACKENDS = MMD_MAX_BACKENDS
+MAX_DEVICE_TYPES = MMD_MAX_DEVICE_TYPES
+
+# Backend names, shared by all devices; index = position. The first three
+# match MMD_BACKEND_* in registry.h; register_impl may add more.
+_backend_names = ["default", "reference", "deterministic"]
+_registry_lock = threading.RLock()
+_ops = {}
+# device type -> (available, status message, module name), from each device
+# module's registration at import.
+_device_status = {}
+# device type -> callable(device_id) -> (stream pointer, __dlpack__ stream
+# argument); installed by device modules such as mmdispatch._cuda.
+cdef list _context_providers = [None] * MMD_MAX_DEVICE_TYPES
+
+
+def device_name(int device_type, int device_id=0):
+    """Printable device, e.g. ``cpu`` or ``cuda:0``."""
+    if device_type == MMD_DEVICE_CPU:
+        return "cpu"
+    return f"{DEVICE_TYPES.get(device_type, f'device{device_type}')}:{device_id}"
+
+
+def parse_device_type(device):
+    """Device type code from a name (``"cuda"``) or a DLPack code (``2``)."""
+    if isinstance(device, str):
+        base, _, index = device.partition(":")
+        if index:
+            raise ValueError(
+                f"device must be a device type such as 'cuda', got {device!r}: "
+                "kernels are registered per device type, not per index")
+        if base not in _DEVICE_CODES:
+            raise ValueError(f"unknown device {device!r}; known: {', '.join(_DEVICE_CODES)}")
+        return _DEVICE_CODES[base]
+    try:
+        code = operator.index(device)
+    except TypeError:
+        raise TypeError(f"device must be a name or a DLPack device code, got {device!r}") from None
+    if not 0 < code < MMD_MAX_DEVICE_TYPES:
+        raise ValueError(f"device code must be in [1, {MMD_MAX_DEVICE_TYPES}), got {code}")
+    return code
+
+
+def _backend_index(name, bint create=False):
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    with _registry_lock:
+        if name in _backend_names:
+            return _backend_names.index(name)
+        if not create:
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(_backend_names)}")
+        if len(_backend_names) >= MMD_MAX_BACKENDS:
+            raise ValueError(f"cannot add backend {name!r}: at most {MMD_MAX_BACKENDS} backends")
+        _backend_names.append(name)
+        return len(_backend_names) - 1
+
+
+def backends():
+    """Names of all known backends."""
+    return list(_backend_names)
+
+
+def get_backend(device):
+    """The calling thread's backend for a device type."""
+    return _backend_names[mmd_thread_backends()[parse_device_type(device)]]
+
+
+@contextlib.contextmanager
+def use_backend(device, name):
+    """Selects the backend (e.g. ``"reference"``) for a device type in this
+    thread for the duration of the ``with`` block."""
+    cdef int code = parse_device_type(device)
+    cdef int index = _backend_index(name)
+    cdef unsigned char *selected = mmd_thread_backends()
+    cdef unsigned char previous = selected[code]
+    selected[code] = index
+    try:
+        yield
+    finally:
+        mmd_thread_backends()[code] = previous
+
+
+def _set_context_provider(int device_type, provider):
+    """Used by device modules: provider(device_id) -> (stream_ptr, dlpack_stream)."""
+    _context_providers[device_type] = provider
+
+
+def devices():
+    """Device modules compiled into this build and whether they are usable
+    now: a list of dicts with ``device``, ``available`` and ``status``."""
+    return [
+        {"device": DEVICE_TYPES.get(code, str(code)), "code": code,
+         "available": available, "status": status}
+        for code, (available, status, _name) in sorted(_device_status.items())
+    ]
+
+
+cdef class KernelHandle:
+    """Returned by register_impl; ``remove()`` (or leaving a ``with`` block)
+    unregisters the kernel and restores what it replaced."""
+    cdef readonly str op
+    cdef readonly str device
+    cdef readonly str backend
+    cdef readonly object fn
+    cdef readonly str origin
+    cdef OpRegistry registry
+    cdef int slot
+
+    def remove(self):
+        """Unregisters this kernel; calling it again does nothing."""
+        with _registry_lock:
+            stack = self.registry.python_stacks.get(self.slot)
+            if stack is None or self not in stack:
+                return
+            stack.remove(self)
+            if not stack:
+                del self.registry.python_stacks[self.slot]
+            self.registry.python_kernels[self.slot] = stack[-1].fn if stack else None
+
+    @property
+    def active(self):
+        """True while this kernel is the one the dispatcher calls."""
+        return self.registry.python_kernels[self.slot] is self.fn
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    def __repr__(self):
+        return f"<KernelHandle {self.op} {self.device}/{self.backend} {self.origin}>"
+
+
+def _origin_of(fn):
+    module = getattr(fn, "__module__", None) or "?"
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"python:{module}.{qualname}"
+
+
+def register_impl(op_name, device, fn, *, backend="default", bint override=False):
+    """Registers a Python callable as the kernel of ``op_name`` for a device
+    type and backend. It is called with the entry point's original arguments.
+    Registering where a kernel (C or Python) already is raises ValueError
+    unless ``override=True``; the returned handle's ``remove()`` restores the
+    previous kernel."""
+    cdef OpRegistry op = _op_registry(op_name)
+    if not callable(fn):
+        raise TypeError(f"register_impl: fn must be callable, got {type(fn).__name__}")
+    cdef int code = parse_device_type(device)
+    cdef int slot
+    cdef KernelHandle handle
+    with _registry_lock:
+        slot = code * MMD_MAX_BACKENDS + _backend_index(backend, create=True)
+        existing = op.python_stacks.get(slot)
+        if not override and (existing or op.c_table[slot] != NULL):
+            current = existing[-1].origin if existing else op.c_origin[slot].decode()
+            raise ValueError(
+                f"register_impl: {op.name} already has a kernel for "
+                f"{DEVICE_TYPES[code] if code in DEVICE_TYPES else code}/{backend} "
+                f"({current}); pass override=True to replace it")
+        handle = KernelHandle.__new__(KernelHandle)
+        handle.op = op.name
+        handle.device = DEVICE_TYPES.get(code, str(code))
+        handle.backend = backend
+        handle.fn = fn
+        handle.origin = _origin_of(fn)
+        handle.registry = op
+        handle.slot = slot
+        op.python_stacks.setdefault(slot, []).append(handle)
+        op.python_kernels[slot] = fn
+    return handle
+
+
+def _op_registry(op_name):
+    try:
+        return _ops[op_name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown op {op_name!r}; known: {', '.join(sorted(_ops))}") from None
+
+
+def op_signatures():
+    """{op name: signature line} for every dispatchable op."""
+    return {name: op.signature for name, op in _ops.items()}
+
+
+def registry_table():
+    """Every filled slot as plain data: a list of dicts with ``op``,
+    ``device``, ``backend``, ``kind`` ("C" or "python"), ``origin`` (who
+    registered it) and ``active`` (whether dispatch calls it)."""
+    cdef OpRegistry op
+    cdef int slot
+    rows = []
+    with _registry_lock:
+        for name in sorted(_ops):
+            op = _ops[name]
+            for slot in range(MMD_TABLE_SIZE):
+                code, backend = divmod(slot, MMD_MAX_BACKENDS)
+                stack = op.python_stacks.get(slot, ())
+                base = {"op": name, "device": DEVICE_TYPES.get(code, str(code)),
+                        "backend": _backend_names[backend] if backend < len(_backend_names)
+                        else str(backend)}
+                if op.c_table[slot] != NULL:
+                    rows.append(dict(base, kind="C", origin=op.c_origin[slot].decode(),
+                                     active=not stack))
+                for handle in stack:
+                    rows.append(dict(base, kind="python", origin=handle.origin,
+                                     active=handle is stack[-1]))
+    return rows
+
+
+cdef class OpRegistry:
+    """The registry of one op: its typed C kernel table (filled by
+    MMD_REGISTER_DEVICE_IMPL at import) and its Python kernels."""
+
+    def __repr__(self):
+        return f"<OpRegistry {self.signature}>"
+
+    cdef str where(self, int i):
+        return f"{self.name}: at param {self.array_positions[i]} ({self.array_names[i]})"
+
+    cdef int classify(self, int i, object obj, CallState *st) except -1:
+        """Kind and device of array argument i, without touching its data."""
+        cdef mmd_tensor *t = &st.tensors[i]
+        if cnp.PyArray_Check(obj):
+            st.kinds[i] = KIND_NUMPY
+            t.device_type = MMD_DEVICE_CPU
+            t.device_id = 0
+            return 0
+        if obj is None:
+            if self.array_flags[i] & ARG_OPTIONAL:
+                st.kinds[i] = KIND_NONE
+                return 0
+            raise TypeError(f"{self.where(i)}, expected an array, got None")
+        if _is_cupy_array(obj):
+            st.kinds[i] = KIND_CUPY
+            t.device_type = MMD_DEVICE_CUDA
+            t.device_id = obj.data.device_id
+            return 0
+        dlpack_device = getattr(type(obj), "__dlpack_device__", None)
+        if dlpack_device is not None:
+            st.kinds[i] = KIND_DLPACK
+            _read_dlpack_device(self.where(i), dlpack_device(obj), t)
+            return 0
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if cai is not None:
+            st.kinds[i] = KIND_CAI
+            t.device_type = MMD_DEVICE_CUDA
+            t.device_id = _cai_device(self.where(i), cai)
+            return 0
+        raise TypeError(
+            f"{self.where(i)}, expected an array (numpy, CuPy, or an object with "
+            f"__dlpack__ or __cuda_array_interface__), got {type(obj).__name__}")
+
+    cdef object prepare(self, CallState *st):
+        """Steps 1-4 of a call. Returns the Python kernel to call (with
+        st.python_kernel set), or the DLPack capsules that must stay alive
+        while the C kernel runs (None when there are none)."""
+        cdef int i, ref = -1
+        cdef int n = self.n_arrays
+        cdef int device_type, device_id, backend, slot
+        cdef mmd_tensor *t
+        st.python_kernel = False
+        for i in range(n):
+            self.classify(i, <object>st.objects[i], st)
+            if st.kinds[i] == KIND_NONE:
+                continue
+            if ref < 0:
+                ref = i
+            elif (st.tensors[i].device_type != st.tensors[ref].device_type
+                  or st.tensors[i].device_id != st.tensors[ref].device_id):
+                raise DeviceMismatchError(
+                    f"{self.where(i)}, inconsistent device: "
+                    f"{device_name(st.tensors[i].device_type, st.tensors[i].device_id)} vs "
+                    f"{device_name(st.tensors[ref].device_type, st.tensors[ref].device_id)}")
+        if ref < 0:
+            raise TypeError(f"{self.name}: no array argument was given")
+        device_type = st.tensors[ref].device_type
+        device_id = st.tensors[ref].device_id
+        if not 0 <= device_type < MMD_MAX_DEVICE_TYPES:
+            raise self.not_found(device_type, device_id, 0)
+        backend = mmd_thread_backends()[device_type]
+        slot = device_type * MMD_MAX_BACKENDS + backend
+        python_kernel = self.python_kernels[slot]
+        if python_kernel is not None:
+            st.python_kernel = True
+            return python_kernel
+        st.kernel = self.c_table[slot]
+        if st.kernel == NULL:
+            raise self.not_found(device_type, device_id, backend)
+
+        st.ctx.device_id = device_id
+        st.ctx.stream = NULL
+        dlpack_stream = None
+        provider = _context_providers[device_type]
+        if provider is not None:
+            stream_ptr, dlpack_stream = provider(device_id)
+            st.ctx.stream = <void *><uintptr_t>stream_ptr
+
+        held = None
+        for i in range(n):
+            t = &st.tensors[i]
+            kind = st.kinds[i]
+            if kind == KIND_NONE:
+                st.args[i] = NULL
+                continue
+            st.args[i] = t
+            if kind == KIND_NUMPY:
+                _intake_numpy(self, i, <cnp.ndarray>st.objects[i], t)
+            elif kind == KIND_CUPY:
+                _intake_cupy(self, i, <object>st.objects[i], t)
+            elif kind == KIND_DLPACK:
+                capsule = _intake_dlpack(self, i, <object>st.objects[i], dlpack_stream, t)
+                if held is None:
+                    held = [capsule]
+                else:
+                    held.append(capsule)
+            else:
+                _intake_cai(self, i, <object>st.objects[i], t)
+        self.check_outputs(st)
+        return held
+
+    cdef int check_outputs(self, CallState *st) except -1:
+        """Outputs must be writable and must not overlap any other array
+        (bounding byte ranges, like numpy.may_share_memory)."""
+        cdef int i, j, n = self.n_arrays
+        cdef uintptr_t lo[MAX_ARRAY_ARGS]
+        cdef uintptr_t hi[MAX_ARRAY_ARGS]
+        for i in range(n):
+            if st.kinds[i] != KIND_NONE:
+                _byte_extent(&st.tensors[i], &lo[i], &hi[i])
+        for i in range(n):
+            if not (self.array_flags[i] & ARG_OUTPUT) or st.kinds[i] == KIND_NONE:
+                continue
+            if not st.tensors[i].writable:
+                raise ValueError(f"{self.where(i)}, output array is read-only")
+            if lo[i] == hi[i]:
+                continue
+            for j in range(n):
+                if j != i and st.kinds[j] != KIND_NONE and lo[i] < hi[j] and lo[j] < hi[i]:
+                    raise ValueError(
+                        f"{self.where(i)}, output memory overlaps param "
+                        f"{self.array_positions[j]} ({self.array_names[j]}); outputs must "
+                        "not share memory with other arguments")
+        return 0
+
+    cdef object not_found(self, int device_type, int device_id, int backend):
+        device = device_name(device_type, device_id)
+        type_name = DEVICE_TYPES.get(device_type, f"device{device_type}")
+        backend_name = _backend_names[backend]
+        head = f"{self.name}: implementation for device {device} not found."
+        if backend != 0:
+            head = (f"{self.name}: implementation for device {device} "
+                    f"(backend '{backend_name}') not found.")
+        registered = [f"{row['device']}/{row['backend']} ({row['kind']})"
+                      for row in registry_table() if row["op"] == self.name]
+        lines = [head, "Registered: " + (", ".join(registered) or "nothing") + "."]
+        available, status, _ = _device_status.get(device_type, (False, None, None))
+        if status is None:
+            lines.append(f"mmdispatch has no built-in kernels for {type_name} devices.")
+        elif not available:
+            lines.append(f"{type_name} slots are empty: {status}")
+        else:
+            lines.append(f"mmdispatch has no {type_name} kernel for this op and backend "
+                         f"'{backend_name}'.")
+        lines.append(f"To supply one: mmdispatch.register_impl({self.name!r}, "
+                     f"{type_name!r}, fn{'' if backend == 0 else f', backend={backend_name!r}'}).")
+        return KernelNotFoundError(" ".join(lines))
+
+    cdef int raise_kernel_error(self, int status) except -1:
+        """The one place where kernel status codes become exceptions."""
+        message = f"{self.name}: {mmd_last_error().decode('utf-8', 'replace')}"
+        if status == MMD_ERR_VALUE:
+            raise ValueError(message)
+        if status == MMD_ERR_TYPE:
+            raise TypeError(message)
+        if status == MMD_ERR_MEMORY:
+            raise MemoryError(message)
+        raise RuntimeError(message)
+
+
+cdef OpRegistry _define_op(str name, str signature, void **c_table, const char **c_origin,
+                           tuple param_names, tuple positions, tuple flags):
+    cdef OpRegistry op = OpRegistry.__new__(OpRegistry)
+    cdef int i
+    op.name = name
+    op.signature = signature
+    op.param_names = param_names
+    op.array_names = tuple(param_names[p] for p in positions)
+    op.c_table = c_table
+    op.c_origin = c_origin
+    op.python_kernels = [None] * MMD_TABLE_SIZE
+    op.python_stacks = {}
+    op.n_arrays = len(positions)
+    for i in range(op.n_arrays):
+        op.array_positions[i] = positions[i]
+        op.array_flags[i] = flags[i]
+    _ops[name] = op
+    return op
+
+
+# Scalar arguments: converted before dispatch; errors name the parameter.
+cdef int64_t _int_arg(OpRegistry op, int pos, object value) except? -1:
+    if type(value) is not int:
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected an "
+                            f"int, got {type(value).__name__}") from None
+    try:
+        return value
+    except OverflowError:
+        raise ValueError(f"{op.name}: at param {pos} ({op.param_names[pos]}), {value} does "
+                         "not fit in int64") from None
+
+
+cdef double _float_arg(OpRegistry op, int pos, object value) except? -1.0:
+    if type(value) is float:
+        return value
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
+                        f"real number, got {type(value).__name__}")
+    return float(value)
+
+
+cdef int _bool_arg(OpRegistry op, int pos, object value) except -1:
+    if value is True or value is False:
+        return value is True
+    try:
+        return operator.index(value) != 0
+    except TypeError:
+        if type(value).__name__ == "bool_":  # numpy.bool_ has no __index__
+            return bool(value)
+        raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
+                        f"bool, got {type(value).__name__}") from None
+
+
+include "_dispatch_gen.pxi"
+
+
+cdef void _init_devices():
+    cdef int count, i
+    cdef char status[1024]
+    cdef const mmd_device_module *modules = mmd_get_device_modules(&count)
+    for i in range(count):
+        status[0] = 0
+        rc = modules[i].register_fn(status, sizeof(status))
+        _device_status[modules[i].device_type] = (
+            rc == 0, status.decode("utf-8", "replace"), modules[i].name.decode())
+
+
+_init_devices()

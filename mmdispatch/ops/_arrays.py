@@ -1,0 +1,84 @@
+"""Array plumbing shared by the user-facing ops: accept numpy, CuPy and any
+DLPack / __cuda_array_interface__ array; allocate outputs of the input's
+kind on the input's device; hand results back in the caller's library."""
+import contextlib
+import operator
+import sys
+
+import numpy as np
+
+_CPU, _CUDA = 1, 2
+
+
+def _cupy():
+    return sys.modules.get("cupy")
+
+
+def native(op, name, x):
+    """numpy or CuPy view of array argument `name` (no copy)."""
+    if isinstance(x, np.ndarray):
+        return x
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return x
+    if getattr(type(x), "__dlpack_device__", None) is not None:
+        device_type = int(x.__dlpack_device__()[0])
+        if device_type == _CPU:
+            return np.from_dlpack(x)
+        if device_type == _CUDA and cupy is not None:
+            return cupy.from_dlpack(x)
+        return x  # left to the dispatcher (Python kernels, or its error)
+    if getattr(x, "__cuda_array_interface__", None) is not None and cupy is not None:
+        return cupy.asarray(x)
+    raise TypeError(f"{op}: {name} must be an array (numpy, CuPy, or one with __dlpack__ or "
+                    f"__cuda_array_interface__), got {type(x).__name__}")
+
+
+def namespace(x):
+    """(array module, context manager selecting x's device) for allocating."""
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy, x.device
+    if isinstance(x, np.ndarray):
+        return np, contextlib.nullcontext()
+    raise TypeError(f"cannot allocate outputs for arrays of type {type(x).__name__}")
+
+
+def contiguous(x):
+    """x itself when C-contiguous, else a contiguous copy."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy.ascontiguousarray(x)
+    return x
+
+
+def like(original, result):
+    """result (numpy/CuPy) as an array of original's library, zero-copy."""
+    cupy = _cupy()
+    if isinstance(original, np.ndarray) or (cupy is not None and isinstance(original, cupy.ndarray)):
+        return result
+    get_namespace = getattr(original, "__array_namespace__", None)
+    library = get_namespace() if get_namespace is not None else sys.modules.get(
+        type(original).__module__.partition(".")[0])
+    from_dlpack = getattr(library, "from_dlpack", None)
+    return from_dlpack(result) if from_dlpack is not None else result
+
+
+def check_ndim(op, name, x, ndim, layout):
+    if getattr(x, "ndim", None) != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D {layout}, got shape "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+
+
+def pair(op, name, value):
+    """(h, w) from an int or a pair of ints, each >= 1."""
+    try:
+        items = (value, value) if not hasattr(value, "__len__") else tuple(value)
+        h, w = (operator.index(v) for v in items)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from None
+    if h < 1 or w < 1:
+        raise ValueError(f"{op}: {name} must be >= 1, got {value!r}")
+    return h, w

@@ -1,0 +1,84 @@
+"""RoIAlign with MMCV / Detectron2 semantics, dispatched through
+roi_align_forward_impl / roi_align_backward_impl.
+
+- rois are (K, 5): [batch_index, x1, y1, x2, y2] in input-image coordinates,
+  scaled by spatial_scale; aligned=True shifts them by -0.5 pixel, legacy
+  mode (aligned=False) clamps each roi's size to at least 1.
+- sampling_ratio <= 0 samples ceil(roi_size / output_size) points per bin.
+- samples outside [-1, H] x [-1, W] contribute 0; avg divides by the number
+  of samples (at least 1); max records the position of the maximum
+  (argmax_y / argmax_x) for backward.
+"""
+from mmdispatch import _core
+from mmdispatch.ops._arrays import check_ndim, contiguous, like, namespace, native, pair
+
+_POOL_MODES = {"max": 0, "avg": 1}
+
+
+def _pool_mode(op, pool_mode):
+    try:
+        return _POOL_MODES[pool_mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"{op}: pool_mode must be 'avg' or 'max', got {pool_mode!r}") from None
+
+
+def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0,
+                      pool_mode="avg", aligned=True):
+    """Returns (output, argmax_y, argmax_x); output is (K, C, *output_size)
+    with the input's dtype, kind and device. In avg mode the argmax arrays
+    are empty."""
+    op = "roi_align_forward"
+    height, width = pair(op, "output_size", output_size)
+    mode = _pool_mode(op, pool_mode)
+    original = input
+    input = contiguous(native(op, "input", input))
+    rois = contiguous(native(op, "rois", rois))
+    check_ndim(op, "input", input, 4, "(N, C, H, W)")
+    check_ndim(op, "rois", rois, 2, "(K, 5)")
+    xp, device = namespace(input)
+    with device:
+        output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)
+        argmax_shape = output.shape if mode == _POOL_MODES["max"] else (0,)
+        argmax_y = xp.empty(argmax_shape, dtype=input.dtype)
+        argmax_x = xp.empty(argmax_shape, dtype=input.dtype)
+    _core.roi_align_forward_impl(input, rois, output, argmax_y, argmax_x, height, width,
+                                 spatial_scale, sampling_ratio, mode, aligned)
+    return like(original, output), like(original, argmax_y), like(original, argmax_x)
+
+
+def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spatial_scale=1.0,
+                       sampling_ratio=0, pool_mode="avg", aligned=True):
+    """Gradient of sum(output * grad_output) with respect to the input, of
+    shape input_shape. argmax_y/argmax_x come from roi_align_forward (max
+    mode); in avg mode they may be None or empty."""
+    op = "roi_align_backward"
+    mode = _pool_mode(op, pool_mode)
+    original = grad_output
+    grad_output = contiguous(native(op, "grad_output", grad_output))
+    rois = contiguous(native(op, "rois", rois))
+    check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: input_shape must be a sequence of 4 ints, got "
+                        f"{input_shape!r}") from None
+    if len(shape) != 4 or min(shape) < 0:
+        raise ValueError(f"{op}: input_shape must be 4 non-negative ints (N, C, H, W), got "
+                         f"{input_shape!r}")
+    xp, device = namespace(grad_output)
+    with device:
+        grad_input = xp.zeros(shape, dtype=grad_output.dtype)
+        empty = xp.empty((0,), dtype=grad_output.dtype)
+    argmax_y = empty if argmax_y is None else contiguous(native(op, "argmax_y", argmax_y))
+    argmax_x = empty if argmax_x is None else contiguous(native(op, "argmax_x", argmax_x))
+    _core.roi_align_backward_impl(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                  grad_output.shape[2], grad_output.shape[3], spatial_scale,
+                                  sampling_ratio, mode, aligned)
+    return like(original, grad_input)
+
+
+def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
+              aligned=True):
+    """RoIAlign output, (K, C, *output_size)."""
+    return roi_align_forward(input, rois, output_size, spatial_scale, sampling_ratio,
+                             pool_mode, aligned)[0]

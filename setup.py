@@ -1,0 +1,218 @@
+"""Builds mmdispatch._core: the Cython dispatcher, the C kernels (src/cpu)
+and, when nvcc is available, the CUDA kernels (src/cuda) in one extension.
+
+Environment:
+  MMDISPATCH_WITH_CUDA       unset: build CUDA kernels if nvcc is found;
+                             1: require nvcc; 0: CPU only.
+  MMDISPATCH_CUDA_ARCH_LIST  e.g. "7.5;8.0;9.0+PTX" (SASS for each, PTX for
+                             the ones marked +PTX). No GPU is needed.
+  CUDA_HOME / CUDA_PATH      where to look for nvcc first.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.util import module_from_spec, spec_from_file_location
+from pathlib import Path
+
+import Cython
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+GEN_DIR = ROOT / "build" / "generated"
+CUDA_OBJ_DIR = ROOT / "build" / "cuda"
+# SASS for every arch nvcc 13 supports that we test on, PTX for the newest so
+# later GPUs can JIT it (a PTX needs a driver at least as new as the toolkit).
+DEFAULT_CUDA_ARCHS = "7.5;8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+# The one device module per kernel directory, with its DLPack device code.
+DEVICE_DIRS = {"cpu": 1, "cuda": 2}
+
+
+def load_codegen():
+    spec = spec_from_file_location("_mmdispatch_codegen", ROOT / "mmdispatch" / "_codegen.py")
+    module = module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_nvcc():
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidate = Path(os.environ[var]) / "bin" / "nvcc"
+            if candidate.exists():
+                return candidate
+    found = shutil.which("nvcc")
+    if found:
+        return Path(found).resolve()
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return default if default.exists() else None
+
+
+def cuda_config():
+    """(nvcc path or None, why CUDA is not built or None)."""
+    mode = os.environ.get("MMDISPATCH_WITH_CUDA", "").strip().lower()
+    if mode in ("0", "false", "no", "off"):
+        return None, "it was built with MMDISPATCH_WITH_CUDA=0"
+    nvcc = find_nvcc()
+    if nvcc is None:
+        if mode in ("1", "true", "yes", "on"):
+            raise SystemExit("MMDISPATCH_WITH_CUDA=1 but nvcc was not found; put it on PATH "
+                             "or set CUDA_HOME")
+        return None, "nvcc was not found when it was built"
+    return nvcc, None
+
+
+def gencode_flags(spec):
+    flags, archs = [], []
+    for item in filter(None, re.split(r"[;,\s]+", spec)):
+        m = re.fullmatch(r"(\d+)\.(\d+)(\+PTX)?", item)
+        if not m:
+            raise SystemExit(f"MMDISPATCH_CUDA_ARCH_LIST: bad entry {item!r} (want e.g. 8.6 or "
+                             "9.0+PTX)")
+        cc = m.group(1) + m.group(2)
+        flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
+        archs.append(f"sm_{cc}")
+        if m.group(3):
+            flags.append(f"-gencode=arch=compute_{cc},code=compute_{cc}")
+            archs.append(f"compute_{cc}")
+    if not flags:
+        raise SystemExit("MMDISPATCH_CUDA_ARCH_LIST is empty")
+    return flags, archs
+
+
+def tool_version(cmd):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    lines = [line for line in out.splitlines() if line.strip()]
+    return lines[-1].strip() if "nvcc" in str(cmd[0]) else lines[0].strip()
+
+
+NVCC, NO_CUDA_REASON = cuda_config()
+CUDA_ARCH_SPEC = os.environ.get("MMDISPATCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+CUDA_SOURCES = sorted((ROOT / "src" / "cuda").glob("*.cu")) if NVCC else []
+
+
+def device_modules(codegen):
+    modules = []
+    for name, code in DEVICE_DIRS.items():
+        stems = sorted(p.stem for p in (ROOT / "src" / name).glob("*.c*") if p.stem != "device")
+        reason = None
+        if name == "cuda" and NVCC is None:
+            reason = (f"this mmdispatch build has no CUDA kernels ({NO_CUDA_REASON}). "
+                      "No GPU is needed to build them, only nvcc: reinstall from source with "
+                      "MMDISPATCH_WITH_CUDA=1 and nvcc on PATH, e.g. MMDISPATCH_WITH_CUDA=1 "
+                      "pip install --force-reinstall --no-binary mmdispatch mmdispatch")
+        modules.append(codegen.DeviceModule(name, code, tuple(stems), reason))
+    return modules
+
+
+class BuildExt(build_ext):
+    """Adds nvcc-compiled objects, the static CUDA runtime and OpenMP, and
+    records the build configuration in mmdispatch/_build_info.py."""
+
+    def build_extensions(self):
+        self.openmp = self._probe_openmp()
+        for ext in self.extensions:
+            if self.openmp:
+                ext.extra_compile_args.append("-fopenmp")
+                ext.extra_link_args.append("-fopenmp")
+            if NVCC:
+                ext.extra_objects.extend(self._compile_cuda())
+                lib_dir = NVCC.parent.parent / "lib64"
+                ext.extra_link_args += [str(lib_dir / "libcudart_static.a"), "-lrt", "-lpthread",
+                                        "-ldl", "-lstdc++"]
+        super().build_extensions()
+        self._write_build_info()
+
+    def _probe_openmp(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "omp.c"
+            src.write_text("#include <omp.h>\nint main(void){return omp_get_max_threads()<1;}\n")
+            try:
+                objs = self.compiler.compile([str(src)], output_dir=tmp, extra_postargs=["-fopenmp"])
+                self.compiler.link_executable(objs, str(Path(tmp) / "omp"), extra_postargs=["-fopenmp"])
+            except Exception:
+                print("mmdispatch: OpenMP not available; CPU kernels will run single-threaded")
+                return False
+        return True
+
+    def _compile_cuda(self):
+        flags, _ = gencode_flags(CUDA_ARCH_SPEC)
+        CUDA_OBJ_DIR.mkdir(parents=True, exist_ok=True)
+        headers = list((ROOT / "include").rglob("*")) + list(GEN_DIR.glob("*.h"))
+        newest_header = max(p.stat().st_mtime for p in headers if p.is_file())
+        stamp = CUDA_OBJ_DIR / "flags.txt"
+        flag_text = " ".join(flags)
+        flags_changed = not stamp.exists() or stamp.read_text() != flag_text
+        objects = []
+        for src in CUDA_SOURCES:
+            obj = CUDA_OBJ_DIR / (src.stem + ".o")
+            objects.append(str(obj))
+            if (not flags_changed and obj.exists()
+                    and obj.stat().st_mtime > max(src.stat().st_mtime, newest_header)):
+                continue
+            cmd = [str(NVCC), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17",
+                   "-Xcompiler", "-fPIC", f"--threads={os.cpu_count() or 1}",
+                   "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags]
+            print("mmdispatch: nvcc", src.name, flush=True)
+            subprocess.run(cmd, check=True)
+        stamp.write_text(flag_text)
+        return objects
+
+    def _write_build_info(self):
+        archs = gencode_flags(CUDA_ARCH_SPEC)[1] if NVCC else []
+        info = {
+            "version": VERSION,
+            "cuda": NVCC is not None,
+            "cuda_archs": archs,
+            "cuda_runtime": "static" if NVCC else None,
+            "nvcc": tool_version([str(NVCC), "--version"]) if NVCC else None,
+            "no_cuda_reason": NO_CUDA_REASON,
+            "c_compiler": tool_version([self.compiler.compiler[0], "--version"]),
+            "openmp": self.openmp,
+            "numpy_build": numpy.__version__,
+            "cython": Cython.__version__,
+            "python_build": sys.version.split()[0],
+        }
+        text = f'"""Written by setup.py at build time."""\nBUILD_INFO = {info!r}\n'
+        # build_lib feeds wheels; the source tree serves in-place/editable builds.
+        for package_dir in (Path(self.build_lib) / "mmdispatch", ROOT / "mmdispatch"):
+            package_dir.mkdir(parents=True, exist_ok=True)
+            (package_dir / "_build_info.py").write_text(text)
+
+
+VERSION = re.search(r'__version__ = "([^"]+)"',
+                    (ROOT / "mmdispatch" / "_version.py").read_text()).group(1)
+
+codegen = load_codegen()
+codegen.generate(ROOT / "mmdispatch" / "signatures.txt", GEN_DIR, device_modules(codegen))
+
+rel = lambda p: str(Path(p).relative_to(ROOT))  # noqa: E731
+core = Extension(
+    "mmdispatch._core",
+    sources=["mmdispatch/_core.pyx",
+             *map(rel, sorted((ROOT / "src" / "core").glob("*.c"))),
+             *map(rel, sorted((ROOT / "src" / "cpu").glob("*.c"))),
+             rel(GEN_DIR / "mmdispatch_generated.c")],
+    include_dirs=[str(ROOT / "include"), str(GEN_DIR), numpy.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=["-O3"],
+)
+
+setup(
+    version=VERSION,
+    ext_modules=cythonize(
+        [core],
+        include_path=[str(GEN_DIR), str(ROOT / "mmdispatch")],
+        compiler_directives={"language_level": 3, "embedsignature": True},
+    ),
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,457 @@
+/* roi_align on CPU: argument checks shared with CUDA, a `reference` backend
+ * (plain scalar loops, one sample at a time, single thread) and a `default`
+ * backend (per-roi interpolation weights computed once per axis, OpenMP
+ * threads; backward parallel over channels, so it is race-free and
+ * deterministic). The typed kernels are instantiated by including this file
+ * into itself with T / TFN defined. */
+#ifndef T
+
+#include <stdlib.h>
+
+#include "mmdispatch/ops/roi_align.h"
+#include "mmdispatch/registry.h"
+
+#define T float
+#define TFN(name) name##_f32
+#include "roi_align.c"
+#undef T
+#undef TFN
+#define T double
+#define TFN(name) name##_f64
+#include "roi_align.c"
+#undef T
+#undef TFN
+
+static int check_scalars(int64_t aligned_height, int64_t aligned_width, double spatial_scale,
+                         int64_t sampling_ratio, int64_t pool_mode) {
+    if (aligned_height < 1 || aligned_width < 1)
+        return mmd_error(MMD_ERR_VALUE,
+                         "aligned_height and aligned_width must be >= 1, got %lld and %lld",
+                         (long long)aligned_height, (long long)aligned_width);
+    if (!(isfinite(spatial_scale) && spatial_scale > 0))
+        return mmd_error(MMD_ERR_VALUE, "spatial_scale must be finite and > 0, got %g",
+                         spatial_scale);
+    if (sampling_ratio > MMD_ROI_ALIGN_MAX_GRID)
+        return mmd_error(MMD_ERR_VALUE, "sampling_ratio must be <= %d, got %lld",
+                         MMD_ROI_ALIGN_MAX_GRID, (long long)sampling_ratio);
+    if (pool_mode != MMD_POOL_MAX && pool_mode != MMD_POOL_AVG)
+        return mmd_error(MMD_ERR_VALUE, "pool_mode must be 0 (max) or 1 (avg), got %lld",
+                         (long long)pool_mode);
+    return MMD_OK;
+}
+
+/* Checks a float tensor of exactly `shape` (ndim 4 or 2) with the reference
+ * dtype, densely laid out. */
+static int check_like(const mmd_tensor *t, const char *name, int ndim, const int64_t *shape,
+                      const mmd_tensor *ref, const char *ref_name) {
+    int s = mmd_check_shape(t, name, ndim, shape);
+    if (!s) s = mmd_check_same_dtype(t, name, ref, ref_name);
+    if (!s) s = mmd_check_contiguous(t, name);
+    return s;
+}
+
+/* argmax_y/argmax_x: pooled-shaped in max mode; in avg mode they are unused
+ * and may also be empty. */
+static int check_argmax(const mmd_tensor *t, const char *name, const int64_t *pooled_shape,
+                        int64_t pool_mode, const mmd_tensor *ref, const char *ref_name) {
+    if (pool_mode == MMD_POOL_AVG && mmd_numel(t) == 0) return MMD_OK;
+    return check_like(t, name, 4, pooled_shape, ref, ref_name);
+}
+
+int mmd_roi_align_forward_check(const mmd_tensor *input, const mmd_tensor *rois,
+                                const mmd_tensor *output, const mmd_tensor *argmax_y,
+                                const mmd_tensor *argmax_x, int64_t aligned_height,
+                                int64_t aligned_width, double spatial_scale,
+                                int64_t sampling_ratio, int64_t pool_mode, unsigned float_mask) {
+    int s = check_scalars(aligned_height, aligned_width, spatial_scale, sampling_ratio, pool_mode);
+    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
+    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
+    if (!s) s = mmd_check_shape(input, "input", 4, any4);
+    if (!s) s = mmd_check_dtype(input, "input", float_mask);
+    if (!s) s = mmd_check_contiguous(input, "input");
+    if (!s) s = check_like(rois, "rois", 2, roi_shape, input, "input");
+    if (s) return s;
+    const int64_t pooled[4] = {rois->shape[0], input->shape[1], aligned_height, aligned_width};
+    s = check_like(output, "output", 4, pooled, input, "input");
+    if (!s) s = check_argmax(argmax_y, "argmax_y", pooled, pool_mode, input, "input");
+    if (!s) s = check_argmax(argmax_x, "argmax_x", pooled, pool_mode, input, "input");
+    return s;
+}
+
+int mmd_roi_align_backward_check(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                                 const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+                                 const mmd_tensor *grad_input, int64_t aligned_height,
+                                 int64_t aligned_width, double spatial_scale,
+                                 int64_t sampling_ratio, int64_t pool_mode, unsigned float_mask) {
+    int s = check_scalars(aligned_height, aligned_width, spatial_scale, sampling_ratio, pool_mode);
+    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
+    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
+    if (!s) s = mmd_check_shape(grad_input, "grad_input", 4, any4);
+    if (!s) s = mmd_check_dtype(grad_input, "grad_input", float_mask);
+    if (!s) s = mmd_check_contiguous(grad_input, "grad_input");
+    if (!s) s = check_like(rois, "rois", 2, roi_shape, grad_input, "grad_input");
+    if (s) return s;
+    const int64_t pooled[4] = {rois->shape[0], grad_input->shape[1], aligned_height,
+                               aligned_width};
+    s = check_like(grad_output, "grad_output", 4, pooled, grad_input, "grad_input");
+    if (!s) s = check_argmax(argmax_y, "argmax_y", pooled, pool_mode, grad_input, "grad_input");
+    if (!s) s = check_argmax(argmax_x, "argmax_x", pooled, pool_mode, grad_input, "grad_input");
+    return s;
+}
+
+int mmd_roi_align_roi_error(int code, int64_t roi_index, int64_t batch_size) {
+    switch (code) {
+    case MMD_ROI_NONFINITE:
+        return mmd_error(MMD_ERR_VALUE, "rois[%lld] contains NaN or inf", (long long)roi_index);
+    case MMD_ROI_BAD_BATCH:
+        return mmd_error(MMD_ERR_VALUE,
+                         "rois[%lld, 0] (batch index) must be an integer in [0, %lld)",
+                         (long long)roi_index, (long long)batch_size);
+    case MMD_ROI_NEGATIVE_SIZE:
+        return mmd_error(MMD_ERR_VALUE,
+                         "rois[%lld] has negative width or height (x2 < x1 or y2 < y1), which "
+                         "aligned=True does not allow",
+                         (long long)roi_index);
+    case MMD_ROI_GRID_TOO_LARGE:
+        return mmd_error(MMD_ERR_VALUE,
+                         "rois[%lld] needs more than %d samples per bin axis; use a smaller "
+                         "roi, spatial_scale or sampling_ratio",
+                         (long long)roi_index, MMD_ROI_ALIGN_MAX_GRID);
+    default:
+        return mmd_error(MMD_ERR_RUNTIME, "rois[%lld]: unknown roi error %d",
+                         (long long)roi_index, code);
+    }
+}
+
+typedef enum { RUN_DEFAULT, RUN_REFERENCE } run_kind;
+
+static int roi_align_forward_run(run_kind kind, const mmd_tensor *input, const mmd_tensor *rois,
+                                 const mmd_tensor *output, const mmd_tensor *argmax_y,
+                                 const mmd_tensor *argmax_x, int64_t aligned_height,
+                                 int64_t aligned_width, double spatial_scale,
+                                 int64_t sampling_ratio, int64_t pool_mode, int aligned) {
+    int s = mmd_roi_align_forward_check(input, rois, output, argmax_y, argmax_x, aligned_height,
+                                        aligned_width, spatial_scale, sampling_ratio, pool_mode,
+                                        MMD_FLOAT32_64);
+    if (s) return s;
+    const int ref = kind == RUN_REFERENCE;
+    if (input->dtype == MMD_FLOAT32)
+        return roi_align_forward_f32(ref, input, rois, output, argmax_y, argmax_x,
+                                     aligned_height, aligned_width, (float)spatial_scale,
+                                     sampling_ratio, pool_mode, aligned);
+    return roi_align_forward_f64(ref, input, rois, output, argmax_y, argmax_x, aligned_height,
+                                 aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned);
+}
+
+static int roi_align_backward_run(run_kind kind, const mmd_tensor *grad_output,
+                                  const mmd_tensor *rois, const mmd_tensor *argmax_y,
+                                  const mmd_tensor *argmax_x, const mmd_tensor *grad_input,
+                                  int64_t aligned_height, int64_t aligned_width,
+                                  double spatial_scale, int64_t sampling_ratio, int64_t pool_mode,
+                                  int aligned) {
+    int s = mmd_roi_align_backward_check(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                         aligned_height, aligned_width, spatial_scale,
+                                         sampling_ratio, pool_mode, MMD_FLOAT32_64);
+    if (s) return s;
+    const int ref = kind == RUN_REFERENCE;
+    if (grad_input->dtype == MMD_FLOAT32)
+        return roi_align_backward_f32(ref, grad_output, rois, argmax_y, argmax_x, grad_input,
+                                      aligned_height, aligned_width, (float)spatial_scale,
+                                      sampling_ratio, pool_mode, aligned);
+    return roi_align_backward_f64(ref, grad_output, rois, argmax_y, argmax_x, grad_input,
+                                  aligned_height, aligned_width, spatial_scale, sampling_ratio,
+                                  pool_mode, aligned);
+}
+
+/* The registered entry points: one per backend, all with the generated
+ * mmd_roi_align_forward_impl_fn / _backward_impl_fn signatures. */
+#define DEFINE_ENTRY_POINTS(suffix, kind)                                                     \
+    static int roi_align_forward_cpu##suffix(                                                 \
+        const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,            \
+        const mmd_tensor *argmax_y, const mmd_tensor *argmax_x, int64_t aligned_height,       \
+        int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,                  \
+        int64_t pool_mode, int aligned, const mmd_context *ctx) {                             \
+        (void)ctx;                                                                            \
+        return roi_align_forward_run(kind, input, rois, output, argmax_y, argmax_x,           \
+                                     aligned_height, aligned_width, spatial_scale,            \
+                                     sampling_ratio, pool_mode, aligned);                     \
+    }                                                                                         \
+    static int roi_align_backward_cpu##suffix(                                                \
+        const mmd_tensor *grad_output, const mmd_tensor *rois, const mmd_tensor *argmax_y,    \
+        const mmd_tensor *argmax_x, const mmd_tensor *grad_input, int64_t aligned_height,     \
+        int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,                  \
+        int64_t pool_mode, int aligned, const mmd_context *ctx) {                             \
+        (void)ctx;                                                                            \
+        return roi_align_backward_run(kind, grad_output, rois, argmax_y, argmax_x,            \
+                                      grad_input, aligned_height, aligned_width,              \
+                                      spatial_scale, sampling_ratio, pool_mode, aligned);     \
+    }
+DEFINE_ENTRY_POINTS(, RUN_DEFAULT)
+DEFINE_ENTRY_POINTS(_reference, RUN_REFERENCE)
+
+#include "mmdispatch_generated.h"
+
+MMD_REGISTRATIONS(cpu, roi_align) {
+    MMD_REGISTER_DEVICE_IMPL(roi_align_forward_impl, CPU, DEFAULT, roi_align_forward_cpu);
+    MMD_REGISTER_DEVICE_IMPL(roi_align_forward_impl, CPU, REFERENCE,
+                             roi_align_forward_cpu_reference);
+    MMD_REGISTER_DEVICE_IMPL(roi_align_backward_impl, CPU, DEFAULT, roi_align_backward_cpu);
+    MMD_REGISTER_DEVICE_IMPL(roi_align_backward_impl, CPU, REFERENCE,
+                             roi_align_backward_cpu_reference);
+}
+
+#else /* typed kernels, instantiated above for T = float and T = double */
+
+typedef TFN(mmd_roi_geometry) TFN(geometry);
+typedef TFN(mmd_interp_axis) TFN(axis);
+
+/* Validates every roi (the map is on the host here) and reports the first
+ * bad one; kernels then only see valid geometry. */
+static int TFN(check_rois)(const mmd_tensor *rois, int64_t batch_size, T spatial_scale,
+                           int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio,
+                           int aligned) {
+    const T *r = (const T *)rois->data;
+    for (int64_t k = 0; k < rois->shape[0]; ++k) {
+        TFN(geometry) g = {0};
+        int code = TFN(mmd_roi_align_geometry)(r + 5 * k, batch_size, spatial_scale, pooled_h,
+                                               pooled_w, sampling_ratio, aligned, &g);
+        if (code != MMD_ROI_OK) return mmd_roi_align_roi_error(code, k, batch_size);
+    }
+    return MMD_OK;
+}
+
+/* One bilinear sample from a (H, W) plane given both axes' weights. */
+static inline T TFN(sample)(const T *plane, int64_t width, const TFN(axis) *ay,
+                            const TFN(axis) *ax) {
+    const T *row_low = plane + ay->low * width;
+    const T *row_high = plane + ay->high * width;
+    return ay->w_low * (ax->w_low * row_low[ax->low] + ax->w_high * row_low[ax->high]) +
+           ay->w_high * (ax->w_low * row_high[ax->low] + ax->w_high * row_high[ax->high]);
+}
+
+static inline void TFN(scatter)(T *plane, int64_t width, const TFN(axis) *ay,
+                                const TFN(axis) *ax, T g) {
+    T *row_low = plane + ay->low * width;
+    T *row_high = plane + ay->high * width;
+    row_low[ax->low] += g * ay->w_low * ax->w_low;
+    row_low[ax->high] += g * ay->w_low * ax->w_high;
+    row_high[ax->low] += g * ay->w_high * ax->w_low;
+    row_high[ax->high] += g * ay->w_high * ax->w_high;
+}
+
+/* Interpolation weights of every sample row (ph, iy) and column (pw, ix) of
+ * one roi; bilinear weights are their products. */
+static void TFN(axis_weights)(const TFN(geometry) *g, int64_t height, int64_t width,
+                              int64_t pooled_h, int64_t pooled_w, TFN(axis) *rows,
+                              TFN(axis) *cols) {
+    for (int64_t ph = 0; ph < pooled_h; ++ph)
+        for (int64_t iy = 0; iy < g->grid_h; ++iy)
+            TFN(mmd_interp)(TFN(mmd_roi_align_sample)(g->start_h, g->bin_h, ph, iy, g->grid_h),
+                            height, &rows[ph * g->grid_h + iy]);
+    for (int64_t pw = 0; pw < pooled_w; ++pw)
+        for (int64_t ix = 0; ix < g->grid_w; ++ix)
+            TFN(mmd_interp)(TFN(mmd_roi_align_sample)(g->start_w, g->bin_w, pw, ix, g->grid_w),
+                            width, &cols[pw * g->grid_w + ix]);
+}
+
+/* Pools one bin from precomputed axis weights. Max mode records the sample
+ * coordinates of the maximum (MMCV's argmax_y/argmax_x) for backward. */
+static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geometry) *g,
+                                 const TFN(axis) *rows, const TFN(axis) *cols, int64_t ph,
+                                 int64_t pw, int64_t pool_mode, T *out, T *arg_y, T *arg_x) {
+    const int64_t count = g->grid_h * g->grid_w;
+    if (pool_mode == MMD_POOL_AVG) {
+        T sum = 0;
+        for (int64_t iy = 0; iy < g->grid_h; ++iy) {
+            const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
+            if (!ay->valid) continue;
+            for (int64_t ix = 0; ix < g->grid_w; ++ix) {
+                const TFN(axis) *ax = &cols[pw * g->grid_w + ix];
+                if (ax->valid) sum += TFN(sample)(plane, width, ay, ax);
+            }
+        }
+        *out = sum / (T)(count > 1 ? count : 1);
+        return;
+    }
+    /* Out-of-map samples count as 0, as in MMCV; if no sample is taken (empty
+     * grid, or every sample NaN) the output is 0 or NaN and argmax is -1. */
+    T best = 0, best_y = -1, best_x = -1;
+    int found = 0, saw_nan = 0;
+    for (int64_t iy = 0; iy < g->grid_h; ++iy) {
+        const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
+        for (int64_t ix = 0; ix < g->grid_w; ++ix) {
+            const TFN(axis) *ax = &cols[pw * g->grid_w + ix];
+            T v = (ay->valid && ax->valid) ? TFN(sample)(plane, width, ay, ax) : (T)0;
+            if (v != v) {
+                saw_nan = 1;
+            } else if (!found || v > best) {
+                found = 1;
+                best = v;
+                best_y = TFN(mmd_roi_align_sample)(g->start_h, g->bin_h, ph, iy, g->grid_h);
+                best_x = TFN(mmd_roi_align_sample)(g->start_w, g->bin_w, pw, ix, g->grid_w);
+            }
+        }
+    }
+    *out = found ? best : (saw_nan ? (T)NAN : (T)0);
+    *arg_y = best_y;
+    *arg_x = best_x;
+}
+
+static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const mmd_tensor *rois,
+                                  const mmd_tensor *output, const mmd_tensor *argmax_y,
+                                  const mmd_tensor *argmax_x, int64_t pooled_h, int64_t pooled_w,
+                                  T spatial_scale, int64_t sampling_ratio, int64_t pool_mode,
+                                  int aligned) {
+    const int64_t batch = input->shape[0], channels = input->shape[1];
+    const int64_t height = input->shape[2], width = input->shape[3];
+    const int64_t num_rois = rois->shape[0];
+    int s = TFN(check_rois)(rois, batch, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                            aligned);
+    if (s || mmd_numel(output) == 0) return s;
+    const T *in = (const T *)input->data;
+    const T *r = (const T *)rois->data;
+    T *out = (T *)output->data;
+    T *am_y = pool_mode == MMD_POOL_MAX ? (T *)argmax_y->data : NULL;
+    T *am_x = pool_mode == MMD_POOL_MAX ? (T *)argmax_x->data : NULL;
+    const int64_t bins = pooled_h * pooled_w;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) if (!reference && num_rois > 1)
+    for (int64_t k = 0; k < num_rois; ++k) {
+        TFN(geometry) g = {0};
+        TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                    sampling_ratio, aligned, &g);
+        TFN(axis) *rows = (TFN(axis) *)malloc(sizeof(TFN(axis)) * (size_t)(pooled_h * g.grid_h + 1));
+        TFN(axis) *cols = (TFN(axis) *)malloc(sizeof(TFN(axis)) * (size_t)(pooled_w * g.grid_w + 1));
+        if (!rows || !cols) {
+            free(rows);
+            free(cols);
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        if (reference) {
+            /* one sample at a time, straight from the definition */
+            for (int64_t c = 0; c < channels; ++c) {
+                const T *plane = in + (g.batch * channels + c) * height * width;
+                for (int64_t ph = 0; ph < pooled_h; ++ph)
+                    for (int64_t pw = 0; pw < pooled_w; ++pw) {
+                        const int64_t o = (k * channels + c) * bins + ph * pooled_w + pw;
+                        for (int64_t iy = 0; iy < g.grid_h; ++iy)
+                            TFN(mmd_interp)(TFN(mmd_roi_align_sample)(g.start_h, g.bin_h, ph,
+                                                                      iy, g.grid_h),
+                                            height, &rows[ph * g.grid_h + iy]);
+                        for (int64_t ix = 0; ix < g.grid_w; ++ix)
+                            TFN(mmd_interp)(TFN(mmd_roi_align_sample)(g.start_w, g.bin_w, pw,
+                                                                      ix, g.grid_w),
+                                            width, &cols[pw * g.grid_w + ix]);
+                        TFN(pool_bin)(plane, width, &g, rows, cols, ph, pw, pool_mode, &out[o],
+                                      am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
+                    }
+            }
+        } else {
+            TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
+            for (int64_t c = 0; c < channels; ++c) {
+                const T *plane = in + (g.batch * channels + c) * height * width;
+                for (int64_t ph = 0; ph < pooled_h; ++ph)
+                    for (int64_t pw = 0; pw < pooled_w; ++pw) {
+                        const int64_t o = (k * channels + c) * bins + ph * pooled_w + pw;
+                        TFN(pool_bin)(plane, width, &g, rows, cols, ph, pw, pool_mode, &out[o],
+                                      am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
+                    }
+            }
+        }
+        free(rows);
+        free(cols);
+    }
+    return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
+}
+
+/* Adds one bin's gradient into its (H, W) plane. */
+static inline void TFN(backward_bin)(T *plane, int64_t height, int64_t width,
+                                     const TFN(geometry) *g, const TFN(axis) *rows,
+                                     const TFN(axis) *cols, int64_t ph, int64_t pw,
+                                     int64_t pool_mode, T grad, T arg_y, T arg_x) {
+    if (pool_mode == MMD_POOL_MAX) {
+        if (arg_y == (T)-1) return; /* no sample was taken in forward */
+        TFN(axis) ay, ax;
+        TFN(mmd_interp)(arg_y, height, &ay);
+        TFN(mmd_interp)(arg_x, width, &ax);
+        if (ay.valid && ax.valid) TFN(scatter)(plane, width, &ay, &ax, grad);
+        return;
+    }
+    const int64_t count = g->grid_h * g->grid_w;
+    const T share = grad / (T)(count > 1 ? count : 1);
+    for (int64_t iy = 0; iy < g->grid_h; ++iy) {
+        const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
+        if (!ay->valid) continue;
+        for (int64_t ix = 0; ix < g->grid_w; ++ix) {
+            const TFN(axis) *ax = &cols[pw * g->grid_w + ix];
+            if (ax->valid) TFN(scatter)(plane, width, ay, ax, share);
+        }
+    }
+}
+
+/* Accumulates into grad_input (MMCV semantics: the caller passes zeros).
+ * Each channel is owned by one thread and visits rois in order, so the
+ * result does not depend on the thread count. */
+static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
+                                   const mmd_tensor *rois, const mmd_tensor *argmax_y,
+                                   const mmd_tensor *argmax_x, const mmd_tensor *grad_input,
+                                   int64_t pooled_h, int64_t pooled_w, T spatial_scale,
+                                   int64_t sampling_ratio, int64_t pool_mode, int aligned) {
+    const int64_t batch = grad_input->shape[0], channels = grad_input->shape[1];
+    const int64_t height = grad_input->shape[2], width = grad_input->shape[3];
+    const int64_t num_rois = rois->shape[0];
+    int s = TFN(check_rois)(rois, batch, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                            aligned);
+    if (s || mmd_numel(grad_output) == 0 || mmd_numel(grad_input) == 0) return s;
+    const T *go = (const T *)grad_output->data;
+    const T *r = (const T *)rois->data;
+    const T *am_y = pool_mode == MMD_POOL_MAX ? (const T *)argmax_y->data : NULL;
+    const T *am_x = pool_mode == MMD_POOL_MAX ? (const T *)argmax_x->data : NULL;
+    T *gi = (T *)grad_input->data;
+    const int64_t bins = pooled_h * pooled_w;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) if (!reference && channels > 1)
+    for (int64_t c = 0; c < channels; ++c) {
+        TFN(axis) *rows = NULL, *cols = NULL;
+        size_t rows_cap = 0, cols_cap = 0;
+        for (int64_t k = 0; k < num_rois && !failed; ++k) {
+            TFN(geometry) g = {0};
+            TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                        sampling_ratio, aligned, &g);
+            const size_t need_rows = (size_t)(pooled_h * g.grid_h + 1);
+            const size_t need_cols = (size_t)(pooled_w * g.grid_w + 1);
+            if (need_rows > rows_cap || need_cols > cols_cap) {
+                free(rows);
+                free(cols);
+                rows_cap = need_rows > rows_cap ? need_rows : rows_cap;
+                cols_cap = need_cols > cols_cap ? need_cols : cols_cap;
+                rows = (TFN(axis) *)malloc(sizeof(TFN(axis)) * rows_cap);
+                cols = (TFN(axis) *)malloc(sizeof(TFN(axis)) * cols_cap);
+                if (!rows || !cols) {
+#pragma omp atomic write
+                    failed = 1;
+                    break;
+                }
+            }
+            if (pool_mode == MMD_POOL_AVG)
+                TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
+            T *plane = gi + (g.batch * channels + c) * height * width;
+            const int64_t base = (k * channels + c) * bins;
+            for (int64_t ph = 0; ph < pooled_h; ++ph)
+                for (int64_t pw = 0; pw < pooled_w; ++pw) {
+                    const int64_t o = base + ph * pooled_w + pw;
+                    TFN(backward_bin)(plane, height, width, &g, rows, cols, ph, pw, pool_mode,
+                                      go[o], am_y ? am_y[o] : (T)0, am_x ? am_x[o] : (T)0);
+                }
+        }
+        free(rows);
+        free(cols);
+    }
+    return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
+}
+
+#endif
