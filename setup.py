@@ -68,6 +68,26 @@ def cuda_config():
     return nvcc, None
 
 
+def cudart_static(nvcc):
+    """Path of libcudart_static.a of nvcc's toolkit (nvcc may be a wrapper
+    script, so ask it where its toolkit is)."""
+    roots = []
+    try:
+        out = subprocess.run([str(nvcc), "--dryrun", "-c", "probe.cu"], capture_output=True,
+                             text=True).stderr
+        roots += [Path(m) for m in re.findall(r"^#\$ TOP=(.*)$", out, re.M)]
+    except OSError:
+        pass
+    roots += [nvcc.resolve().parent.parent, Path("/usr/local/cuda")]
+    for root in roots:
+        for pattern in ("lib64/libcudart_static.a", "lib/libcudart_static.a",
+                        "targets/*/lib/libcudart_static.a"):
+            found = sorted(root.glob(pattern))
+            if found:
+                return found[0].resolve()
+    raise SystemExit(f"libcudart_static.a not found next to {nvcc}; set CUDA_HOME")
+
+
 def gencode_flags(spec):
     flags, archs = [], []
     for item in filter(None, re.split(r"[;,\s]+", spec)):
@@ -126,9 +146,8 @@ class BuildExt(build_ext):
                 ext.extra_link_args.append("-fopenmp")
             if NVCC:
                 ext.extra_objects.extend(self._compile_cuda())
-                lib_dir = NVCC.parent.parent / "lib64"
-                ext.extra_link_args += [str(lib_dir / "libcudart_static.a"), "-lrt", "-lpthread",
-                                        "-ldl", "-lstdc++"]
+                ext.extra_link_args += [str(cudart_static(NVCC)), "-lrt", "-lpthread", "-ldl",
+                                        "-lstdc++"]
         super().build_extensions()
         self._write_build_info()
 

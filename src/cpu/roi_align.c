@@ -273,28 +273,21 @@ static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geomet
         *out = sum / (T)(count > 1 ? count : 1);
         return;
     }
-    /* Out-of-map samples count as 0, as in MMCV; if no sample is taken (empty
-     * grid, or every sample NaN) the output is 0 or NaN and argmax is -1. */
-    T best = 0, best_y = -1, best_x = -1;
-    int found = 0, saw_nan = 0;
+    TFN(mmd_max_state) m;
+    TFN(mmd_max_init)(&m);
     for (int64_t iy = 0; iy < g->grid_h; ++iy) {
         const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
         for (int64_t ix = 0; ix < g->grid_w; ++ix) {
             const TFN(axis) *ax = &cols[pw * g->grid_w + ix];
             T v = (ay->valid && ax->valid) ? TFN(sample)(plane, width, ay, ax) : (T)0;
-            if (v != v) {
-                saw_nan = 1;
-            } else if (!found || v > best) {
-                found = 1;
-                best = v;
-                best_y = TFN(mmd_roi_align_sample)(g->start_h, g->bin_h, ph, iy, g->grid_h);
-                best_x = TFN(mmd_roi_align_sample)(g->start_w, g->bin_w, pw, ix, g->grid_w);
-            }
+            TFN(mmd_max_update)(&m, v,
+                                TFN(mmd_roi_align_sample)(g->start_h, g->bin_h, ph, iy, g->grid_h),
+                                TFN(mmd_roi_align_sample)(g->start_w, g->bin_w, pw, ix, g->grid_w));
         }
     }
-    *out = found ? best : (saw_nan ? (T)NAN : (T)0);
-    *arg_y = best_y;
-    *arg_x = best_x;
+    *out = TFN(mmd_max_value)(&m);
+    *arg_y = m.y;
+    *arg_x = m.x;
 }
 
 static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const mmd_tensor *rois,

@@ -1,0 +1,375 @@
+/* roi_align on CUDA (MMCV semantics, math shared with the CPU kernels via
+ * mmdispatch/ops/roi_align.h). One thread per output bin; backward adds into
+ * grad_input with atomics (the `default` backend). float16 inputs compute in
+ * float32. Launches on ctx->stream, on ctx->device_id. Rois are validated on
+ * the device before any output is written, so a bad roi is an exception,
+ * never an out-of-bounds access. */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "mmdispatch/ops/roi_align.h"
+#include "mmdispatch/registry.h"
+#include "mmdispatch_generated.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65535;
+constexpr unsigned long long kNoError = ~0ull;
+
+/* The shared C math, selected by compute type. */
+template <typename A> struct Math;
+template <> struct Math<float> {
+    typedef mmd_roi_geometry_f32 Geometry;
+    typedef mmd_interp_axis_f32 Axis;
+    typedef mmd_max_state_f32 MaxState;
+    static __host__ __device__ int geometry(const float *r, int64_t n, float s, int64_t ph,
+                                            int64_t pw, int64_t sr, int al, Geometry *g) {
+        return mmd_roi_align_geometry_f32(r, n, s, ph, pw, sr, al, g);
+    }
+    static __device__ float sample(float start, float bin, int64_t b, int64_t i, int64_t grid) {
+        return mmd_roi_align_sample_f32(start, bin, b, i, grid);
+    }
+    static __device__ void interp(float v, int64_t size, Axis *a) { mmd_interp_f32(v, size, a); }
+    static __device__ void max_init(MaxState *m) { mmd_max_init_f32(m); }
+    static __device__ void max_update(MaxState *m, float v, float y, float x) {
+        mmd_max_update_f32(m, v, y, x);
+    }
+    static __device__ float max_value(const MaxState *m) { return mmd_max_value_f32(m); }
+};
+template <> struct Math<double> {
+    typedef mmd_roi_geometry_f64 Geometry;
+    typedef mmd_interp_axis_f64 Axis;
+    typedef mmd_max_state_f64 MaxState;
+    static __host__ __device__ int geometry(const double *r, int64_t n, double s, int64_t ph,
+                                            int64_t pw, int64_t sr, int al, Geometry *g) {
+        return mmd_roi_align_geometry_f64(r, n, s, ph, pw, sr, al, g);
+    }
+    static __device__ double sample(double start, double bin, int64_t b, int64_t i,
+                                    int64_t grid) {
+        return mmd_roi_align_sample_f64(start, bin, b, i, grid);
+    }
+    static __device__ void interp(double v, int64_t size, Axis *a) { mmd_interp_f64(v, size, a); }
+    static __device__ void max_init(MaxState *m) { mmd_max_init_f64(m); }
+    static __device__ void max_update(MaxState *m, double v, double y, double x) {
+        mmd_max_update_f64(m, v, y, x);
+    }
+    static __device__ double max_value(const MaxState *m) { return mmd_max_value_f64(m); }
+};
+
+/* Storage type -> compute type. */
+template <typename T> struct Compute { typedef T type; };
+template <> struct Compute<__half> { typedef float type; };
+
+__device__ inline float to_compute(__half v) { return __half2float(v); }
+__device__ inline float to_compute(float v) { return v; }
+__device__ inline double to_compute(double v) { return v; }
+template <typename T> __device__ inline T from_compute(float v);
+template <> __device__ inline __half from_compute<__half>(float v) { return __float2half(v); }
+template <> __device__ inline float from_compute<float>(float v) { return v; }
+template <typename T> __device__ inline T from_compute(double v) { return v; }
+
+template <typename T, typename A>
+__device__ inline void load_roi(const T *rois, int64_t k, A roi[5]) {
+    for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
+}
+
+/* Records the first bad roi as (index << 8 | code) with an atomic min. */
+template <typename T>
+__global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch,
+                                  typename Compute<T>::type scale, int64_t pooled_h,
+                                  int64_t pooled_w, int64_t sampling_ratio, int aligned,
+                                  unsigned long long *first_error) {
+    typedef typename Compute<T>::type A;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < num_rois;
+         k += (int64_t)blockDim.x * gridDim.x) {
+        A roi[5];
+        load_roi(rois, k, roi);
+        typename Math<A>::Geometry g;
+        int code = Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                     aligned, &g);
+        if (code != MMD_ROI_OK)
+            atomicMin(first_error, ((unsigned long long)k << 8) | (unsigned long long)code);
+    }
+}
+
+template <typename T, typename A>
+__device__ inline A bilinear(const T *plane, int64_t width, const typename Math<A>::Axis &ay,
+                             const typename Math<A>::Axis &ax) {
+    const T *lo = plane + ay.low * width;
+    const T *hi = plane + ay.high * width;
+    return ay.w_low * (ax.w_low * to_compute(lo[ax.low]) + ax.w_high * to_compute(lo[ax.high])) +
+           ay.w_high * (ax.w_low * to_compute(hi[ax.low]) + ax.w_high * to_compute(hi[ax.high]));
+}
+
+template <typename T>
+__global__ void forward_kernel(const T *input, const T *rois, T *output, T *argmax_y,
+                               T *argmax_x, int64_t total, int64_t channels, int64_t height,
+                               int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                               typename Compute<T>::type scale, int64_t sampling_ratio,
+                               int64_t pool_mode, int aligned) {
+    typedef typename Compute<T>::type A;
+    typedef Math<A> M;
+    for (int64_t index = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; index < total;
+         index += (int64_t)blockDim.x * gridDim.x) {
+        const int64_t pw = index % pooled_w;
+        const int64_t ph = (index / pooled_w) % pooled_h;
+        const int64_t c = (index / pooled_w / pooled_h) % channels;
+        const int64_t k = index / pooled_w / pooled_h / channels;
+        A roi[5];
+        load_roi(rois, k, roi);
+        typename M::Geometry g;
+        if (M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, &g) !=
+            MMD_ROI_OK)
+            continue; /* unreachable: rois were checked before launch */
+        const T *plane = input + (g.batch * channels + c) * height * width;
+        if (pool_mode == MMD_POOL_AVG) {
+            A sum = 0;
+            for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+                typename M::Axis ay;
+                M::interp(M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+                if (!ay.valid) continue;
+                for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                    typename M::Axis ax;
+                    M::interp(M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+                    if (ax.valid) sum += bilinear<T, A>(plane, width, ay, ax);
+                }
+            }
+            const int64_t count = g.grid_h * g.grid_w;
+            output[index] = from_compute<T>(sum / (A)(count > 1 ? count : 1));
+        } else {
+            typename M::MaxState m;
+            M::max_init(&m);
+            for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+                const A y = M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h);
+                typename M::Axis ay;
+                M::interp(y, height, &ay);
+                for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                    const A x = M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w);
+                    typename M::Axis ax;
+                    M::interp(x, width, &ax);
+                    const A v = (ay.valid && ax.valid) ? bilinear<T, A>(plane, width, ay, ax) : (A)0;
+                    M::max_update(&m, v, y, x);
+                }
+            }
+            output[index] = from_compute<T>(M::max_value(&m));
+            argmax_y[index] = from_compute<T>(m.y);
+            argmax_x[index] = from_compute<T>(m.x);
+        }
+    }
+}
+
+template <typename T, typename A>
+__device__ inline void scatter(T *plane, int64_t width, const typename Math<A>::Axis &ay,
+                               const typename Math<A>::Axis &ax, A grad) {
+    atomicAdd(plane + ay.low * width + ax.low, from_compute<T>(grad * ay.w_low * ax.w_low));
+    atomicAdd(plane + ay.low * width + ax.high, from_compute<T>(grad * ay.w_low * ax.w_high));
+    atomicAdd(plane + ay.high * width + ax.low, from_compute<T>(grad * ay.w_high * ax.w_low));
+    atomicAdd(plane + ay.high * width + ax.high, from_compute<T>(grad * ay.w_high * ax.w_high));
+}
+
+template <typename T>
+__global__ void backward_kernel(const T *grad_output, const T *rois, const T *argmax_y,
+                                const T *argmax_x, T *grad_input, int64_t total,
+                                int64_t channels, int64_t height, int64_t width,
+                                int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                                typename Compute<T>::type scale, int64_t sampling_ratio,
+                                int64_t pool_mode, int aligned) {
+    typedef typename Compute<T>::type A;
+    typedef Math<A> M;
+    for (int64_t index = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; index < total;
+         index += (int64_t)blockDim.x * gridDim.x) {
+        const int64_t pw = index % pooled_w;
+        const int64_t ph = (index / pooled_w) % pooled_h;
+        const int64_t c = (index / pooled_w / pooled_h) % channels;
+        const int64_t k = index / pooled_w / pooled_h / channels;
+        A roi[5];
+        load_roi(rois, k, roi);
+        typename M::Geometry g;
+        if (M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, &g) !=
+            MMD_ROI_OK)
+            continue;
+        T *plane = grad_input + (g.batch * channels + c) * height * width;
+        const A grad = to_compute(grad_output[index]);
+        if (pool_mode == MMD_POOL_MAX) {
+            const A y = to_compute(argmax_y[index]);
+            if (y == (A)-1) continue;
+            typename M::Axis ay, ax;
+            M::interp(y, height, &ay);
+            M::interp(to_compute(argmax_x[index]), width, &ax);
+            if (ay.valid && ax.valid) scatter<T, A>(plane, width, ay, ax, grad);
+            continue;
+        }
+        const int64_t count = g.grid_h * g.grid_w;
+        const A share = grad / (A)(count > 1 ? count : 1);
+        for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+            typename M::Axis ay;
+            M::interp(M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+            if (!ay.valid) continue;
+            for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                typename M::Axis ax;
+                M::interp(M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+                if (ax.valid) scatter<T, A>(plane, width, ay, ax, share);
+            }
+        }
+    }
+}
+
+int cuda_error(cudaError_t err, const char *what) {
+    return mmd_error(MMD_ERR_RUNTIME, "CUDA error in %s: %s (%s)", what, cudaGetErrorString(err),
+                     cudaGetErrorName(err));
+}
+
+/* Makes ctx's device current for the call and restores the caller's. */
+class DeviceGuard {
+  public:
+    explicit DeviceGuard(int device) {
+        err_ = cudaGetDevice(&previous_);
+        if (err_ == cudaSuccess && previous_ != device) err_ = cudaSetDevice(device);
+        switched_ = err_ == cudaSuccess && previous_ != device;
+    }
+    ~DeviceGuard() {
+        if (switched_) cudaSetDevice(previous_);
+    }
+    cudaError_t error() const { return err_; }
+
+  private:
+    int previous_ = 0;
+    bool switched_ = false;
+    cudaError_t err_;
+};
+
+unsigned blocks_for(int64_t total) {
+    int64_t blocks = (total + kThreads - 1) / kThreads;
+    return (unsigned)(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+/* Runs the roi check kernel and waits for its verdict (one small sync). */
+template <typename T>
+int check_rois(const mmd_tensor *rois, int64_t batch, typename Compute<T>::type scale,
+               int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio, int aligned,
+               cudaStream_t stream) {
+    const int64_t num_rois = rois->shape[0];
+    if (num_rois == 0) return MMD_OK;
+    unsigned long long *flag = nullptr, result = kNoError;
+    cudaError_t err = cudaMallocAsync((void **)&flag, sizeof *flag, stream);
+    if (err != cudaSuccess) return cuda_error(err, "roi_align roi check allocation");
+    cudaMemsetAsync(flag, 0xff, sizeof *flag, stream);
+    check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
+        (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio,
+        aligned, flag);
+    err = cudaGetLastError();
+    if (err == cudaSuccess)
+        err = cudaMemcpyAsync(&result, flag, sizeof result, cudaMemcpyDeviceToHost, stream);
+    cudaFreeAsync(flag, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) return cuda_error(err, "roi_align roi check");
+    if (result == kNoError) return MMD_OK;
+    return mmd_roi_align_roi_error((int)(result & 0xff), (int64_t)(result >> 8), batch);
+}
+
+template <typename T>
+int forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
+            const mmd_tensor *argmax_y, const mmd_tensor *argmax_x, int64_t pooled_h,
+            int64_t pooled_w, double spatial_scale, int64_t sampling_ratio, int64_t pool_mode,
+            int aligned, cudaStream_t stream) {
+    typedef typename Compute<T>::type A;
+    const int64_t batch = input->shape[0];
+    int s = check_rois<T>(rois, batch, (A)spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                          aligned, stream);
+    const int64_t total = mmd_numel(output);
+    if (s || total == 0) return s;
+    const bool max_mode = pool_mode == MMD_POOL_MAX;
+    forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+        (const T *)input->data, (const T *)rois->data, (T *)output->data,
+        max_mode ? (T *)argmax_y->data : nullptr, max_mode ? (T *)argmax_x->data : nullptr,
+        total, input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
+        (A)spatial_scale, sampling_ratio, pool_mode, aligned);
+    cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? MMD_OK : cuda_error(err, "roi_align forward launch");
+}
+
+template <typename T>
+int backward(const mmd_tensor *grad_output, const mmd_tensor *rois, const mmd_tensor *argmax_y,
+             const mmd_tensor *argmax_x, const mmd_tensor *grad_input, int64_t pooled_h,
+             int64_t pooled_w, double spatial_scale, int64_t sampling_ratio, int64_t pool_mode,
+             int aligned, cudaStream_t stream) {
+    typedef typename Compute<T>::type A;
+    const int64_t batch = grad_input->shape[0];
+    int s = check_rois<T>(rois, batch, (A)spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                          aligned, stream);
+    const int64_t total = mmd_numel(grad_output);
+    if (s || total == 0 || mmd_numel(grad_input) == 0) return s;
+    const bool max_mode = pool_mode == MMD_POOL_MAX;
+    backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+        (const T *)grad_output->data, (const T *)rois->data,
+        max_mode ? (const T *)argmax_y->data : nullptr,
+        max_mode ? (const T *)argmax_x->data : nullptr, (T *)grad_input->data, total,
+        grad_input->shape[1], grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w,
+        batch, (A)spatial_scale, sampling_ratio, pool_mode, aligned);
+    cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? MMD_OK : cuda_error(err, "roi_align backward launch");
+}
+
+int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
+                           const mmd_tensor *output, const mmd_tensor *argmax_y,
+                           const mmd_tensor *argmax_x, int64_t aligned_height,
+                           int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,
+                           int64_t pool_mode, int aligned, const mmd_context *ctx) {
+    int s = mmd_roi_align_forward_check(input, rois, output, argmax_y, argmax_x, aligned_height,
+                                        aligned_width, spatial_scale, sampling_ratio, pool_mode,
+                                        MMD_FLOAT16_32_64);
+    if (s) return s;
+    DeviceGuard guard(ctx->device_id);
+    if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    switch (input->dtype) {
+    case MMD_FLOAT16:
+        return forward<__half>(input, rois, output, argmax_y, argmax_x, aligned_height,
+                               aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned,
+                               stream);
+    case MMD_FLOAT32:
+        return forward<float>(input, rois, output, argmax_y, argmax_x, aligned_height,
+                              aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned,
+                              stream);
+    default:
+        return forward<double>(input, rois, output, argmax_y, argmax_x, aligned_height,
+                               aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned,
+                               stream);
+    }
+}
+
+int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                            const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+                            const mmd_tensor *grad_input, int64_t aligned_height,
+                            int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,
+                            int64_t pool_mode, int aligned, const mmd_context *ctx) {
+    int s = mmd_roi_align_backward_check(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                         aligned_height, aligned_width, spatial_scale,
+                                         sampling_ratio, pool_mode, MMD_FLOAT16_32_64);
+    if (s) return s;
+    DeviceGuard guard(ctx->device_id);
+    if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    switch (grad_input->dtype) {
+    case MMD_FLOAT16:
+        return backward<__half>(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                aligned_height, aligned_width, spatial_scale, sampling_ratio,
+                                pool_mode, aligned, stream);
+    case MMD_FLOAT32:
+        return backward<float>(grad_output, rois, argmax_y, argmax_x, grad_input,
+                               aligned_height, aligned_width, spatial_scale, sampling_ratio,
+                               pool_mode, aligned, stream);
+    default:
+        return backward<double>(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                aligned_height, aligned_width, spatial_scale, sampling_ratio,
+                                pool_mode, aligned, stream);
+    }
+}
+
+}  // namespace
+
+MMD_REGISTRATIONS(cuda, roi_align) {
+    MMD_REGISTER_DEVICE_IMPL(roi_align_forward_impl, CUDA, DEFAULT, roi_align_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(roi_align_backward_impl, CUDA, DEFAULT, roi_align_backward_cuda);
+}
