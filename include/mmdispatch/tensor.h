@@ -103,11 +103,12 @@ static inline int64_t mmd_numel(const mmd_tensor *t) {
     return n;
 }
 
-/* True when elements are laid out densely in C order (size-1 dims ignored). */
+/* True when elements are laid out densely in C order (size-1 dims and
+ * empty arrays, whose strides numpy may set to 0, are ignored). */
 static inline int mmd_is_contiguous(const mmd_tensor *t) {
+    if (mmd_numel(t) == 0) return 1;
     int64_t expected = 1;
     for (int i = t->ndim - 1; i >= 0; --i) {
-        if (t->shape[i] == 0) return 1;
         if (t->shape[i] != 1 && t->strides[i] != expected) return 0;
         expected *= t->shape[i];
     }

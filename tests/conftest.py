@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+
+import mmdispatch
+
+
+@pytest.fixture
+def cupy():
+    """CuPy with a usable GPU and CUDA kernels, else the test is skipped."""
+    if not any(d["device"] == "cuda" and d["available"] for d in mmdispatch.devices()):
+        status = [d["status"] for d in mmdispatch.devices() if d["device"] == "cuda"]
+        pytest.skip(f"CUDA kernels unusable here: {status[0] if status else 'not built'}")
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+    return cp
+
+
+class FakeDeviceArray:
+    """Stand-in for an array on another device: reports its device through
+    __dlpack_device__ and fails the test if anything tries to read it."""
+
+    def __init__(self, device_type=2, device_id=0):
+        self.device = (device_type, device_id)
+        self.exported = False
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, stream=None):
+        self.exported = True
+        raise AssertionError("the dispatcher touched a stand-in array's memory")
+
+
+class DLPackOnly:
+    """Wraps a numpy array so that only the DLPack protocol is visible."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def fake_array():
+    """Factory for stand-in arrays on other devices: fake_array(2, 0)."""
+    return FakeDeviceArray
+
+
+@pytest.fixture
+def dlpack_only():
+    """Factory wrapping a numpy array behind the DLPack protocol only."""
+    return DLPackOnly

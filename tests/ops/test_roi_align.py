@@ -1,0 +1,406 @@
+"""roi_align (MMCV semantics): published values, a slow independent
+reference, finite differences, bad input, and CPU/CUDA agreement."""
+import math
+import re
+
+import numpy as np
+import pytest
+
+import mmdispatch
+from mmdispatch.ops import roi_align, roi_align_backward, roi_align_forward
+
+MMCV_INPUT = np.array([[[[1, 2, 5, 6], [3, 4, 7, 8], [9, 10, 13, 14], [11, 12, 15, 16]]]],
+                      dtype=np.float64)
+MMCV_ROIS = np.array([[0, 0, 0, 3, 3]], dtype=np.float64)
+CPU_BACKENDS = ["default", "reference"]
+
+
+# --- slow reference, straight from the MMCV / Detectron2 definition -----------
+
+def ref_bilinear_terms(height, width, y, x):
+    """[(row, col, weight)] of one sample; [] when it lies outside the map."""
+    if y < -1.0 or y > height or x < -1.0 or x > width or height == 0 or width == 0:
+        return []
+    y, x = max(y, 0.0), max(x, 0.0)
+    y0, x0 = int(math.floor(y)), int(math.floor(x))
+    if y0 >= height - 1:
+        y0 = y1 = height - 1
+        y = float(y0)
+    else:
+        y1 = y0 + 1
+    if x0 >= width - 1:
+        x0 = x1 = width - 1
+        x = float(x0)
+    else:
+        x1 = x0 + 1
+    ly, lx = y - y0, x - x0
+    hy, hx = 1 - ly, 1 - lx
+    return [(y0, x0, hy * hx), (y0, x1, hy * lx), (y1, x0, ly * hx), (y1, x1, ly * lx)]
+
+
+def ref_bins(roi, out_h, out_w, scale, sampling_ratio, aligned):
+    """Yields (ph, pw, [sample (y, x)]) for one roi."""
+    offset = 0.5 if aligned else 0.0
+    x1, y1, x2, y2 = (float(v) * scale - offset for v in roi[1:])
+    roi_w, roi_h = x2 - x1, y2 - y1
+    if not aligned:
+        roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
+    bin_h, bin_w = roi_h / out_h, roi_w / out_w
+    grid_h = sampling_ratio if sampling_ratio > 0 else math.ceil(roi_h / out_h)
+    grid_w = sampling_ratio if sampling_ratio > 0 else math.ceil(roi_w / out_w)
+    for ph in range(out_h):
+        for pw in range(out_w):
+            yield ph, pw, [(y1 + ph * bin_h + (iy + 0.5) * bin_h / grid_h,
+                            x1 + pw * bin_w + (ix + 0.5) * bin_w / grid_w)
+                           for iy in range(grid_h) for ix in range(grid_w)]
+
+
+def ref_forward(x, rois, out_h, out_w, scale, sampling_ratio, mode, aligned):
+    n, c, h, w = x.shape
+    out = np.zeros((len(rois), c, out_h, out_w))
+    arg_y = np.full(out.shape, -1.0)
+    arg_x = np.full(out.shape, -1.0)
+    for k, roi in enumerate(rois):
+        plane = x[int(roi[0])].astype(np.float64)
+        for ph, pw, samples in ref_bins(roi, out_h, out_w, scale, sampling_ratio, aligned):
+            values = [[sum(wt * plane[ch, a, b] for a, b, wt in ref_bilinear_terms(h, w, sy, sx))
+                       for sy, sx in samples] for ch in range(c)]
+            for ch in range(c):
+                if mode == "avg":
+                    out[k, ch, ph, pw] = sum(values[ch]) / max(len(samples), 1)
+                elif samples:
+                    best = int(np.argmax(values[ch]))  # first maximum, like the kernels
+                    out[k, ch, ph, pw] = values[ch][best]
+                    arg_y[k, ch, ph, pw], arg_x[k, ch, ph, pw] = samples[best]
+    return out, arg_y, arg_x
+
+
+def ref_backward(grad_out, rois, arg_y, arg_x, shape, scale, sampling_ratio, mode, aligned):
+    grad = np.zeros(shape)
+    _, c, h, w = shape
+    out_h, out_w = grad_out.shape[2:]
+    for k, roi in enumerate(rois):
+        b = int(roi[0])
+        for ph, pw, samples in ref_bins(roi, out_h, out_w, scale, sampling_ratio, aligned):
+            for ch in range(c):
+                g = grad_out[k, ch, ph, pw]
+                if mode == "avg":
+                    for sy, sx in samples:
+                        for a, bb, wt in ref_bilinear_terms(h, w, sy, sx):
+                            grad[b, ch, a, bb] += g * wt / max(len(samples), 1)
+                elif arg_y[k, ch, ph, pw] != -1:
+                    for a, bb, wt in ref_bilinear_terms(h, w, arg_y[k, ch, ph, pw],
+                                                        arg_x[k, ch, ph, pw]):
+                        grad[b, ch, a, bb] += g * wt
+    return grad
+
+
+def random_rois(rng, count, batch, height, width, scale, outside=True):
+    """Rois in image coordinates, some partly or fully outside the map, some
+    degenerate (zero or tiny size)."""
+    img_h, img_w = height / scale, width / scale
+    margin = 0.5 if outside else 0.0
+    x1 = rng.uniform(-margin * img_w, img_w * (1 + margin) * 0.9, count)
+    y1 = rng.uniform(-margin * img_h, img_h * (1 + margin) * 0.9, count)
+    x2 = x1 + rng.uniform(0, img_w * 0.8, count)
+    y2 = y1 + rng.uniform(0, img_h * 0.8, count)
+    rois = np.stack([rng.integers(0, batch, count), x1, y1, x2, y2], axis=1)
+    rois[0, 3], rois[0, 4] = rois[0, 1], rois[0, 2]          # zero-size roi
+    rois[1, 3], rois[1, 4] = rois[1, 1] + 0.3, rois[1, 2]     # thin roi
+    return rois
+
+
+CASES = [(mode, aligned, sampling_ratio, seed)
+         for mode in ("avg", "max") for aligned in (True, False)
+         for sampling_ratio in (0, 1, 2, 3) for seed in range(2)]
+
+
+# --- published values ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matches_mmcv_published_values(backend, dtype):
+    with mmdispatch.use_backend("cpu", backend):
+        out, _, _ = roi_align_forward(MMCV_INPUT.astype(dtype), MMCV_ROIS.astype(dtype), (2, 2),
+                                      1.0, 2, "avg", True)
+        grad = roi_align_backward(np.ones_like(out), MMCV_ROIS.astype(dtype), None, None,
+                                  MMCV_INPUT.shape, 1.0, 2, "avg", True)
+    assert out.dtype == dtype and grad.dtype == dtype
+    np.testing.assert_allclose(out[0, 0], [[1.9375, 4.75], [7.5625, 10.375]], rtol=1e-6)
+    np.testing.assert_allclose(grad[0, 0, 0], [0.47265625, 0.4296875, 0.4296875, 0.04296875],
+                               rtol=1e-6)
+
+
+# --- against the slow reference -----------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mode, aligned, sampling_ratio, seed", CASES)
+def test_forward_and_backward_match_slow_reference(backend, mode, aligned, sampling_ratio, seed):
+    rng = np.random.default_rng(seed * 100 + sampling_ratio)
+    x = rng.standard_normal((2, 3, 7, 9))
+    scale = 0.5
+    rois = random_rois(rng, 6, 2, 7, 9, scale)
+    expected, exp_y, exp_x = ref_forward(x, rois, 3, 2, scale, sampling_ratio, mode, aligned)
+    with mmdispatch.use_backend("cpu", backend):
+        out, arg_y, arg_x = roi_align_forward(x, rois, (3, 2), scale, sampling_ratio, mode,
+                                              aligned)
+        grad_out = rng.standard_normal(out.shape)
+        grad = roi_align_backward(grad_out, rois, arg_y, arg_x, x.shape, scale, sampling_ratio,
+                                  mode, aligned)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    if mode == "max":
+        np.testing.assert_allclose(arg_y, exp_y, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(arg_x, exp_x, rtol=1e-12, atol=1e-12)
+    else:
+        assert arg_y.shape == (0,) and arg_x.shape == (0,)
+    expected_grad = ref_backward(grad_out, rois, exp_y, exp_x, x.shape, scale, sampling_ratio,
+                                 mode, aligned)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_float32_matches_reference_computed_in_float64(mode, rng):
+    x = rng.standard_normal((2, 4, 12, 10)).astype(np.float32)
+    rois = random_rois(rng, 12, 2, 12, 10, 0.25).astype(np.float32)
+    expected, _, _ = ref_forward(x.astype(np.float64), rois.astype(np.float64), 4, 4, 0.25, 0,
+                                 mode, True)
+    out = roi_align(x, rois, 4, 0.25, 0, mode, True)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_default_backend_equals_reference_backend_bitwise(mode, rng):
+    x = rng.standard_normal((2, 16, 20, 24)).astype(np.float32)
+    rois = random_rois(rng, 40, 2, 20, 24, 0.5).astype(np.float32)
+    results = {}
+    for backend in CPU_BACKENDS:
+        with mmdispatch.use_backend("cpu", backend):
+            out, ay, ax = roi_align_forward(x, rois, 5, 0.5, 0, mode)
+            grad = roi_align_backward(np.ones_like(out), rois, ay, ax, x.shape, 0.5, 0, mode)
+            results[backend] = (out, grad)
+    np.testing.assert_array_equal(results["default"][0], results["reference"][0])
+    np.testing.assert_allclose(results["default"][1], results["reference"][1], rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_backward_is_deterministic(rng):
+    x = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+    rois = random_rois(rng, 64, 2, 16, 16, 1.0).astype(np.float32)
+    grad_out = rng.standard_normal((64, 8, 7, 7)).astype(np.float32)
+    first = roi_align_backward(grad_out, rois, None, None, x.shape, 1.0, 2)
+    for _ in range(3):
+        np.testing.assert_array_equal(roi_align_backward(grad_out, rois, None, None, x.shape,
+                                                         1.0, 2), first)
+
+
+# --- finite differences -------------------------------------------------------
+
+@pytest.mark.parametrize("mode, aligned", [("avg", True), ("avg", False), ("max", True)])
+def test_backward_matches_finite_differences(mode, aligned, rng):
+    x = rng.standard_normal((1, 2, 6, 7))
+    # inside the map, so every max sample is an interpolated (not clipped) value
+    rois = np.array([[0, 0.7, 0.4, 5.1, 4.6], [0, 2.2, 1.3, 4.9, 5.2], [0, 1.0, 1.0, 3.0, 2.5]])
+    grad_out = rng.standard_normal((3, 2, 2, 3))
+
+    def loss(inp):
+        return float(np.sum(roi_align(inp, rois, (2, 3), 1.0, 2, mode, aligned) * grad_out))
+
+    _, ay, ax = roi_align_forward(x, rois, (2, 3), 1.0, 2, mode, aligned)
+    analytic = roi_align_backward(grad_out, rois, ay, ax, x.shape, 1.0, 2, mode, aligned)
+    eps = 1e-6
+    numeric = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        plus, minus = x.copy(), x.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        numeric[index] = (loss(plus) - loss(minus)) / (2 * eps)
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-7)
+
+
+# --- edge cases ---------------------------------------------------------------
+
+def test_empty_rois_give_empty_outputs():
+    x = np.ones((1, 3, 4, 4), dtype=np.float32)
+    out, ay, ax = roi_align_forward(x, np.zeros((0, 5), dtype=np.float32), (2, 2), 1.0, 0, "max")
+    assert out.shape == (0, 3, 2, 2) and ay.shape == (0, 3, 2, 2)
+    grad = roi_align_backward(out, np.zeros((0, 5), dtype=np.float32), ay, ax, x.shape)
+    assert grad.shape == x.shape and not grad.any()
+
+
+def test_empty_feature_map_pools_zeros():
+    x = np.ones((1, 2, 0, 0))
+    out = roi_align(x, np.array([[0, 0, 0, 3, 3.0]]), 2, 1.0, 2)
+    assert out.shape == (1, 2, 2, 2) and not out.any()
+
+
+def test_zero_size_aligned_roi_with_adaptive_sampling_pools_nothing():
+    x = np.ones((1, 1, 4, 4))
+    out, ay, ax = roi_align_forward(x, np.array([[0, 2, 2, 2, 2.0]]), 2, 1.0, 0, "max", True)
+    assert not out.any() and np.all(ay == -1) and np.all(ax == -1)
+
+
+def test_nan_in_the_feature_map_propagates_without_crashing():
+    x = np.ones((1, 1, 4, 4))
+    x[0, 0, 1, 1] = np.nan
+    rois = np.array([[0, 0, 0, 3, 3.0]])
+    assert np.isnan(roi_align(x, rois, 1, 1.0, 2, "avg")).all()
+    x[0, 0] = np.nan
+    out, ay, _ = roi_align_forward(x, rois, 1, 1.0, 2, "max")
+    assert np.isnan(out).all() and np.all(ay == -1)
+
+
+def test_strided_and_dlpack_inputs_through_the_op_layer(rng, dlpack_only):
+    x = rng.standard_normal((2, 3, 8, 16))
+    rois = random_rois(rng, 5, 2, 8, 8, 1.0)
+    expected = roi_align(np.ascontiguousarray(x[..., ::2]), rois, 3)
+    np.testing.assert_array_equal(roi_align(x[..., ::2], rois, 3), expected)
+    wrapped = roi_align(dlpack_only(np.ascontiguousarray(x[..., ::2])), dlpack_only(rois), 3)
+    np.testing.assert_array_equal(np.asarray(wrapped), expected)
+
+
+# --- bad input ----------------------------------------------------------------
+
+def good_call():
+    x = np.zeros((2, 3, 5, 5))
+    rois = np.array([[0, 0, 0, 2, 2], [1, 1, 1, 4, 4.0]])
+    return x, rois
+
+
+@pytest.mark.parametrize("bad_roi, message", [
+    ([0, np.nan, 0, 2, 2], "rois[1] contains NaN or inf"),
+    ([0, 0, np.inf, 2, 2], "rois[1] contains NaN or inf"),
+    ([2, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+    ([-1, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+    ([0.5, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+    ([0, 3, 0, 2, 2], "rois[1] has negative width or height"),
+    ([0, 0, 0, 1e12, 2], "rois[1] needs more than 32768 samples per bin axis"),
+])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bad_rois_raise_and_write_nothing(bad_roi, message, backend):
+    x, rois = good_call()
+    rois[1] = bad_roi
+    output = np.full((2, 3, 2, 2), 7.0)
+    empty = np.empty(0)
+    with mmdispatch.use_backend("cpu", backend):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mmdispatch.roi_align_forward_impl(x, rois, output, empty, empty.copy(), 2, 2, 1.0,
+                                              0, 1, True)
+        grad_input = np.full(x.shape, 7.0)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mmdispatch.roi_align_backward_impl(np.ones((2, 3, 2, 2)), rois, empty, empty.copy(),
+                                               grad_input, 2, 2, 1.0, 0, 1, True)
+    assert np.all(output == 7.0) and np.all(grad_input == 7.0)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda x, r: roi_align(x[0], r, 2), ValueError,
+     "roi_align_forward: input must be 4-D (N, C, H, W), got shape (3, 5, 5)"),
+    (lambda x, r: roi_align(x, r[:, :4], 2), ValueError,
+     "roi_align_forward_impl: rois must have shape (*, 5), got (2, 4)"),
+    (lambda x, r: roi_align(x, r[0], 2), ValueError,
+     "roi_align_forward: rois must be 2-D (K, 5), got shape (5,)"),
+    (lambda x, r: roi_align(x.astype(np.float32), r, 2), TypeError,
+     "roi_align_forward_impl: rois has dtype float64 but input has dtype float32"),
+    (lambda x, r: roi_align(x.astype(np.float16), r.astype(np.float16), 2), TypeError,
+     "roi_align_forward_impl: input has dtype float16 on this device; supported: float32, "
+     "float64"),
+    (lambda x, r: roi_align(x.astype(np.int64), r.astype(np.int64), 2), TypeError,
+     "input has dtype int64 on this device"),
+    (lambda x, r: roi_align(x.tolist(), r, 2), TypeError,
+     "roi_align_forward: input must be an array"),
+    (lambda x, r: roi_align(x, r, 0), ValueError, "roi_align_forward: output_size must be >= 1"),
+    (lambda x, r: roi_align(x, r, "7"), TypeError, "output_size must be an int or a pair"),
+    (lambda x, r: roi_align(x, r, 2, pool_mode="sum"), ValueError,
+     "pool_mode must be 'avg' or 'max', got 'sum'"),
+    (lambda x, r: roi_align(x, r, 2, spatial_scale=float("nan")), ValueError,
+     "spatial_scale must be finite and > 0, got nan"),
+    (lambda x, r: roi_align(x, r, 2, spatial_scale=0), ValueError,
+     "spatial_scale must be finite and > 0"),
+    (lambda x, r: roi_align(x, r, 2, sampling_ratio=10**6), ValueError,
+     "sampling_ratio must be <= 32768"),
+    (lambda x, r: roi_align_backward(np.ones((2, 3, 2, 2)), r, None, None, (2, 3, 5)),
+     ValueError, "input_shape must be 4 non-negative ints"),
+    (lambda x, r: roi_align_backward(np.ones((2, 3, 2, 2)), r, None, None, x.shape,
+                                     pool_mode="max"), ValueError,
+     "roi_align_backward_impl: argmax_y must have shape (2, 3, 2, 2), got (0,)"),
+    (lambda x, r: roi_align_backward(np.ones((3, 3, 2, 2)), r, None, None, x.shape), ValueError,
+     "roi_align_backward_impl: grad_output must have shape (2, 3, 2, 2), got (3, 3, 2, 2)"),
+])
+def test_bad_arguments_raise_clear_errors(call, error, message):
+    x, rois = good_call()
+    with pytest.raises(error, match=re.escape(message)):
+        call(x, rois)
+
+
+def test_output_too_small_is_rejected_by_the_entry_point():
+    x, rois = good_call()
+    out = np.zeros((2, 3, 1, 2))
+    empty = np.empty(0)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: output must have shape (2, 3, 2, 2), got (2, 3, 1, 2)")):
+        mmdispatch.roi_align_forward_impl(x, rois, out, empty, empty, 2, 2, 1.0, 0, 1, True)
+    with pytest.raises(ValueError, match="aligned_height and aligned_width must be >= 1"):
+        mmdispatch.roi_align_forward_impl(x, rois, out, empty, empty, 0, 2, 1.0, 0, 1, True)
+    with pytest.raises(ValueError, match=re.escape("pool_mode must be 0 (max) or 1 (avg), got 5")):
+        mmdispatch.roi_align_forward_impl(x, rois, out, empty, empty, 1, 2, 1.0, 0, 5, True)
+
+
+# --- CUDA (runs only where a GPU, CuPy and the CUDA kernels are present) ------
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+def test_cuda_matches_cpu(cupy, mode, aligned, dtype, tol, rng):
+    x = rng.standard_normal((2, 8, 20, 24)).astype(dtype)
+    rois = random_rois(rng, 32, 2, 20, 24, 0.5).astype(dtype)
+    out, ay, ax = roi_align_forward(x, rois, (4, 3), 0.5, 0, mode, aligned)
+    out_gpu, ay_gpu, ax_gpu = roi_align_forward(cupy.asarray(x), cupy.asarray(rois), (4, 3), 0.5,
+                                                0, mode, aligned)
+    assert isinstance(out_gpu, cupy.ndarray) and out_gpu.dtype == dtype
+    np.testing.assert_allclose(cupy.asnumpy(out_gpu), out, rtol=tol, atol=tol)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grad = roi_align_backward(grad_out, rois, ay, ax, x.shape, 0.5, 0, mode, aligned)
+    grad_gpu = roi_align_backward(cupy.asarray(grad_out), cupy.asarray(rois), ay_gpu, ax_gpu,
+                                  x.shape, 0.5, 0, mode, aligned)
+    np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=tol * 10, atol=tol * 10)
+
+
+def test_cuda_float16_computes_in_float32(cupy, rng):
+    x = rng.standard_normal((1, 4, 16, 16)).astype(np.float16)
+    rois = random_rois(rng, 8, 1, 16, 16, 1.0).astype(np.float16)
+    expected = roi_align(x.astype(np.float32), rois.astype(np.float32), 3, 1.0, 2)
+    out = roi_align(cupy.asarray(x), cupy.asarray(rois), 3, 1.0, 2)
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(cupy.asnumpy(out).astype(np.float32), expected, rtol=2e-2,
+                               atol=2e-2)
+
+
+def test_cuda_published_values_and_nonfinite_rois(cupy):
+    out = roi_align(cupy.asarray(MMCV_INPUT), cupy.asarray(MMCV_ROIS), 2, 1.0, 2)
+    np.testing.assert_allclose(cupy.asnumpy(out)[0, 0], [[1.9375, 4.75], [7.5625, 10.375]])
+    bad = MMCV_ROIS.copy()
+    bad[0, 2] = np.nan
+    output = cupy.full((1, 1, 2, 2), 7.0)
+    empty = cupy.empty(0)
+    with pytest.raises(ValueError, match=re.escape("rois[0] contains NaN or inf")):
+        mmdispatch.roi_align_forward_impl(cupy.asarray(MMCV_INPUT), cupy.asarray(bad), output,
+                                          empty, empty.copy(), 2, 2, 1.0, 2, 1, True)
+    assert bool((output == 7.0).all())
+
+
+def test_cuda_and_cpu_arrays_cannot_be_mixed(cupy):
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(
+            "roi_align_forward_impl: at param 1 (rois), inconsistent device: cpu vs cuda:0")):
+        roi_align(cupy.asarray(MMCV_INPUT), MMCV_ROIS, 2)
+
+
+def test_cuda_runs_on_the_current_cupy_stream(cupy):
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((2, 4, 32, 32)))
+    rois = cupy.asarray(random_rois(np.random.default_rng(1), 16, 2, 32, 32, 1.0))
+    expected = cupy.asnumpy(roi_align(x, rois, 7))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = roi_align(x, rois, 7)
+    stream.synchronize()
+    np.testing.assert_allclose(cupy.asnumpy(out), expected)

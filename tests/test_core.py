@@ -1,0 +1,308 @@
+"""The dispatcher: device checks, kernel lookup, Python registration,
+backends, array intake and the error contract (DESIGN.md section 2)."""
+import re
+import threading
+
+import numpy as np
+import pytest
+
+import mmdispatch
+from mmdispatch import DeviceMismatchError, KernelNotFoundError
+
+FWD = mmdispatch.roi_align_forward_impl
+SCALARS = (2, 2, 1.0, 2, 1, True)  # aligned_h, aligned_w, scale, sampling, avg, aligned
+
+
+def cuda_usable():
+    return any(d["device"] == "cuda" and d["available"] for d in mmdispatch.devices())
+
+
+def cpu_args(dtype=np.float64, rois=None):
+    """Valid forward arguments on the CPU (avg mode, empty argmax)."""
+    x = np.arange(2 * 3 * 6 * 6, dtype=dtype).reshape(2, 3, 6, 6)
+    r = np.array([[0, 0, 0, 4, 4], [1, 1, 1, 5, 3]], dtype=dtype) if rois is None else rois
+    out = np.zeros((r.shape[0], 3, 2, 2), dtype=dtype)
+    empty = np.empty((0,), dtype=dtype)
+    return [x, r, out, empty, empty.copy()]
+
+
+# --- device consistency -------------------------------------------------------
+
+def test_device_mismatch_reports_param_index_name_and_both_devices(fake_array):
+    args = cpu_args()
+    args[2] = fake_array(2, 0)
+    with pytest.raises(DeviceMismatchError) as info:
+        FWD(*args, *SCALARS)
+    assert str(info.value) == (
+        "roi_align_forward_impl: at param 2 (output), inconsistent device: cuda:0 vs cpu")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_device_index_mismatch_is_an_error(fake_array):
+    arrays = [fake_array(2, 0), fake_array(2, 1)] + [fake_array(2, 0) for _ in range(3)]
+    with pytest.raises(DeviceMismatchError, match=re.escape(
+            "roi_align_forward_impl: at param 1 (rois), inconsistent device: cuda:1 vs cuda:0")):
+        FWD(*arrays, *SCALARS)
+    assert not any(a.exported for a in arrays)
+
+
+def test_backward_mismatch_counts_all_parameters(fake_array):
+    arrays = [np.zeros((1, 1, 2, 2)), np.zeros((1, 5)), np.zeros(0), np.zeros(0),
+              fake_array(2, 0)]
+    with pytest.raises(DeviceMismatchError, match=re.escape(
+            "roi_align_backward_impl: at param 4 (grad_input), inconsistent device: "
+            "cuda:0 vs cpu")):
+        mmdispatch.roi_align_backward_impl(*arrays, *SCALARS)
+
+
+def test_missing_cuda_kernel_explains_why_and_touches_nothing(fake_array):
+    if cuda_usable():
+        pytest.skip("CUDA kernels are registered on this machine")
+    arrays = [fake_array(2, 0) for _ in range(5)]
+    with pytest.raises(KernelNotFoundError) as info:
+        FWD(*arrays, *SCALARS)
+    message = str(info.value)
+    assert message.startswith(
+        "roi_align_forward_impl: implementation for device cuda:0 not found.")
+    assert "Registered: cpu/default (C), cpu/reference (C)." in message
+    assert "cuda slots are empty:" in message
+    assert re.search(r"no CUDA kernels|no usable CUDA driver|no CUDA device", message)
+    assert "mmdispatch.register_impl('roi_align_forward_impl', 'cuda', fn)" in message
+    assert isinstance(info.value, NotImplementedError)
+    assert not any(a.exported for a in arrays)
+
+
+def test_device_without_builtin_kernels_is_reported(fake_array):
+    arrays = [fake_array(7, 0) for _ in range(5)]
+    with pytest.raises(KernelNotFoundError, match=re.escape(
+            "implementation for device vulkan:0 not found.")) as info:
+        FWD(*arrays, *SCALARS)
+    assert "no built-in kernels for vulkan devices" in str(info.value)
+
+
+def test_unknown_device_code_is_kernel_not_found(fake_array):
+    arrays = [fake_array(99, 3) for _ in range(5)]
+    with pytest.raises(KernelNotFoundError, match=re.escape("device99:3 not found")):
+        FWD(*arrays, *SCALARS)
+
+
+# --- Python kernels -----------------------------------------------------------
+
+def test_python_kernel_receives_original_arguments(fake_array):
+    arrays = [fake_array(7, 0) for _ in range(5)]
+    seen = []
+
+    def kernel(*args):
+        seen.append(args)
+        return "ran"
+
+    with mmdispatch.register_impl("roi_align_forward_impl", "vulkan", kernel) as handle:
+        assert handle.active
+        assert FWD(*arrays, *SCALARS) == "ran"
+    assert seen[0][:5] == tuple(arrays) and seen[0][5:] == SCALARS
+    assert all(a is b for a, b in zip(seen[0], arrays))
+    with pytest.raises(KernelNotFoundError):
+        FWD(*arrays, *SCALARS)
+
+
+def test_duplicate_registration_needs_override_and_removal_restores_c_kernel():
+    args = cpu_args()
+    with pytest.raises(ValueError, match="already has a kernel for cpu/default"):
+        mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: None)
+    calls = []
+    handle = mmdispatch.register_impl("roi_align_forward_impl", "cpu",
+                                      lambda *a: calls.append(a), override=True)
+    try:
+        FWD(*args, *SCALARS)
+        assert len(calls) == 1 and np.all(args[2] == 0)  # C kernel did not run
+        inner = mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: "inner",
+                                         override=True)
+        assert FWD(*args, *SCALARS) == "inner" and not handle.active
+        inner.remove()
+        assert handle.active
+    finally:
+        handle.remove()
+    handle.remove()  # idempotent
+    FWD(*args, *SCALARS)
+    assert np.any(args[2] != 0)  # the C kernel is back
+
+
+def test_registry_table_lists_c_and_python_slots():
+    rows = mmdispatch.registry_table()
+    c_rows = {(r["op"], r["device"], r["backend"]): r for r in rows if r["kind"] == "C"}
+    row = c_rows["roi_align_forward_impl", "cpu", "default"]
+    assert row["origin"] == "src/cpu/roi_align.c:roi_align_forward_cpu" and row["active"]
+    assert ("roi_align_backward_impl", "cpu", "reference") in c_rows
+
+    def my_kernel(*args):
+        pass
+
+    with mmdispatch.register_impl("roi_align_backward_impl", "metal", my_kernel, backend="fast"):
+        rows = [r for r in mmdispatch.registry_table() if r["kind"] == "python"]
+        assert rows == [{"op": "roi_align_backward_impl", "device": "metal", "backend": "fast",
+                         "kind": "python", "active": True,
+                         "origin": f"python:{__name__}.{my_kernel.__qualname__}"}]
+    assert not [r for r in mmdispatch.registry_table() if r["kind"] == "python"]
+
+
+def test_register_impl_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        mmdispatch.register_impl("nope", "cpu", print)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        mmdispatch.register_impl("roi_align_forward_impl", "metal", 3)
+    with pytest.raises(ValueError, match="per device type"):
+        mmdispatch.register_impl("roi_align_forward_impl", "cuda:1", print)
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        mmdispatch.register_impl("roi_align_forward_impl", "tpu", print)
+
+
+# --- backends -----------------------------------------------------------------
+
+def test_use_backend_is_thread_local_and_restored():
+    seen = {}
+
+    def other_thread():
+        seen["other"] = mmdispatch.get_backend("cpu")
+
+    with mmdispatch.use_backend("cpu", "reference"):
+        assert mmdispatch.get_backend("cpu") == "reference"
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen["other"] == "default"
+    assert mmdispatch.get_backend("cpu") == "default"
+
+
+def test_backend_without_kernel_is_kernel_not_found():
+    with mmdispatch.use_backend("cpu", "deterministic"):
+        with pytest.raises(KernelNotFoundError, match=re.escape(
+                "implementation for device cpu (backend 'deterministic') not found.")):
+            FWD(*cpu_args(), *SCALARS)
+    with pytest.raises(ValueError, match="unknown backend 'fastest'"):
+        with mmdispatch.use_backend("cpu", "fastest"):
+            pass
+
+
+# --- arguments and intake -----------------------------------------------------
+
+def test_non_array_argument_names_the_parameter():
+    args = cpu_args()
+    args[1] = [[0, 0, 0, 1, 1]]
+    with pytest.raises(TypeError, match=re.escape(
+            "roi_align_forward_impl: at param 1 (rois), expected an array")):
+        FWD(*args, *SCALARS)
+    args = cpu_args()
+    args[0] = None
+    with pytest.raises(TypeError, match=re.escape("at param 0 (input), expected an array, got None")):
+        FWD(*args, *SCALARS)
+
+
+@pytest.mark.parametrize("position, value, expected", [
+    (5, "2", "at param 5 (aligned_height), expected an int, got str"),
+    (5, 2.0, "at param 5 (aligned_height), expected an int, got float"),
+    (7, "1.0", "at param 7 (spatial_scale), expected a real number, got str"),
+    (10, None, "at param 10 (aligned), expected a bool, got NoneType"),
+    (8, 2**70, "at param 8 (sampling_ratio), 1180591620717411303424 does not fit in int64"),
+])
+def test_bad_scalar_arguments_name_the_parameter(position, value, expected):
+    call = cpu_args() + list(SCALARS)
+    call[position] = value
+    with pytest.raises((TypeError, ValueError), match=re.escape(expected)):
+        FWD(*call)
+
+
+def test_read_only_output_is_rejected_and_untouched():
+    args = cpu_args()
+    args[2].setflags(write=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "at param 2 (output), output array is read-only")):
+        FWD(*args, *SCALARS)
+    assert np.all(args[2] == 0)
+
+
+def test_output_overlapping_an_input_is_rejected():
+    args = cpu_args()
+    big = np.zeros(2 * 3 * 6 * 6, dtype=np.float64)
+    args[0] = big.reshape(2, 3, 6, 6)
+    args[2] = big[:24].reshape(2, 3, 2, 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "at param 2 (output), output memory overlaps param 0 (input)")):
+        FWD(*args, *SCALARS)
+
+
+def test_outputs_overlapping_each_other_are_rejected():
+    args = cpu_args()
+    argmax = np.zeros((2, 3, 2, 2))
+    args[3], args[4] = argmax, argmax
+    call = args + [2, 2, 1.0, 2, 0, True]  # max mode writes both
+    with pytest.raises(ValueError, match=re.escape("at param 3 (argmax_y), output memory "
+                                                   "overlaps param 4 (argmax_x)")):
+        FWD(*call)
+
+
+@pytest.mark.parametrize("dtype", [np.complex128, ">f8", object])
+def test_unsupported_dtypes_are_type_errors(dtype):
+    args = cpu_args()
+    args[0] = np.zeros((2, 3, 6, 6), dtype=dtype)
+    with pytest.raises(TypeError, match=re.escape("at param 0 (input), unsupported dtype")):
+        FWD(*args, *SCALARS)
+
+
+def test_misaligned_array_is_rejected():
+    raw = np.zeros(2 * 3 * 6 * 6 * 8 + 1, dtype=np.uint8)
+    misaligned = raw[1:].view(np.float64).reshape(2, 3, 6, 6)
+    args = cpu_args()
+    args[0] = misaligned
+    with pytest.raises(ValueError, match="not aligned"):
+        FWD(*args, *SCALARS)
+
+
+def test_strided_input_is_rejected_by_the_entry_point():
+    args = cpu_args()
+    args[0] = np.zeros((2, 3, 6, 12))[..., ::2]
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: input must be C-contiguous")):
+        FWD(*args, *SCALARS)
+
+
+def test_dlpack_arrays_are_viewed_without_copy(dlpack_only):
+    expected = cpu_args()
+    FWD(*expected, *SCALARS)
+    args = cpu_args()
+    wrapped = [dlpack_only(a) for a in args[:3]] + args[3:]
+    FWD(*wrapped, *SCALARS)
+    np.testing.assert_array_equal(args[2], expected[2])  # written through the DLPack view
+
+
+def test_cuda_array_interface_objects_are_classified_as_cuda():
+    class CaiOnly:
+        __cuda_array_interface__ = {"shape": (1, 5), "typestr": "<f4", "data": (0, False),
+                                    "strides": None, "version": 3}
+
+    arrays = [CaiOnly() for _ in range(5)]
+    with mmdispatch.register_impl("roi_align_forward_impl", "cuda", lambda *a: "cuda kernel",
+                                  override=True):
+        assert FWD(*arrays, *SCALARS) == "cuda kernel"
+    with pytest.raises(DeviceMismatchError, match="cuda:0 vs cpu"):
+        FWD(np.zeros((1, 1, 2, 2)), CaiOnly(), *cpu_args()[2:], *SCALARS)
+
+
+def test_kernel_errors_carry_the_op_name():
+    args = cpu_args(rois=np.array([[5, 0, 0, 1, 1]], dtype=np.float64))
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: rois[0, 0] (batch index) must be an integer in [0, 2)")):
+        FWD(*args, *SCALARS)
+
+
+# --- introspection ------------------------------------------------------------
+
+def test_devices_and_build_info_describe_this_build():
+    devices = {d["device"]: d for d in mmdispatch.devices()}
+    assert devices["cpu"]["available"]
+    assert "cuda" in devices
+    info = mmdispatch.build_info()
+    assert info["version"] == mmdispatch.__version__
+    assert isinstance(info["cuda"], bool)
+    assert info["cuda"] == (info["no_cuda_reason"] is None)
+    assert mmdispatch.op_signatures()["roi_align_forward_impl"].startswith(
+        "roi_align_forward_impl(Tensor input, Tensor rois, Tensor! output")
