@@ -58,24 +58,39 @@ static int check_argmax(const mmd_tensor *t, const char *name, const int64_t *po
     return check_like(t, name, 4, pooled_shape, ref, ref_name);
 }
 
+/* Forward and backward take the same arrays under different names: a
+ * feature map (input / grad_input), the rois, a pooled array (output /
+ * grad_output) and the argmax pair. */
+static int check_arrays(const mmd_tensor *feature, const char *feature_name,
+                        const mmd_tensor *rois, const mmd_tensor *pooled,
+                        const char *pooled_name, const mmd_tensor *argmax_y,
+                        const mmd_tensor *argmax_x, int64_t aligned_height,
+                        int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,
+                        int64_t pool_mode, unsigned float_mask) {
+    int s = check_scalars(aligned_height, aligned_width, spatial_scale, sampling_ratio, pool_mode);
+    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
+    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
+    if (!s) s = mmd_check_shape(feature, feature_name, 4, any4);
+    if (!s) s = mmd_check_dtype(feature, feature_name, float_mask);
+    if (!s) s = mmd_check_contiguous(feature, feature_name);
+    if (!s) s = check_like(rois, "rois", 2, roi_shape, feature, feature_name);
+    if (s) return s;
+    const int64_t pooled_shape[4] = {rois->shape[0], feature->shape[1], aligned_height,
+                                     aligned_width};
+    s = check_like(pooled, pooled_name, 4, pooled_shape, feature, feature_name);
+    if (!s) s = check_argmax(argmax_y, "argmax_y", pooled_shape, pool_mode, feature, feature_name);
+    if (!s) s = check_argmax(argmax_x, "argmax_x", pooled_shape, pool_mode, feature, feature_name);
+    return s;
+}
+
 int mmd_roi_align_forward_check(const mmd_tensor *input, const mmd_tensor *rois,
                                 const mmd_tensor *output, const mmd_tensor *argmax_y,
                                 const mmd_tensor *argmax_x, int64_t aligned_height,
                                 int64_t aligned_width, double spatial_scale,
                                 int64_t sampling_ratio, int64_t pool_mode, unsigned float_mask) {
-    int s = check_scalars(aligned_height, aligned_width, spatial_scale, sampling_ratio, pool_mode);
-    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
-    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
-    if (!s) s = mmd_check_shape(input, "input", 4, any4);
-    if (!s) s = mmd_check_dtype(input, "input", float_mask);
-    if (!s) s = mmd_check_contiguous(input, "input");
-    if (!s) s = check_like(rois, "rois", 2, roi_shape, input, "input");
-    if (s) return s;
-    const int64_t pooled[4] = {rois->shape[0], input->shape[1], aligned_height, aligned_width};
-    s = check_like(output, "output", 4, pooled, input, "input");
-    if (!s) s = check_argmax(argmax_y, "argmax_y", pooled, pool_mode, input, "input");
-    if (!s) s = check_argmax(argmax_x, "argmax_x", pooled, pool_mode, input, "input");
-    return s;
+    return check_arrays(input, "input", rois, output, "output", argmax_y, argmax_x,
+                        aligned_height, aligned_width, spatial_scale, sampling_ratio, pool_mode,
+                        float_mask);
 }
 
 int mmd_roi_align_backward_check(const mmd_tensor *grad_output, const mmd_tensor *rois,
@@ -83,20 +98,9 @@ int mmd_roi_align_backward_check(const mmd_tensor *grad_output, const mmd_tensor
                                  const mmd_tensor *grad_input, int64_t aligned_height,
                                  int64_t aligned_width, double spatial_scale,
                                  int64_t sampling_ratio, int64_t pool_mode, unsigned float_mask) {
-    int s = check_scalars(aligned_height, aligned_width, spatial_scale, sampling_ratio, pool_mode);
-    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
-    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
-    if (!s) s = mmd_check_shape(grad_input, "grad_input", 4, any4);
-    if (!s) s = mmd_check_dtype(grad_input, "grad_input", float_mask);
-    if (!s) s = mmd_check_contiguous(grad_input, "grad_input");
-    if (!s) s = check_like(rois, "rois", 2, roi_shape, grad_input, "grad_input");
-    if (s) return s;
-    const int64_t pooled[4] = {rois->shape[0], grad_input->shape[1], aligned_height,
-                               aligned_width};
-    s = check_like(grad_output, "grad_output", 4, pooled, grad_input, "grad_input");
-    if (!s) s = check_argmax(argmax_y, "argmax_y", pooled, pool_mode, grad_input, "grad_input");
-    if (!s) s = check_argmax(argmax_x, "argmax_x", pooled, pool_mode, grad_input, "grad_input");
-    return s;
+    return check_arrays(grad_input, "grad_input", rois, grad_output, "grad_output", argmax_y,
+                        argmax_x, aligned_height, aligned_width, spatial_scale, sampling_ratio,
+                        pool_mode, float_mask);
 }
 
 int mmd_roi_align_roi_error(int code, int64_t roi_index, int64_t batch_size) {

@@ -102,6 +102,23 @@ __device__ inline A bilinear(const T *plane, int64_t width, const typename Math<
            ay.w_high * (ax.w_low * to_compute(hi[ax.low]) + ax.w_high * to_compute(hi[ax.high]));
 }
 
+/* Which bin output element `index` is, and its roi's geometry; false for a
+ * bad roi (unreachable: rois are checked before the launch). */
+template <typename T, typename A>
+__device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels,
+                                  int64_t pooled_h, int64_t pooled_w, int64_t batch, A scale,
+                                  int64_t sampling_ratio, int aligned, int64_t *c, int64_t *ph,
+                                  int64_t *pw, typename Math<A>::Geometry *g) {
+    *pw = index % pooled_w;
+    *ph = (index / pooled_w) % pooled_h;
+    *c = (index / pooled_w / pooled_h) % channels;
+    const int64_t k = index / pooled_w / pooled_h / channels;
+    A roi[5];
+    load_roi(rois, k, roi);
+    return Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g) ==
+           MMD_ROI_OK;
+}
+
 template <typename T>
 __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argmax_y,
                                T *argmax_x, int64_t total, int64_t channels, int64_t height,
@@ -112,16 +129,11 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
     typedef Math<A> M;
     for (int64_t index = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; index < total;
          index += (int64_t)blockDim.x * gridDim.x) {
-        const int64_t pw = index % pooled_w;
-        const int64_t ph = (index / pooled_w) % pooled_h;
-        const int64_t c = (index / pooled_w / pooled_h) % channels;
-        const int64_t k = index / pooled_w / pooled_h / channels;
-        A roi[5];
-        load_roi(rois, k, roi);
+        int64_t c, ph, pw;
         typename M::Geometry g;
-        if (M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, &g) !=
-            MMD_ROI_OK)
-            continue; /* unreachable: rois were checked before launch */
+        if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
+                              sampling_ratio, aligned, &c, &ph, &pw, &g))
+            continue;
         const T *plane = input + (g.batch * channels + c) * height * width;
         if (pool_mode == MMD_POOL_AVG) {
             A sum = 0;
@@ -179,15 +191,10 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
     typedef Math<A> M;
     for (int64_t index = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; index < total;
          index += (int64_t)blockDim.x * gridDim.x) {
-        const int64_t pw = index % pooled_w;
-        const int64_t ph = (index / pooled_w) % pooled_h;
-        const int64_t c = (index / pooled_w / pooled_h) % channels;
-        const int64_t k = index / pooled_w / pooled_h / channels;
-        A roi[5];
-        load_roi(rois, k, roi);
+        int64_t c, ph, pw;
         typename M::Geometry g;
-        if (M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, &g) !=
-            MMD_ROI_OK)
+        if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
+                              sampling_ratio, aligned, &c, &ph, &pw, &g))
             continue;
         T *plane = grad_input + (g.batch * channels + c) * height * width;
         const A grad = to_compute(grad_output[index]);
