@@ -22,6 +22,8 @@ import operator
 import sys
 import threading
 
+import numpy as np
+
 cnp.import_array()
 
 include "_intake.pxi"
@@ -301,7 +303,7 @@ cdef class OpRegistry:
         """Steps 1-4 of a call. Returns the Python kernel to call (with
         st.python_kernel set), or the DLPack capsules that must stay alive
         while the C kernel runs (None when there are none)."""
-        cdef int i, ref = -1
+        cdef int i, kind, ref = -1
         cdef int n = self.n_arrays
         cdef int device_type, device_id, backend, slot
         cdef mmd_tensor *t
@@ -474,7 +476,7 @@ cdef int _bool_arg(OpRegistry op, int pos, object value) except -1:
     try:
         return operator.index(value) != 0
     except TypeError:
-        if type(value).__name__ == "bool_":  # numpy.bool_ has no __index__
+        if isinstance(value, np.bool_):  # numpy booleans have no __index__
             return bool(value)
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"bool, got {type(value).__name__}") from None

@@ -211,6 +211,14 @@ def test_bad_scalar_arguments_name_the_parameter(position, value, expected):
         FWD(*call)
 
 
+def test_numpy_scalars_are_accepted_as_scalar_arguments():
+    expected = cpu_args()
+    FWD(*expected, *SCALARS)
+    args = cpu_args()
+    FWD(*args, np.int64(2), np.int32(2), np.float32(1.0), np.int8(2), np.int64(1), np.True_)
+    np.testing.assert_array_equal(args[2], expected[2])
+
+
 def test_read_only_output_is_rejected_and_untouched():
     args = cpu_args()
     args[2].setflags(write=False)
