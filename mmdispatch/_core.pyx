@@ -406,7 +406,7 @@ cdef class OpRegistry:
         if status is None:
             lines.append(f"mmdispatch has no built-in kernels for {type_name} devices.")
         elif not available:
-            lines.append(f"{type_name} slots are empty: {status}")
+            lines.append(f"{type_name} slots are empty: {status.rstrip('.')}.")
         else:
             lines.append(f"mmdispatch has no {type_name} kernel for this op and backend "
                          f"'{backend_name}'.")
