@@ -318,6 +318,19 @@ int backward(const mmd_tensor *grad_output, const mmd_tensor *rois, const mmd_te
     return err == cudaSuccess ? MMD_OK : cuda_error(err, "roi_align backward launch");
 }
 
+/* Calls f with a value of the storage type matching `dtype` (already
+ * checked to be float16, float32 or float64). */
+template <typename F> int by_dtype(int dtype, F f) {
+    switch (dtype) {
+    case MMD_FLOAT16:
+        return f(__half());
+    case MMD_FLOAT32:
+        return f(float());
+    default:
+        return f(double());
+    }
+}
+
 int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                            const mmd_tensor *output, const mmd_tensor *argmax_y,
                            const mmd_tensor *argmax_x, int64_t aligned_height,
@@ -329,21 +342,11 @@ int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
     if (s) return s;
     DeviceGuard guard(ctx->device_id);
     if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
-    cudaStream_t stream = (cudaStream_t)ctx->stream;
-    switch (input->dtype) {
-    case MMD_FLOAT16:
-        return forward<__half>(input, rois, output, argmax_y, argmax_x, aligned_height,
-                               aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned,
-                               stream);
-    case MMD_FLOAT32:
-        return forward<float>(input, rois, output, argmax_y, argmax_x, aligned_height,
-                              aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned,
-                              stream);
-    default:
-        return forward<double>(input, rois, output, argmax_y, argmax_x, aligned_height,
-                               aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned,
-                               stream);
-    }
+    return by_dtype(input->dtype, [&](auto tag) {
+        return forward<decltype(tag)>(input, rois, output, argmax_y, argmax_x, aligned_height,
+                                      aligned_width, spatial_scale, sampling_ratio, pool_mode,
+                                      aligned, (cudaStream_t)ctx->stream);
+    });
 }
 
 int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
@@ -357,21 +360,12 @@ int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *roi
     if (s) return s;
     DeviceGuard guard(ctx->device_id);
     if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
-    cudaStream_t stream = (cudaStream_t)ctx->stream;
-    switch (grad_input->dtype) {
-    case MMD_FLOAT16:
-        return backward<__half>(grad_output, rois, argmax_y, argmax_x, grad_input,
-                                aligned_height, aligned_width, spatial_scale, sampling_ratio,
-                                pool_mode, aligned, stream);
-    case MMD_FLOAT32:
-        return backward<float>(grad_output, rois, argmax_y, argmax_x, grad_input,
-                               aligned_height, aligned_width, spatial_scale, sampling_ratio,
-                               pool_mode, aligned, stream);
-    default:
-        return backward<double>(grad_output, rois, argmax_y, argmax_x, grad_input,
-                                aligned_height, aligned_width, spatial_scale, sampling_ratio,
-                                pool_mode, aligned, stream);
-    }
+    return by_dtype(grad_input->dtype, [&](auto tag) {
+        return backward<decltype(tag)>(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                       aligned_height, aligned_width, spatial_scale,
+                                       sampling_ratio, pool_mode, aligned,
+                                       (cudaStream_t)ctx->stream);
+    });
 }
 
 }  // namespace
