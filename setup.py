@@ -179,7 +179,7 @@ class BuildExt(build_ext):
                     and obj.stat().st_mtime > max(src.stat().st_mtime, newest_header)):
                 continue
             cmd = [str(NVCC), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17",
-                   "-Xcompiler", "-fPIC", f"--threads={os.cpu_count() or 1}",
+                   "-Xcompiler", "-fPIC,-fvisibility=hidden", f"--threads={os.cpu_count() or 1}",
                    "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags]
             print("mmdispatch: nvcc", src.name, flush=True)
             subprocess.run(cmd, check=True)
@@ -221,7 +221,10 @@ core = Extension(
              *map(rel, sorted((ROOT / "src" / "core").glob("*.c"))),
              *map(rel, sorted((ROOT / "src" / "cpu").glob("*.c"))),
              rel(GEN_DIR / "mmdispatch_generated.c")],
-    include_dirs=[str(ROOT / "include"), str(GEN_DIR), numpy.get_include()],
+    # src/cpu: its kernel files instantiate themselves per float type through
+    # mmdispatch/typed.h, which includes them back by name.
+    include_dirs=[str(ROOT / "include"), str(ROOT / "src" / "cpu"), str(GEN_DIR),
+                  numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O3"],
 )

@@ -82,3 +82,36 @@ def pair(op, name, value):
     if h < 1 or w < 1:
         raise ValueError(f"{op}: {name} must be >= 1, got {value!r}")
     return h, w
+
+
+def shape_arg(op, name, value, ndim, layout):
+    """A shape given as a sequence of `ndim` non-negative ints."""
+    try:
+        shape = tuple(operator.index(v) for v in value)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be a sequence of {ndim} ints {layout}, got "
+                        f"{value!r}") from None
+    if len(shape) != ndim or min(shape, default=0) < 0:
+        raise ValueError(f"{op}: {name} must be {ndim} non-negative ints {layout}, got "
+                         f"{value!r}")
+    return shape
+
+
+def index_array(op, name, x):
+    """Integer array argument as int64 (copied only if it has another
+    integer dtype); anything else is a TypeError."""
+    x = contiguous(native(op, name, x))
+    kind = getattr(getattr(x, "dtype", None), "kind", None)
+    if kind not in ("i", "u"):
+        raise TypeError(f"{op}: {name} must have an integer dtype, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    return x if x.dtype == np.int64 else x.astype(np.int64)
+
+
+def choice(op, name, value, options):
+    """options[value] for a string parameter such as mode or reduction."""
+    try:
+        return options[value]
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(k) for k in options)
+        raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}") from None

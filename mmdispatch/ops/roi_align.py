@@ -10,16 +10,14 @@ roi_align_forward_impl / roi_align_backward_impl.
   (argmax_y / argmax_x) for backward.
 """
 from mmdispatch import _core
-from mmdispatch.ops._arrays import check_ndim, contiguous, like, namespace, native, pair
+from mmdispatch.ops._arrays import (check_ndim, choice, contiguous, like, namespace, native,
+                                    pair, shape_arg)
 
-_POOL_MODES = {"max": 0, "avg": 1}
+_POOL_MODES = {"avg": 1, "max": 0}
 
 
 def _pool_mode(op, pool_mode):
-    try:
-        return _POOL_MODES[pool_mode]
-    except (KeyError, TypeError):
-        raise ValueError(f"{op}: pool_mode must be 'avg' or 'max', got {pool_mode!r}") from None
+    return choice(op, "pool_mode", pool_mode, _POOL_MODES)
 
 
 def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0,
@@ -57,14 +55,7 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
     grad_output = contiguous(native(op, "grad_output", grad_output))
     rois = contiguous(native(op, "rois", rois))
     check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
-    try:
-        shape = tuple(int(s) for s in input_shape)
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: input_shape must be a sequence of 4 ints, got "
-                        f"{input_shape!r}") from None
-    if len(shape) != 4 or min(shape) < 0:
-        raise ValueError(f"{op}: input_shape must be 4 non-negative ints (N, C, H, W), got "
-                         f"{input_shape!r}")
+    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
     xp, device = namespace(grad_output)
     with device:
         grad_input = xp.zeros(shape, dtype=grad_output.dtype)

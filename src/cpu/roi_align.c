@@ -1,26 +1,17 @@
-/* roi_align on CPU: argument checks shared with CUDA, a `reference` backend
- * (plain scalar loops, one sample at a time, single thread) and a `default`
- * backend (per-roi interpolation weights computed once per axis, OpenMP
- * threads; backward parallel over channels, so it is race-free and
- * deterministic). The typed kernels are instantiated by including this file
- * into itself with T / TFN defined. */
-#ifndef T
+/* roi_align on CPU: argument checks shared with CUDA, a `reference` backend (plain scalar
+ * loops, one sample at a time, single thread) and a `default` backend (per-roi interpolation
+ * weights computed once per axis, OpenMP threads; backward parallel over channels, so it is
+ * race-free and deterministic). The typed kernels (after #else, with T / TFN naming the type
+ * and the name suffix) are instantiated for float and double through mmdispatch/typed.h. */
+#ifndef MMD_REAL
 
 #include <stdlib.h>
 
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/registry.h"
 
-#define T float
-#define TFN(name) name##_f32
-#include "roi_align.c"
-#undef T
-#undef TFN
-#define T double
-#define TFN(name) name##_f64
-#include "roi_align.c"
-#undef T
-#undef TFN
+#define MMD_TYPED_FILE "roi_align.c"
+#include "mmdispatch/typed.h"
 
 static int check_scalars(int64_t aligned_height, int64_t aligned_width, double spatial_scale,
                          int64_t sampling_ratio, int64_t pool_mode) {
@@ -103,30 +94,6 @@ int mmd_roi_align_backward_check(const mmd_tensor *grad_output, const mmd_tensor
                         pool_mode, float_mask);
 }
 
-int mmd_roi_align_roi_error(int code, int64_t roi_index, int64_t batch_size) {
-    switch (code) {
-    case MMD_ROI_NONFINITE:
-        return mmd_error(MMD_ERR_VALUE, "rois[%lld] contains NaN or inf", (long long)roi_index);
-    case MMD_ROI_BAD_BATCH:
-        return mmd_error(MMD_ERR_VALUE,
-                         "rois[%lld, 0] (batch index) must be an integer in [0, %lld)",
-                         (long long)roi_index, (long long)batch_size);
-    case MMD_ROI_NEGATIVE_SIZE:
-        return mmd_error(MMD_ERR_VALUE,
-                         "rois[%lld] has negative width or height (x2 < x1 or y2 < y1), which "
-                         "aligned=True does not allow",
-                         (long long)roi_index);
-    case MMD_ROI_GRID_TOO_LARGE:
-        return mmd_error(MMD_ERR_VALUE,
-                         "rois[%lld] needs more than %d samples per bin axis; use a smaller "
-                         "roi, spatial_scale or sampling_ratio",
-                         (long long)roi_index, MMD_ROI_ALIGN_MAX_GRID);
-    default:
-        return mmd_error(MMD_ERR_RUNTIME, "rois[%lld]: unknown roi error %d",
-                         (long long)roi_index, code);
-    }
-}
-
 typedef enum { RUN_DEFAULT, RUN_REFERENCE } run_kind;
 
 static int roi_align_forward_run(run_kind kind, const mmd_tensor *input, const mmd_tensor *rois,
@@ -204,7 +171,9 @@ MMD_REGISTRATIONS(cpu, roi_align) {
                              roi_align_backward_cpu_reference);
 }
 
-#else /* typed kernels, instantiated above for T = float and T = double */
+#else /* typed kernels, instantiated above for float and double */
+#define T MMD_REAL
+#define TFN MMD_FN
 
 typedef TFN(mmd_roi_geometry) TFN(geometry);
 typedef TFN(mmd_interp_axis) TFN(axis);
@@ -219,7 +188,7 @@ static int TFN(check_rois)(const mmd_tensor *rois, int64_t batch_size, T spatial
         TFN(geometry) g = {0};
         int code = TFN(mmd_roi_align_geometry)(r + 5 * k, batch_size, spatial_scale, pooled_h,
                                                pooled_w, sampling_ratio, aligned, &g);
-        if (code != MMD_ROI_OK) return mmd_roi_align_roi_error(code, k, batch_size);
+        if (code != MMD_ROI_OK) return mmd_roi_error(code, k, batch_size);
     }
     return MMD_OK;
 }
@@ -451,4 +420,6 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
     return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
 }
 
+#undef T
+#undef TFN
 #endif

@@ -4,18 +4,14 @@
  * float32. Launches on ctx->stream, on ctx->device_id. Rois are validated on
  * the device before any output is written, so a bad roi is an exception,
  * never an out-of-bounds access. */
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
+#include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65535;
-constexpr unsigned long long kNoError = ~0ull;
+using namespace mmd_cuda;
 
 /* The shared C math, selected by compute type. */
 template <typename A> struct Math;
@@ -57,39 +53,25 @@ template <> struct Math<double> {
     static __device__ double max_value(const MaxState *m) { return mmd_max_value_f64(m); }
 };
 
-/* Storage type -> compute type. */
-template <typename T> struct Compute { typedef T type; };
-template <> struct Compute<__half> { typedef float type; };
-
-__device__ inline float to_compute(__half v) { return __half2float(v); }
-__device__ inline float to_compute(float v) { return v; }
-__device__ inline double to_compute(double v) { return v; }
-template <typename T> __device__ inline T from_compute(float v);
-template <> __device__ inline __half from_compute<__half>(float v) { return __float2half(v); }
-template <> __device__ inline float from_compute<float>(float v) { return v; }
-template <typename T> __device__ inline T from_compute(double v) { return v; }
-
 template <typename T, typename A>
 __device__ inline void load_roi(const T *rois, int64_t k, A roi[5]) {
     for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
 }
 
-/* Records the first bad roi as (index << 8 | code) with an atomic min. */
+/* Reports the first bad roi through report_error. */
 template <typename T>
 __global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch,
                                   typename Compute<T>::type scale, int64_t pooled_h,
                                   int64_t pooled_w, int64_t sampling_ratio, int aligned,
                                   unsigned long long *first_error) {
     typedef typename Compute<T>::type A;
-    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < num_rois;
-         k += (int64_t)blockDim.x * gridDim.x) {
+    MMD_GRID_STRIDE_LOOP(k, num_rois) {
         A roi[5];
         load_roi(rois, k, roi);
         typename Math<A>::Geometry g;
         int code = Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
                                      aligned, &g);
-        if (code != MMD_ROI_OK)
-            atomicMin(first_error, ((unsigned long long)k << 8) | (unsigned long long)code);
+        if (code != MMD_ROI_OK) report_error(first_error, k, code);
     }
 }
 
@@ -127,8 +109,7 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
                                int64_t pool_mode, int aligned) {
     typedef typename Compute<T>::type A;
     typedef Math<A> M;
-    for (int64_t index = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; index < total;
-         index += (int64_t)blockDim.x * gridDim.x) {
+    MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
         typename M::Geometry g;
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
@@ -189,8 +170,7 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
                                 int64_t pool_mode, int aligned) {
     typedef typename Compute<T>::type A;
     typedef Math<A> M;
-    for (int64_t index = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; index < total;
-         index += (int64_t)blockDim.x * gridDim.x) {
+    MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
         typename M::Geometry g;
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
@@ -222,57 +202,21 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
     }
 }
 
-int cuda_error(cudaError_t err, const char *what) {
-    return mmd_error(MMD_ERR_RUNTIME, "CUDA error in %s: %s (%s)", what, cudaGetErrorString(err),
-                     cudaGetErrorName(err));
-}
-
-/* Makes ctx's device current for the call and restores the caller's. */
-class DeviceGuard {
-  public:
-    explicit DeviceGuard(int device) {
-        err_ = cudaGetDevice(&previous_);
-        if (err_ == cudaSuccess && previous_ != device) err_ = cudaSetDevice(device);
-        switched_ = err_ == cudaSuccess && previous_ != device;
-    }
-    ~DeviceGuard() {
-        if (switched_) cudaSetDevice(previous_);
-    }
-    cudaError_t error() const { return err_; }
-
-  private:
-    int previous_ = 0;
-    bool switched_ = false;
-    cudaError_t err_;
-};
-
-unsigned blocks_for(int64_t total) {
-    int64_t blocks = (total + kThreads - 1) / kThreads;
-    return (unsigned)(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
-/* Runs the roi check kernel and waits for its verdict (one small sync). */
+/* Validates every roi on the device before anything is written. */
 template <typename T>
 int check_rois(const mmd_tensor *rois, int64_t batch, typename Compute<T>::type scale,
                int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio, int aligned,
                cudaStream_t stream) {
     const int64_t num_rois = rois->shape[0];
     if (num_rois == 0) return MMD_OK;
-    unsigned long long *flag = nullptr, result = kNoError;
-    cudaError_t err = cudaMallocAsync((void **)&flag, sizeof *flag, stream);
-    if (err != cudaSuccess) return cuda_error(err, "roi_align roi check allocation");
-    cudaMemsetAsync(flag, 0xff, sizeof *flag, stream);
-    check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
-        (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio,
-        aligned, flag);
-    err = cudaGetLastError();
-    if (err == cudaSuccess)
-        err = cudaMemcpyAsync(&result, flag, sizeof result, cudaMemcpyDeviceToHost, stream);
-    cudaFreeAsync(flag, stream);
-    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-    if (err != cudaSuccess) return cuda_error(err, "roi_align roi check");
-    if (result == kNoError) return MMD_OK;
-    return mmd_roi_align_roi_error((int)(result & 0xff), (int64_t)(result >> 8), batch);
+    return check_on_device(
+        stream, "roi_align roi check",
+        [&](unsigned long long *flag) {
+            check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
+                (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w,
+                sampling_ratio, aligned, flag);
+        },
+        [&](int64_t index, int code) { return mmd_roi_error(code, index, batch); });
 }
 
 template <typename T>
@@ -292,8 +236,7 @@ int forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *o
         max_mode ? (T *)argmax_y->data : nullptr, max_mode ? (T *)argmax_x->data : nullptr,
         total, input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
         (A)spatial_scale, sampling_ratio, pool_mode, aligned);
-    cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? MMD_OK : cuda_error(err, "roi_align forward launch");
+    return launch_status("roi_align forward launch");
 }
 
 template <typename T>
@@ -314,21 +257,7 @@ int backward(const mmd_tensor *grad_output, const mmd_tensor *rois, const mmd_te
         max_mode ? (const T *)argmax_x->data : nullptr, (T *)grad_input->data, total,
         grad_input->shape[1], grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w,
         batch, (A)spatial_scale, sampling_ratio, pool_mode, aligned);
-    cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? MMD_OK : cuda_error(err, "roi_align backward launch");
-}
-
-/* Calls f with a value of the storage type matching `dtype` (already
- * checked to be float16, float32 or float64). */
-template <typename F> int by_dtype(int dtype, F f) {
-    switch (dtype) {
-    case MMD_FLOAT16:
-        return f(__half());
-    case MMD_FLOAT32:
-        return f(float());
-    default:
-        return f(double());
-    }
+    return launch_status("roi_align backward launch");
 }
 
 int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
@@ -340,12 +269,12 @@ int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                                         aligned_width, spatial_scale, sampling_ratio, pool_mode,
                                         MMD_FLOAT16_32_64);
     if (s) return s;
-    DeviceGuard guard(ctx->device_id);
-    if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
-    return by_dtype(input->dtype, [&](auto tag) {
-        return forward<decltype(tag)>(input, rois, output, argmax_y, argmax_x, aligned_height,
-                                      aligned_width, spatial_scale, sampling_ratio, pool_mode,
-                                      aligned, (cudaStream_t)ctx->stream);
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype(input->dtype, [&](auto tag) {
+            return forward<decltype(tag)>(input, rois, output, argmax_y, argmax_x,
+                                          aligned_height, aligned_width, spatial_scale,
+                                          sampling_ratio, pool_mode, aligned, stream);
+        });
     });
 }
 
@@ -358,13 +287,12 @@ int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *roi
                                          aligned_height, aligned_width, spatial_scale,
                                          sampling_ratio, pool_mode, MMD_FLOAT16_32_64);
     if (s) return s;
-    DeviceGuard guard(ctx->device_id);
-    if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
-    return by_dtype(grad_input->dtype, [&](auto tag) {
-        return backward<decltype(tag)>(grad_output, rois, argmax_y, argmax_x, grad_input,
-                                       aligned_height, aligned_width, spatial_scale,
-                                       sampling_ratio, pool_mode, aligned,
-                                       (cudaStream_t)ctx->stream);
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype(grad_input->dtype, [&](auto tag) {
+            return backward<decltype(tag)>(grad_output, rois, argmax_y, argmax_x, grad_input,
+                                           aligned_height, aligned_width, spatial_scale,
+                                           sampling_ratio, pool_mode, aligned, stream);
+        });
     });
 }
 

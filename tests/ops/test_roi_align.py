@@ -312,7 +312,7 @@ def test_bad_rois_raise_and_write_nothing(bad_roi, message, backend):
     (lambda x, r: roi_align(x, r, 0), ValueError, "roi_align_forward: output_size must be >= 1"),
     (lambda x, r: roi_align(x, r, "7"), TypeError, "output_size must be an int or a pair"),
     (lambda x, r: roi_align(x, r, 2, pool_mode="sum"), ValueError,
-     "pool_mode must be 'avg' or 'max', got 'sum'"),
+     "pool_mode must be one of 'avg', 'max', got 'sum'"),
     (lambda x, r: roi_align(x, r, 2, spatial_scale=float("nan")), ValueError,
      "spatial_scale must be finite and > 0, got nan"),
     (lambda x, r: roi_align(x, r, 2, spatial_scale=0), ValueError,

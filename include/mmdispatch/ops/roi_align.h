@@ -8,23 +8,11 @@
 #include <math.h>
 
 #include "mmdispatch/checks.h"
+#include "mmdispatch/ops/rois.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Outcome of validating one roi. */
-enum {
-    MMD_ROI_OK = 0,
-    MMD_ROI_NONFINITE = 1,
-    MMD_ROI_BAD_BATCH = 2,
-    MMD_ROI_NEGATIVE_SIZE = 3,
-    MMD_ROI_GRID_TOO_LARGE = 4
-};
-
-/* Samples per bin axis are capped so that a huge roi or sampling_ratio is an
- * error instead of an int overflow or an endless loop. */
-#define MMD_ROI_ALIGN_MAX_GRID 32768
 
 enum { MMD_POOL_MAX = 0, MMD_POOL_AVG = 1 };
 
@@ -39,8 +27,6 @@ int mmd_roi_align_backward_check(const mmd_tensor *grad_output, const mmd_tensor
                                  const mmd_tensor *grad_input, int64_t aligned_height,
                                  int64_t aligned_width, double spatial_scale,
                                  int64_t sampling_ratio, int64_t pool_mode, unsigned float_mask);
-/* Formats the message for a roi rejected with code `code` (MMD_ROI_*). */
-int mmd_roi_align_roi_error(int code, int64_t roi_index, int64_t batch_size);
 
 #ifdef __cplusplus
 }
@@ -48,15 +34,7 @@ int mmd_roi_align_roi_error(int code, int64_t roi_index, int64_t batch_size);
 
 /* Instantiate the typed math for float (also used for float16 on CUDA) and
  * double: mmd_roi_align_geometry_f32 / _f64, mmd_interp_axis_f32 / _f64. */
-#define MMD_REAL float
-#define MMD_FN(name) name##_f32
-#include "mmdispatch/ops/roi_align_math.inc"
-#undef MMD_REAL
-#undef MMD_FN
-#define MMD_REAL double
-#define MMD_FN(name) name##_f64
-#include "mmdispatch/ops/roi_align_math.inc"
-#undef MMD_REAL
-#undef MMD_FN
+#define MMD_TYPED_FILE "mmdispatch/ops/roi_align_math.inc"
+#include "mmdispatch/typed.h"
 
 #endif

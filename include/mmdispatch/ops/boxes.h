@@ -1,0 +1,35 @@
+/* Box math shared by nms and bbox_overlaps on every device: boxes are
+ * [x1, y1, x2, y2]; `offset` (0 or 1, as in MMCV) is added to widths and
+ * heights, so offset=1 treats coordinates as inclusive pixel indices. */
+#ifndef MMDISPATCH_OPS_BOXES_H
+#define MMDISPATCH_OPS_BOXES_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "mmdispatch/tensor.h"
+
+/* Sort key of a score: keys compare (as unsigned ints) like the scores, -0
+ * equals +0, and NaN sorts below every number, -inf included. nms orders
+ * boxes by key, descending, ties by lower index. */
+MMD_HOSTDEV static inline uint32_t mmd_score_key_f32(float v) {
+    if (v != v) return 0;
+    if (v == 0) v = 0;
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+MMD_HOSTDEV static inline uint64_t mmd_score_key_f64(double v) {
+    if (v != v) return 0;
+    if (v == 0) v = 0;
+    uint64_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
+}
+
+#define MMD_TYPED_FILE "mmdispatch/ops/boxes_math.inc"
+#include "mmdispatch/typed.h"
+
+#endif

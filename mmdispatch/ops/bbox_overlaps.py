@@ -1,0 +1,33 @@
+"""Pairwise box overlaps (MMCV's bbox_overlaps), dispatched through
+bbox_overlaps_impl.
+
+- "iou": intersection / union; "iof": intersection / area of the box from
+  bboxes1. `offset` (0 or 1) is added to widths and heights.
+- aligned=False gives (N, M) for every pair, aligned=True gives (N,) for
+  bboxes1[i] vs bboxes2[i] (N must equal M).
+- A union or area <= 0 (degenerate boxes) gives 0, never NaN or inf; NaN
+  coordinates give NaN.
+"""
+from mmdispatch import _core
+from mmdispatch.ops._arrays import check_ndim, choice, contiguous, like, namespace, native
+
+_MODES = {"iou": 0, "iof": 1}
+
+
+def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
+    """Overlaps of (N, 4) bboxes1 with (M, 4) bboxes2, in their dtype."""
+    op = "bbox_overlaps"
+    mode_code = choice(op, "mode", mode, _MODES)
+    original = bboxes1
+    bboxes1 = contiguous(native(op, "bboxes1", bboxes1))
+    bboxes2 = contiguous(native(op, "bboxes2", bboxes2))
+    check_ndim(op, "bboxes1", bboxes1, 2, "(N, 4)")
+    check_ndim(op, "bboxes2", bboxes2, 2, "(M, 4)")
+    if not isinstance(aligned, bool):
+        raise TypeError(f"{op}: aligned must be a bool, got {aligned!r}")
+    shape = (bboxes1.shape[0],) if aligned else (bboxes1.shape[0], bboxes2.shape[0])
+    xp, device = namespace(bboxes1)
+    with device:
+        ious = xp.empty(shape, dtype=bboxes1.dtype)
+    _core.bbox_overlaps_impl(bboxes1, bboxes2, ious, mode_code, aligned, offset)
+    return like(original, ious)

@@ -1,0 +1,58 @@
+"""RoIPool (Fast R-CNN; MMCV / torchvision semantics), dispatched through
+roi_pool_forward_impl / roi_pool_backward_impl.
+
+- rois are (K, 5): [batch_index, x1, y1, x2, y2] in input-image
+  coordinates; corners are scaled by spatial_scale and rounded, and a roi
+  spans max(x2 - x1 + 1, 1) cells (same for y).
+- Bin k along an axis covers [floor(k * bin), ceil((k + 1) * bin)) cells
+  from the roi start, clipped to the map; its output is the maximum, and
+  argmax (int64) is the flat h * W + w index of that maximum.
+- An empty bin gives 0 and a bin of only NaN gives NaN, both with argmax
+  -1; other NaN values are skipped. argmax -1 gets no gradient.
+"""
+import numpy as np
+
+from mmdispatch import _core
+from mmdispatch.ops._arrays import (check_ndim, contiguous, index_array, like, namespace,
+                                    native, pair, shape_arg)
+
+
+def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
+    """Returns (output, argmax): output is (K, C, *output_size) in the
+    input's dtype, argmax the same shape in int64."""
+    op = "roi_pool_forward"
+    height, width = pair(op, "output_size", output_size)
+    original = input
+    input = contiguous(native(op, "input", input))
+    rois = contiguous(native(op, "rois", rois))
+    check_ndim(op, "input", input, 4, "(N, C, H, W)")
+    check_ndim(op, "rois", rois, 2, "(K, 5)")
+    xp, device = namespace(input)
+    with device:
+        output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)
+        argmax = xp.empty(output.shape, dtype=np.int64)
+    _core.roi_pool_forward_impl(input, rois, output, argmax, height, width, spatial_scale)
+    return like(original, output), like(original, argmax)
+
+
+def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0):
+    """Gradient of sum(output * grad_output) with respect to the input, of
+    shape input_shape; argmax comes from roi_pool_forward."""
+    op = "roi_pool_backward"
+    original = grad_output
+    grad_output = contiguous(native(op, "grad_output", grad_output))
+    rois = contiguous(native(op, "rois", rois))
+    argmax = index_array(op, "argmax", argmax)
+    check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
+    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
+    xp, device = namespace(grad_output)
+    with device:
+        grad_input = xp.zeros(shape, dtype=grad_output.dtype)
+    _core.roi_pool_backward_impl(grad_output, rois, argmax, grad_input, grad_output.shape[2],
+                                 grad_output.shape[3], spatial_scale)
+    return like(original, grad_input)
+
+
+def roi_pool(input, rois, output_size, spatial_scale=1.0):
+    """RoIPool output, (K, C, *output_size)."""
+    return roi_pool_forward(input, rois, output_size, spatial_scale)[0]

@@ -1,0 +1,68 @@
+"""Sigmoid focal loss (MMCV's sigmoid_focal_loss), dispatched through
+sigmoid_focal_loss_forward_impl / sigmoid_focal_loss_backward_impl.
+
+- input: (N, C) logits; target: (N,) integer class indices in [0, C], where
+  C means background (every column is a negative).
+- With p = sigmoid(x), an element's loss is
+  alpha * (1 - p)**gamma * -log(p) in its target column and
+  (1 - alpha) * p**gamma * -log(1 - p) elsewhere, computed from softplus so
+  that large |x| stays finite and exact.
+- weight: optional (C,) per-class weight; as in MMCV, every element of row i
+  is multiplied by weight[target[i]]; background rows are not weighted.
+- reduction "mean" is MMCV's: the sum over all elements divided by N (the
+  number of rows), not by N * C.
+"""
+import numpy as np
+
+from mmdispatch import _core
+from mmdispatch.ops._arrays import check_ndim, choice, contiguous, index_array, like, namespace, native
+
+_REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
+
+
+def _run(op, impl, input, target, gamma, alpha, weight):
+    original = input
+    input = contiguous(native(op, "input", input))
+    target = index_array(op, "target", target)
+    check_ndim(op, "input", input, 2, "(N, C)")
+    check_ndim(op, "target", target, 1, "(N,)")
+    if weight is not None:
+        weight = contiguous(native(op, "weight", weight))
+    xp, device = namespace(input)
+    with device:
+        out = xp.empty(input.shape, dtype=input.dtype)
+    impl(input, target, weight, out, gamma, alpha)
+    return original, xp, out
+
+
+def sigmoid_focal_loss_forward(input, target, gamma=2.0, alpha=0.25, weight=None):
+    """Elementwise loss, (N, C), in the input's dtype."""
+    original, _, loss = _run("sigmoid_focal_loss_forward",
+                             _core.sigmoid_focal_loss_forward_impl, input, target, gamma,
+                             alpha, weight)
+    return like(original, loss)
+
+
+def sigmoid_focal_loss_backward(input, target, gamma=2.0, alpha=0.25, weight=None):
+    """d sum(loss) / d input, (N, C). Scale it by the upstream gradient (and
+    by 1 / N for reduction="mean")."""
+    original, _, grad = _run("sigmoid_focal_loss_backward",
+                             _core.sigmoid_focal_loss_backward_impl, input, target, gamma,
+                             alpha, weight)
+    return like(original, grad)
+
+
+def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
+    """Focal loss reduced by "none" ((N, C)), "sum" or "mean" (0-d arrays).
+    The mean of an empty batch (N = 0) is NaN, as in MMCV."""
+    op = "sigmoid_focal_loss"
+    reduction = choice(op, "reduction", reduction, _REDUCTIONS)
+    original, xp, loss = _run(op, _core.sigmoid_focal_loss_forward_impl, input, target, gamma,
+                              alpha, weight)
+    if reduction == "none":
+        return like(original, loss)
+    total = loss.sum()
+    if reduction == "mean":
+        with np.errstate(invalid="ignore"):
+            total = total / loss.dtype.type(loss.shape[0])
+    return like(original, xp.asarray(total))
