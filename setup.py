@@ -178,7 +178,9 @@ class BuildExt(build_ext):
             if (not flags_changed and obj.exists()
                     and obj.stat().st_mtime > max(src.stat().st_mtime, newest_header)):
                 continue
-            cmd = [str(NVCC), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17",
+            # -fmad=false: no fused multiply-adds, so kernels that share their
+            # math with the CPU (IoU in nms) round the same way and agree exactly.
+            cmd = [str(NVCC), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17", "-fmad=false",
                    "-Xcompiler", "-fPIC,-fvisibility=hidden", f"--threads={os.cpu_count() or 1}",
                    "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags]
             print("mmdispatch: nvcc", src.name, flush=True)
@@ -225,6 +227,8 @@ core = Extension(
     # mmdispatch/typed.h, which includes them back by name.
     include_dirs=[str(ROOT / "include"), str(ROOT / "src" / "cpu"), str(GEN_DIR),
                   numpy.get_include()],
+    # headers and shared math (.inc): editing one rebuilds the C sources
+    depends=[rel(p) for p in sorted((ROOT / "include").rglob("*")) if p.is_file()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O3"],
 )

@@ -46,35 +46,75 @@ def demo_data(dtype=np.float32):
     return feature, rois
 
 
+def published_checks():
+    """(name, good) for MMCV's published values of every op, on the CPU."""
+    from mmdispatch import ops
+
+    mmcv_input = np.array([[[[1, 2, 5, 6], [3, 4, 7, 8], [9, 10, 13, 14], [11, 12, 15, 16]]]],
+                          dtype=np.float64)
+    mmcv_rois = np.array([[0, 0, 0, 3, 3]], dtype=np.float64)
+    out, _, _ = ops.roi_align_forward(mmcv_input, mmcv_rois, (2, 2), 1.0, 2, "avg", True)
+    grad = ops.roi_align_backward(np.ones_like(out), mmcv_rois, None, None, mmcv_input.shape,
+                                  1.0, 2)
+    yield "roi_align", (np.allclose(out[0, 0], [[1.9375, 4.75], [7.5625, 10.375]])
+                        and np.allclose(grad[0, 0, 0], [0.47265625, 0.4296875, 0.4296875,
+                                                        0.04296875]))
+    boxes = np.array([[6, 3, 8, 7], [3, 6, 9, 11], [3, 7, 10, 12], [1, 4, 13, 7]], np.float32)
+    scores = np.array([0.6, 0.9, 0.7, 0.2], np.float32)
+    yield "nms", ops.nms(boxes, scores, 0.3).tolist() == [1, 0, 3]
+    ious = ops.bbox_overlaps(np.array([[1, 1, 3, 4], [2, 2, 3, 4], [7, 7, 8, 8]], np.float32),
+                             np.array([[0, 2, 2, 5], [2, 1, 3, 3]], np.float32), offset=1)
+    yield "bbox_overlaps", np.allclose(ious, [[0.33333334, 0.5], [0.2, 0.5], [0, 0]])
+    loss = ops.sigmoid_focal_loss(np.array([[1, 0], [0, 1]], np.float32), np.array([0, 1]))
+    yield "sigmoid_focal_loss", bool(np.isclose(loss, 0.13562961))
+
+
+def run_ops(feature, rois, scores, logits, targets, cupy=None):
+    """Every op on the demo data (numpy, or CuPy arrays when cupy is given),
+    results as numpy arrays."""
+    from mmdispatch import ops
+
+    to_host = (lambda a: a) if cupy is None else cupy.asnumpy
+    boxes = rois[:, 1:]
+    return {
+        "roi_align avg": to_host(ops.roi_align(feature, rois, 7, 0.25, 2, "avg")),
+        "roi_align max": to_host(ops.roi_align(feature, rois, 7, 0.25, 2, "max")),
+        "roi_pool": to_host(ops.roi_pool(feature, rois, 7, 0.25)),
+        "nms": to_host(ops.nms(boxes, scores, 0.5)),
+        "bbox_overlaps": to_host(ops.bbox_overlaps(boxes, boxes)),
+        "sigmoid_focal_loss": to_host(ops.sigmoid_focal_loss(logits, targets, reduction="none")),
+    }
+
+
 def demo():
-    from mmdispatch.ops import roi_align_backward, roi_align_forward
+    from mmdispatch.ops import roi_align
 
     print(registry_matrix())
     print()
     ok = True
-    mmcv_input = np.array([[[[1, 2, 5, 6], [3, 4, 7, 8], [9, 10, 13, 14], [11, 12, 15, 16]]]],
-                          dtype=np.float64)
-    mmcv_rois = np.array([[0, 0, 0, 3, 3]], dtype=np.float64)
-    out, _, _ = roi_align_forward(mmcv_input, mmcv_rois, (2, 2), 1.0, 2, "avg", True)
-    grad = roi_align_backward(np.ones_like(out), mmcv_rois, None, None, mmcv_input.shape, 1.0, 2)
-    expected_out = np.array([[1.9375, 4.75], [7.5625, 10.375]])
-    expected_grad = np.array([0.47265625, 0.4296875, 0.4296875, 0.04296875])
-    good = np.allclose(out[0, 0], expected_out) and np.allclose(grad[0, 0, 0], expected_grad)
-    ok &= good
-    print(f"cpu    MMCV published roi_align values: {'match' if good else 'MISMATCH'}")
+    for name, good in published_checks():
+        ok &= good
+        print(f"cpu    MMCV published {name} values: {'match' if good else 'MISMATCH'}")
 
     feature, rois = demo_data()
+    rng = np.random.default_rng(1)
+    scores = rng.random(rois.shape[0]).astype(feature.dtype)
+    logits = (4 * rng.standard_normal((rois.shape[0], 16))).astype(feature.dtype)
+    targets = rng.integers(0, 17, size=rois.shape[0])
     results = {}
     for backend in ("reference", "default"):
         with mmdispatch.use_backend("cpu", backend):
             for mode in ("avg", "max"):
-                results[backend, mode] = roi_align_forward(feature, rois, (7, 7), 0.25, 2, mode)
+                results[backend, mode] = roi_align(feature, rois, (7, 7), 0.25, 2, mode)
     for mode in ("avg", "max"):
-        diff = float(np.max(np.abs(results["default", mode][0] - results["reference", mode][0])))
+        diff = float(np.max(np.abs(results["default", mode] - results["reference", mode])))
         good = diff <= 1e-5
         ok &= good
         print(f"cpu    roi_align {mode}: default vs reference backend, "
               f"{rois.shape[0]} rois, max |diff| = {diff:.2e} {'ok' if good else 'FAIL'}")
+    cpu = run_ops(feature, rois, scores, logits, targets)
+    print(f"cpu    every op on {rois.shape[0]} rois / boxes: nms kept {cpu['nms'].size}, "
+          f"focal loss sum {cpu['sigmoid_focal_loss'].sum():.4f}")
 
     cuda = next((d for d in mmdispatch.devices() if d["device"] == "cuda"), None)
     cupy = None
@@ -86,14 +126,18 @@ def demo():
         except ImportError:
             print("cuda   skipped: CUDA kernels are registered but CuPy is not installed")
     if cupy is not None:
-        for mode in ("avg", "max"):
-            out_gpu = roi_align_forward(cupy.asarray(feature), cupy.asarray(rois), (7, 7), 0.25, 2,
-                                        mode)[0]
-            diff = float(np.max(np.abs(cupy.asnumpy(out_gpu) - results["default", mode][0])))
-            good = diff <= 1e-4
+        gpu = run_ops(*(cupy.asarray(a) for a in (feature, rois, scores, logits, targets)),
+                      cupy=cupy)
+        for name, expected in cpu.items():
+            if name == "nms":
+                good = np.array_equal(gpu[name], expected)
+                detail = f"{gpu[name].size} kept, {'same' if good else 'DIFFERENT'} indices"
+            else:
+                diff = float(np.max(np.abs(gpu[name] - expected), initial=0))
+                good = diff <= 1e-4
+                detail = f"max |diff| = {diff:.2e}"
             ok &= good
-            print(f"cuda:0 roi_align {mode}: CUDA vs CPU, max |diff| = {diff:.2e} "
-                  f"{'ok' if good else 'FAIL'}")
+            print(f"cuda:0 {name}: CUDA vs CPU, {detail} {'ok' if good else 'FAIL'}")
     print("demo:", "all checks passed" if ok else "CHECKS FAILED")
     return 0 if ok else 1
 

@@ -58,3 +58,21 @@ def fake_array():
 def dlpack_only():
     """Factory wrapping a numpy array behind the DLPack protocol only."""
     return DLPackOnly
+
+
+def central_difference(f, x, eps=1e-6):
+    """d f / d x by central differences, one element of x at a time."""
+    numeric = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        plus, minus = x.copy(), x.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        numeric[index] = (f(plus) - f(minus)) / (2 * eps)
+    return numeric
+
+
+@pytest.fixture
+def numeric_gradient():
+    """central_difference(f, x, eps=1e-6): finite-difference gradient of a
+    scalar function of a float64 array."""
+    return central_difference

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 _CPU, _CUDA = 1, 2
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _cupy():
@@ -34,14 +35,19 @@ def native(op, name, x):
                     f"__cuda_array_interface__), got {type(x).__name__}")
 
 
-def namespace(x):
-    """(array module, context manager selecting x's device) for allocating."""
+def namespace(op, x):
+    """(array module, context manager selecting x's device) for allocating
+    the outputs of `op` like x."""
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return cupy, x.device
     if isinstance(x, np.ndarray):
         return np, contextlib.nullcontext()
-    raise TypeError(f"cannot allocate outputs for arrays of type {type(x).__name__}")
+    device = getattr(type(x), "__dlpack_device__", None) and x.__dlpack_device__()
+    where = f" on DLPack device {tuple(device)}" if device else ""
+    raise TypeError(f"{op}: cannot allocate outputs like a {type(x).__name__}{where}: the op "
+                    f"functions allocate with numpy (CPU) or CuPy (CUDA, when installed); for "
+                    f"other devices call the {op}_impl-style entry points with your own outputs")
 
 
 def contiguous(x):
@@ -105,7 +111,14 @@ def index_array(op, name, x):
     if kind not in ("i", "u"):
         raise TypeError(f"{op}: {name} must have an integer dtype, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    return x if x.dtype == np.int64 else x.astype(np.int64)
+    if x.dtype == np.int64:
+        return x
+    if not hasattr(x, "astype"):
+        raise TypeError(f"{op}: {name} must be int64 (got {x.dtype}) when it is not a numpy "
+                        f"or CuPy array, which could be converted")
+    if x.dtype.itemsize == 8 and kind == "u" and x.size and int(x.max()) > _INT64_MAX:
+        raise ValueError(f"{op}: {name} holds {int(x.max())}, beyond the int64 range")
+    return x.astype(np.int64)
 
 
 def choice(op, name, value, options):

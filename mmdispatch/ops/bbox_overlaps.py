@@ -8,6 +8,8 @@ bbox_overlaps_impl.
 - A union or area <= 0 (degenerate boxes) gives 0, never NaN or inf; NaN
   coordinates give NaN.
 """
+import numpy as np
+
 from mmdispatch import _core
 from mmdispatch.ops._arrays import check_ndim, choice, contiguous, like, namespace, native
 
@@ -23,10 +25,10 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     bboxes2 = contiguous(native(op, "bboxes2", bboxes2))
     check_ndim(op, "bboxes1", bboxes1, 2, "(N, 4)")
     check_ndim(op, "bboxes2", bboxes2, 2, "(M, 4)")
-    if not isinstance(aligned, bool):
+    if not isinstance(aligned, (bool, np.bool_)):
         raise TypeError(f"{op}: aligned must be a bool, got {aligned!r}")
     shape = (bboxes1.shape[0],) if aligned else (bboxes1.shape[0], bboxes2.shape[0])
-    xp, device = namespace(bboxes1)
+    xp, device = namespace(op, bboxes1)
     with device:
         ious = xp.empty(shape, dtype=bboxes1.dtype)
     _core.bbox_overlaps_impl(bboxes1, bboxes2, ious, mode_code, aligned, offset)

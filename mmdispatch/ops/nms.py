@@ -28,7 +28,7 @@ def _nms(op, boxes, scores, idxs, iou_threshold, offset):
     if idxs is not None:
         idxs = index_array(op, "idxs", idxs)
         check_ndim(op, "idxs", idxs, 1, "(N,)")
-    xp, device = namespace(boxes)
+    xp, device = namespace(op, boxes)
     with device:
         keep = xp.empty((boxes.shape[0],), dtype=np.int64)
         num_kept = xp.zeros((1,), dtype=np.int64)

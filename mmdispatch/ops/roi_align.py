@@ -33,7 +33,7 @@ def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_rati
     rois = contiguous(native(op, "rois", rois))
     check_ndim(op, "input", input, 4, "(N, C, H, W)")
     check_ndim(op, "rois", rois, 2, "(K, 5)")
-    xp, device = namespace(input)
+    xp, device = namespace(op, input)
     with device:
         output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)
         argmax_shape = output.shape if mode == _POOL_MODES["max"] else (0,)
@@ -56,7 +56,7 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
     rois = contiguous(native(op, "rois", rois))
     check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
     shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
-    xp, device = namespace(grad_output)
+    xp, device = namespace(op, grad_output)
     with device:
         grad_input = xp.zeros(shape, dtype=grad_output.dtype)
         empty = xp.empty((0,), dtype=grad_output.dtype)

@@ -27,7 +27,7 @@ def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
     rois = contiguous(native(op, "rois", rois))
     check_ndim(op, "input", input, 4, "(N, C, H, W)")
     check_ndim(op, "rois", rois, 2, "(K, 5)")
-    xp, device = namespace(input)
+    xp, device = namespace(op, input)
     with device:
         output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)
         argmax = xp.empty(output.shape, dtype=np.int64)
@@ -45,7 +45,7 @@ def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0)
     argmax = index_array(op, "argmax", argmax)
     check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
     shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
-    xp, device = namespace(grad_output)
+    xp, device = namespace(op, grad_output)
     with device:
         grad_input = xp.zeros(shape, dtype=grad_output.dtype)
     _core.roi_pool_backward_impl(grad_output, rois, argmax, grad_input, grad_output.shape[2],

@@ -65,7 +65,7 @@ int mmd_check_shape(const mmd_tensor *t, const char *name, int ndim, const int64
             used += (size_t)snprintf(want + used, sizeof want - used, "%s%lld", i ? ", " : "",
                                      (long long)expected[i]);
     }
-    if (used < sizeof want) snprintf(want + used, sizeof want - used, ")");
+    if (used < sizeof want) snprintf(want + used, sizeof want - used, ndim == 1 ? ",)" : ")");
     return mmd_error(MMD_ERR_VALUE, "%s must have shape %s, got %s", name, want, got);
 }
 

@@ -61,13 +61,6 @@ MMD_REGISTRATIONS(cpu, bbox_overlaps) {
 #define T MMD_REAL
 #define TFN MMD_FN
 
-static inline T TFN(overlap)(const T *a, const T *b, int64_t mode, T offset) {
-    const T inter = TFN(mmd_box_intersection)(a, b, offset);
-    const T area_a = TFN(mmd_box_area)(a, offset);
-    if (mode == MMD_OVERLAP_IOF) return TFN(mmd_box_ratio)(inter, area_a);
-    return TFN(mmd_box_ratio)(inter, area_a + TFN(mmd_box_area)(b, offset) - inter);
-}
-
 static void TFN(bbox_overlaps)(const mmd_tensor *bboxes1, const mmd_tensor *bboxes2,
                                const mmd_tensor *ious, int64_t mode, int aligned,
                                int64_t offset) {
@@ -75,15 +68,16 @@ static void TFN(bbox_overlaps)(const mmd_tensor *bboxes1, const mmd_tensor *bbox
     const T *a = (const T *)bboxes1->data, *b = (const T *)bboxes2->data;
     T *out = (T *)ious->data;
     const T off = (T)offset;
+    const int iof = mode == MMD_OVERLAP_IOF;
     const int64_t work = aligned ? rows : rows * cols;
 #pragma omp parallel for schedule(static) if (work > 4096)
     for (int64_t i = 0; i < rows; ++i) {
         if (aligned) {
-            out[i] = TFN(overlap)(a + 4 * i, b + 4 * i, mode, off);
+            out[i] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * i, iof, off);
             continue;
         }
         for (int64_t j = 0; j < cols; ++j)
-            out[i * cols + j] = TFN(overlap)(a + 4 * i, b + 4 * j, mode, off);
+            out[i * cols + j] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * j, iof, off);
     }
 }
 

@@ -89,9 +89,14 @@ int mmd_roi_align_backward_check(const mmd_tensor *grad_output, const mmd_tensor
                                  const mmd_tensor *grad_input, int64_t aligned_height,
                                  int64_t aligned_width, double spatial_scale,
                                  int64_t sampling_ratio, int64_t pool_mode, unsigned float_mask) {
-    return check_arrays(grad_input, "grad_input", rois, grad_output, "grad_output", argmax_y,
-                        argmax_x, aligned_height, aligned_width, spatial_scale, sampling_ratio,
-                        pool_mode, float_mask);
+    /* dtypes are reported against grad_output, which the user passed (the op
+     * layer allocates grad_input like it) */
+    int s = mmd_check_dtype(grad_output, "grad_output", float_mask);
+    if (!s) s = mmd_check_same_dtype(rois, "rois", grad_output, "grad_output");
+    if (!s) s = check_arrays(grad_input, "grad_input", rois, grad_output, "grad_output", argmax_y,
+                             argmax_x, aligned_height, aligned_width, spatial_scale,
+                             sampling_ratio, pool_mode, float_mask);
+    return s;
 }
 
 typedef enum { RUN_DEFAULT, RUN_REFERENCE } run_kind;

@@ -57,8 +57,13 @@ int mmd_roi_pool_backward_check(const mmd_tensor *grad_output, const mmd_tensor 
                                 const mmd_tensor *argmax, const mmd_tensor *grad_input,
                                 int64_t pooled_height, int64_t pooled_width,
                                 double spatial_scale, unsigned float_mask) {
-    return check_arrays(grad_input, "grad_input", rois, grad_output, "grad_output", argmax,
-                        pooled_height, pooled_width, spatial_scale, float_mask);
+    /* dtypes are reported against grad_output, which the user passed (the op
+     * layer allocates grad_input like it) */
+    int s = mmd_check_dtype(grad_output, "grad_output", float_mask);
+    if (!s) s = mmd_check_same_dtype(rois, "rois", grad_output, "grad_output");
+    if (!s) s = check_arrays(grad_input, "grad_input", rois, grad_output, "grad_output", argmax,
+                             pooled_height, pooled_width, spatial_scale, float_mask);
+    return s;
 }
 
 int mmd_roi_pool_argmax_error(int64_t flat_index, int64_t value, int64_t plane_size) {

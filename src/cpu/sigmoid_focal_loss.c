@@ -14,14 +14,19 @@ int mmd_sigmoid_focal_loss_check(const mmd_tensor *input, const mmd_tensor *targ
                                  const mmd_tensor *weight, const mmd_tensor *output,
                                  const char *output_name, double gamma, double alpha,
                                  unsigned float_mask) {
-    if (!(isfinite(gamma) && gamma >= 0))
-        return mmd_error(MMD_ERR_VALUE, "gamma must be finite and >= 0, got %g", gamma);
-    if (!isfinite(alpha)) return mmd_error(MMD_ERR_VALUE, "alpha must be finite, got %g", alpha);
     const int64_t any2[2] = {MMD_ANY_DIM, MMD_ANY_DIM};
     int s = mmd_check_shape(input, "input", 2, any2);
     if (!s) s = mmd_check_dtype(input, "input", float_mask);
     if (!s) s = mmd_check_contiguous(input, "input");
     if (s) return s;
+    /* float16/float32 kernels compute in float: the scalars must fit it. */
+    const int in_float = input->dtype != MMD_FLOAT64;
+    if (!(isfinite(gamma) && gamma >= 0 && (!in_float || isfinite((float)gamma))))
+        return mmd_error(MMD_ERR_VALUE, "gamma must be finite%s and >= 0, got %g",
+                         in_float ? " in float32" : "", gamma);
+    if (!(isfinite(alpha) && (!in_float || isfinite((float)alpha))))
+        return mmd_error(MMD_ERR_VALUE, "alpha must be finite%s, got %g",
+                         in_float ? " in float32" : "", alpha);
     const int64_t rows[1] = {input->shape[0]}, classes[1] = {input->shape[1]};
     s = mmd_check_shape(target, "target", 1, rows);
     if (!s) s = mmd_check_dtype(target, "target", MMD_DTYPE_BIT(MMD_INT64));

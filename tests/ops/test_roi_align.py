@@ -197,7 +197,7 @@ def test_backward_is_deterministic(rng):
 # --- finite differences -------------------------------------------------------
 
 @pytest.mark.parametrize("mode, aligned", [("avg", True), ("avg", False), ("max", True)])
-def test_backward_matches_finite_differences(mode, aligned, rng):
+def test_backward_matches_finite_differences(mode, aligned, rng, numeric_gradient):
     x = rng.standard_normal((1, 2, 6, 7))
     # inside the map, so every max sample is an interpolated (not clipped) value
     rois = np.array([[0, 0.7, 0.4, 5.1, 4.6], [0, 2.2, 1.3, 4.9, 5.2], [0, 1.0, 1.0, 3.0, 2.5]])
@@ -208,13 +208,7 @@ def test_backward_matches_finite_differences(mode, aligned, rng):
 
     _, ay, ax = roi_align_forward(x, rois, (2, 3), 1.0, 2, mode, aligned)
     analytic = roi_align_backward(grad_out, rois, ay, ax, x.shape, 1.0, 2, mode, aligned)
-    eps = 1e-6
-    numeric = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        plus, minus = x.copy(), x.copy()
-        plus[index] += eps
-        minus[index] -= eps
-        numeric[index] = (loss(plus) - loss(minus)) / (2 * eps)
+    numeric = numeric_gradient(loss, x)
     np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-7)
 
 

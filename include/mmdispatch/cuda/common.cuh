@@ -54,16 +54,12 @@ inline unsigned blocks_for(int64_t total) {
          i += (int64_t)blockDim.x * gridDim.x)
 
 /* Calls f with a value of the storage type matching `dtype`, which the
- * caller has already checked to be float16 (if allowed), float32 or float64. */
-template <typename F> int by_dtype(int dtype, F f) {
-    switch (dtype) {
-    case MMD_FLOAT16:
-        return f(__half());
-    case MMD_FLOAT32:
-        return f(float());
-    default:
-        return f(double());
-    }
+ * caller has already checked to be float32, float64 or (when kWithHalf)
+ * float16; ops without float16 kernels instantiate no half code. */
+template <bool kWithHalf = true, typename F> int by_dtype(int dtype, F f) {
+    if constexpr (kWithHalf)
+        if (dtype == MMD_FLOAT16) return f(__half());
+    return dtype == MMD_FLOAT32 ? f(float()) : f(double());
 }
 
 /* Runs f on ctx's device (current device switched for the call). */
@@ -125,7 +121,9 @@ class StreamBuffer {
     }
     StreamBuffer(const StreamBuffer &) = delete;
     StreamBuffer &operator=(const StreamBuffer &) = delete;
-    cudaError_t allocate(size_t bytes) { return cudaMallocAsync(&ptr_, bytes ? bytes : 1, stream_); }
+    cudaError_t allocate(size_t bytes) {
+        return cudaMallocAsync(&ptr_, bytes ? bytes : 1, stream_);
+    }
     template <typename T> T *as() const { return static_cast<T *>(ptr_); }
 
   private:

@@ -32,4 +32,31 @@ MMD_HOSTDEV static inline uint64_t mmd_score_key_f64(double v) {
 #define MMD_TYPED_FILE "mmdispatch/ops/boxes_math.inc"
 #include "mmdispatch/typed.h"
 
+#ifdef __cplusplus
+/* The same math overloaded by type, for CUDA templates. */
+#define MMD_BOX_OVERLOADS(A, sfx)                                                           \
+    MMD_HOSTDEV inline A mmd_overlap_1d(A lo_a, A hi_a, A lo_b, A hi_b, A offset) {         \
+        return mmd_overlap_1d_##sfx(lo_a, hi_a, lo_b, hi_b, offset);                        \
+    }                                                                                       \
+    MMD_HOSTDEV inline A mmd_box_area(const A *b, A offset) {                               \
+        return mmd_box_area_##sfx(b, offset);                                               \
+    }                                                                                       \
+    MMD_HOSTDEV inline A mmd_box_intersection(const A *a, const A *b, A offset) {           \
+        return mmd_box_intersection_##sfx(a, b, offset);                                    \
+    }                                                                                       \
+    MMD_HOSTDEV inline A mmd_box_ratio(A overlap, A base) {                                 \
+        return mmd_box_ratio_##sfx(overlap, base);                                          \
+    }                                                                                       \
+    MMD_HOSTDEV inline A mmd_box_iou(const A *a, A area_a, const A *b, A area_b, A offset) { \
+        return mmd_box_iou_##sfx(a, area_a, b, area_b, offset);                             \
+    }                                                                                       \
+    MMD_HOSTDEV inline A mmd_box_overlap(const A *a, const A *b, int iof, A offset) {       \
+        return mmd_box_overlap_##sfx(a, b, iof, offset);                                    \
+    }                                                                                       \
+    MMD_HOSTDEV inline auto mmd_score_key(A v) { return mmd_score_key_##sfx(v); }
+MMD_BOX_OVERLOADS(float, f32)
+MMD_BOX_OVERLOADS(double, f64)
+#undef MMD_BOX_OVERLOADS
+#endif
+
 #endif

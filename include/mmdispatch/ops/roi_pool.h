@@ -38,4 +38,25 @@ int mmd_roi_pool_argmax_error(int64_t flat_index, int64_t value, int64_t plane_s
 #define MMD_TYPED_FILE "mmdispatch/ops/roi_pool_math.inc"
 #include "mmdispatch/typed.h"
 
+#ifdef __cplusplus
+/* The same math overloaded by type, for CUDA templates:
+ * mmd_pool_geometry<A>::type is the geometry struct of compute type A. */
+template <typename A> struct mmd_pool_geometry;
+#define MMD_ROI_POOL_OVERLOADS(A, sfx)                                                      \
+    template <> struct mmd_pool_geometry<A> { typedef mmd_pool_geometry_##sfx type; };      \
+    MMD_HOSTDEV inline int mmd_roi_pool_geometry(const A roi[5], int64_t batch_size,        \
+                                                 A spatial_scale, int64_t pooled_h,         \
+                                                 int64_t pooled_w, mmd_pool_geometry_##sfx *g) { \
+        return mmd_roi_pool_geometry_##sfx(roi, batch_size, spatial_scale, pooled_h, pooled_w, \
+                                           g);                                              \
+    }                                                                                       \
+    MMD_HOSTDEV inline void mmd_roi_pool_bin(A start, A bin, int64_t index, int64_t size,   \
+                                             int64_t *lo, int64_t *hi) {                    \
+        mmd_roi_pool_bin_##sfx(start, bin, index, size, lo, hi);                            \
+    }
+MMD_ROI_POOL_OVERLOADS(float, f32)
+MMD_ROI_POOL_OVERLOADS(double, f64)
+#undef MMD_ROI_POOL_OVERLOADS
+#endif
+
 #endif

@@ -36,4 +36,18 @@ int mmd_sigmoid_focal_loss_target_error(int64_t row, int64_t value, int64_t num_
 #define MMD_TYPED_FILE "mmdispatch/ops/sigmoid_focal_loss_math.inc"
 #include "mmdispatch/typed.h"
 
+#ifdef __cplusplus
+/* The same math overloaded by type, for CUDA templates. */
+#define MMD_FOCAL_OVERLOADS(A, sfx)                                                \
+    MMD_HOSTDEV inline A mmd_focal_loss(A x, int positive, A gamma, A alpha) {     \
+        return mmd_focal_loss_##sfx(x, positive, gamma, alpha);                    \
+    }                                                                              \
+    MMD_HOSTDEV inline A mmd_focal_loss_grad(A x, int positive, A gamma, A alpha) { \
+        return mmd_focal_loss_grad_##sfx(x, positive, gamma, alpha);               \
+    }
+MMD_FOCAL_OVERLOADS(float, f32)
+MMD_FOCAL_OVERLOADS(double, f64)
+#undef MMD_FOCAL_OVERLOADS
+#endif
+
 #endif

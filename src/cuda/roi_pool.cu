@@ -1,0 +1,170 @@
+/* roi_pool on CUDA (math shared with the CPU kernels through
+ * mmdispatch/ops/roi_pool.h). Forward: one thread per output bin. Backward:
+ * one thread per grad_output element, adding into grad_input with atomics.
+ * Rois (and, for backward, argmax entries) are validated on the device
+ * before anything is written. Launches on ctx->stream, on ctx->device_id. */
+#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/ops/roi_pool.h"
+#include "mmdispatch/registry.h"
+#include "mmdispatch_generated.h"
+
+namespace {
+
+using namespace mmd_cuda;
+
+/* Error code of an argmax entry outside [-1, H * W); roi errors use the
+ * MMD_ROI_* codes. */
+enum { kBadArgmax = 0x80 };
+
+template <typename T>
+__device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, T scale,
+                                   int64_t pooled_h, int64_t pooled_w,
+                                   typename mmd_pool_geometry<T>::type *g) {
+    T roi[5];
+    for (int i = 0; i < 5; ++i) roi[i] = rois[5 * k + i];
+    return mmd_roi_pool_geometry(roi, batch, scale, pooled_h, pooled_w, g);
+}
+
+/* Items [0, num_rois) are rois, the next `num_argmax` are argmax entries;
+ * roi errors have lower item numbers, so they are reported first. */
+template <typename T>
+__global__ void check_kernel(const T *rois, int64_t num_rois, int64_t batch, T scale,
+                             int64_t pooled_h, int64_t pooled_w, const int64_t *argmax,
+                             int64_t num_argmax, int64_t plane_size,
+                             unsigned long long *first_error) {
+    MMD_GRID_STRIDE_LOOP(item, num_rois + num_argmax) {
+        if (item < num_rois) {
+            typename mmd_pool_geometry<T>::type g;
+            int code = roi_geometry(rois, item, batch, scale, pooled_h, pooled_w, &g);
+            if (code != MMD_ROI_OK) report_error(first_error, item, code);
+        } else {
+            const int64_t a = argmax[item - num_rois];
+            if (a < -1 || a >= plane_size) report_error(first_error, item, kBadArgmax);
+        }
+    }
+}
+
+template <typename T>
+int check_inputs(const mmd_tensor *rois, int64_t batch, T scale, int64_t pooled_h,
+                 int64_t pooled_w, const int64_t *argmax, int64_t num_argmax,
+                 int64_t plane_size, cudaStream_t stream) {
+    const int64_t num_rois = rois->shape[0];
+    if (num_rois + num_argmax == 0) return MMD_OK;
+    return check_on_device(
+        stream, "roi_pool input check",
+        [&](unsigned long long *flag) {
+            check_kernel<T><<<blocks_for(num_rois + num_argmax), kThreads, 0, stream>>>(
+                (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, argmax,
+                num_argmax, plane_size, flag);
+        },
+        [&](int64_t item, int code) {
+            if (code != kBadArgmax) return mmd_roi_error(code, item, batch);
+            const int64_t index = item - num_rois;
+            int64_t value = 0;
+            cudaError_t err = cudaMemcpy(&value, argmax + index, sizeof value,
+                                         cudaMemcpyDeviceToHost);
+            if (err != cudaSuccess) return cuda_error(err, "roi_pool argmax read");
+            return mmd_roi_pool_argmax_error(index, value, plane_size);
+        });
+}
+
+template <typename T>
+__global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t *argmax,
+                               int64_t total, int64_t channels, int64_t height, int64_t width,
+                               int64_t pooled_h, int64_t pooled_w, int64_t batch, T scale) {
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        const int64_t pw = index % pooled_w;
+        const int64_t ph = (index / pooled_w) % pooled_h;
+        const int64_t c = (index / pooled_w / pooled_h) % channels;
+        const int64_t k = index / pooled_w / pooled_h / channels;
+        typename mmd_pool_geometry<T>::type g;
+        if (roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g) != MMD_ROI_OK) continue;
+        int64_t h0, h1, w0, w1;
+        mmd_roi_pool_bin(g.start_h, g.bin_h, ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);
+        const T *plane = input + (g.batch * channels + c) * height * width;
+        T best = 0;
+        int64_t best_index = -1;
+        bool saw_nan = false;
+        for (int64_t h = h0; h < h1; ++h)
+            for (int64_t w = w0; w < w1; ++w) {
+                const T v = plane[h * width + w];
+                if (v != v)
+                    saw_nan = true;
+                else if (best_index < 0 || v > best) {
+                    best = v;
+                    best_index = h * width + w;
+                }
+            }
+        output[index] = best_index >= 0 ? best : (saw_nan ? (T)NAN : (T)0);
+        argmax[index] = best_index;
+    }
+}
+
+template <typename T>
+__global__ void backward_kernel(const T *grad_output, const T *rois, const int64_t *argmax,
+                                T *grad_input, int64_t total, int64_t channels,
+                                int64_t plane_size, int64_t pooled_h, int64_t pooled_w) {
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        const int64_t a = argmax[index];
+        if (a < 0) continue;
+        const int64_t c = (index / pooled_w / pooled_h) % channels;
+        const int64_t k = index / pooled_w / pooled_h / channels;
+        const int64_t b = (int64_t)rois[5 * k];
+        atomicAdd(grad_input + (b * channels + c) * plane_size + a, grad_output[index]);
+    }
+}
+
+int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
+                          const mmd_tensor *output, const mmd_tensor *argmax,
+                          int64_t pooled_height, int64_t pooled_width, double spatial_scale,
+                          const mmd_context *ctx) {
+    int s = mmd_roi_pool_forward_check(input, rois, output, argmax, pooled_height, pooled_width,
+                                       spatial_scale, MMD_FLOAT32_64);
+    if (s) return s;
+    const int64_t batch = input->shape[0], total = mmd_numel(output);
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype<false>(input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            int s = check_inputs<T>(rois, batch, (T)spatial_scale, pooled_height, pooled_width,
+                                    nullptr, 0, 0, stream);
+            if (s || total == 0) return s;
+            forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                (const T *)input->data, (const T *)rois->data, (T *)output->data,
+                (int64_t *)argmax->data, total, input->shape[1], input->shape[2],
+                input->shape[3], pooled_height, pooled_width, batch, (T)spatial_scale);
+            return launch_status("roi_pool forward launch");
+        });
+    });
+}
+
+int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                           const mmd_tensor *argmax, const mmd_tensor *grad_input,
+                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
+                           const mmd_context *ctx) {
+    int s = mmd_roi_pool_backward_check(grad_output, rois, argmax, grad_input, pooled_height,
+                                        pooled_width, spatial_scale, MMD_FLOAT32_64);
+    if (s) return s;
+    const int64_t batch = grad_input->shape[0], total = mmd_numel(grad_output);
+    const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype<false>(grad_input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            const int64_t *am = (const int64_t *)argmax->data;
+            int s = check_inputs<T>(rois, batch, (T)spatial_scale, pooled_height, pooled_width,
+                                    am, total, plane_size, stream);
+            if (s || total == 0 || mmd_numel(grad_input) == 0) return s;
+            backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                (const T *)grad_output->data, (const T *)rois->data, am, (T *)grad_input->data,
+                total, grad_input->shape[1], plane_size, pooled_height, pooled_width);
+            return launch_status("roi_pool backward launch");
+        });
+    });
+}
+
+}  // namespace
+
+MMD_REGISTRATIONS(cuda, roi_pool) {
+    MMD_REGISTER_DEVICE_IMPL(roi_pool_forward_impl, CUDA, DEFAULT, roi_pool_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(roi_pool_backward_impl, CUDA, DEFAULT, roi_pool_backward_cuda);
+}

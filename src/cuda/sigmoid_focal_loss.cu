@@ -1,0 +1,91 @@
+/* sigmoid_focal_loss on CUDA: one thread per element, the math shared with
+ * the CPU kernels (mmdispatch/ops/sigmoid_focal_loss.h). Targets are
+ * validated on the device before anything is written. Launches on
+ * ctx->stream, on ctx->device_id. */
+#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/ops/sigmoid_focal_loss.h"
+#include "mmdispatch/registry.h"
+#include "mmdispatch_generated.h"
+
+namespace {
+
+using namespace mmd_cuda;
+
+enum { kBadTarget = 1 };
+
+__global__ void check_targets_kernel(const int64_t *target, int64_t rows, int64_t classes,
+                                     unsigned long long *first_error) {
+    MMD_GRID_STRIDE_LOOP(i, rows) {
+        if (target[i] < 0 || target[i] > classes) report_error(first_error, i, kBadTarget);
+    }
+}
+
+template <typename T>
+__global__ void focal_loss_kernel(int backward, const T *input, const int64_t *target,
+                                  const T *weight, T *output, int64_t total, int64_t classes,
+                                  T gamma, T alpha) {
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        const int64_t t = target[index / classes];
+        const int positive = (index % classes) == t;
+        const T x = input[index];
+        const T value = backward ? mmd_focal_loss_grad(x, positive, gamma, alpha)
+                                 : mmd_focal_loss(x, positive, gamma, alpha);
+        output[index] = (weight && t < classes) ? value * weight[t] : value;
+    }
+}
+
+int focal_loss_run(int backward, const mmd_tensor *input, const mmd_tensor *target,
+                   const mmd_tensor *weight, const mmd_tensor *output, double gamma,
+                   double alpha, const mmd_context *ctx) {
+    int s = mmd_sigmoid_focal_loss_check(input, target, weight, output,
+                                         backward ? "grad_input" : "output", gamma, alpha,
+                                         MMD_FLOAT32_64);
+    if (s) return s;
+    const int64_t rows = input->shape[0], classes = input->shape[1];
+    const int64_t total = mmd_numel(input);
+    return on_device(ctx, [&](cudaStream_t stream) {
+        const int64_t *t = (const int64_t *)target->data;
+        int s = rows == 0 ? MMD_OK : check_on_device(
+            stream, "sigmoid_focal_loss target check",
+            [&](unsigned long long *flag) {
+                check_targets_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(t, rows, classes,
+                                                                                flag);
+            },
+            [&](int64_t row, int) {
+                int64_t value = 0;
+                cudaError_t err = cudaMemcpy(&value, t + row, sizeof value,
+                                             cudaMemcpyDeviceToHost);
+                if (err != cudaSuccess) return cuda_error(err, "sigmoid_focal_loss target read");
+                return mmd_sigmoid_focal_loss_target_error(row, value, classes);
+            });
+        if (s || total == 0) return s;
+        return by_dtype<false>(input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            focal_loss_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                backward, (const T *)input->data, t, weight ? (const T *)weight->data : nullptr,
+                (T *)output->data, total, classes, (T)gamma, (T)alpha);
+            return launch_status("sigmoid_focal_loss launch");
+        });
+    });
+}
+
+int sigmoid_focal_loss_forward_cuda(const mmd_tensor *input, const mmd_tensor *target,
+                                    const mmd_tensor *weight, const mmd_tensor *output,
+                                    double gamma, double alpha, const mmd_context *ctx) {
+    return focal_loss_run(0, input, target, weight, output, gamma, alpha, ctx);
+}
+
+int sigmoid_focal_loss_backward_cuda(const mmd_tensor *input, const mmd_tensor *target,
+                                     const mmd_tensor *weight, const mmd_tensor *grad_input,
+                                     double gamma, double alpha, const mmd_context *ctx) {
+    return focal_loss_run(1, input, target, weight, grad_input, gamma, alpha, ctx);
+}
+
+}  // namespace
+
+MMD_REGISTRATIONS(cuda, sigmoid_focal_loss) {
+    MMD_REGISTER_DEVICE_IMPL(sigmoid_focal_loss_forward_impl, CUDA, DEFAULT,
+                             sigmoid_focal_loss_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(sigmoid_focal_loss_backward_impl, CUDA, DEFAULT,
+                             sigmoid_focal_loss_backward_cuda);
+}

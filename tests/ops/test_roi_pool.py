@@ -1,0 +1,755 @@
+"""roi_pool (Fast R-CNN RoIPool, MMCV semantics): published values, a slow
+independent reference, finite differences, properties, bad input, device
+consistency and CPU/CUDA agreement."""
+import math
+import re
+
+import numpy as np
+import pytest
+
+import mmdispatch
+from mmdispatch.ops import roi_pool, roi_pool_backward, roi_pool_forward
+
+DTYPES = [np.float32, np.float64]
+
+# MMCV tests/test_ops/test_roi_pool.py: (input, rois) -> (output, grad of sum(output)),
+# output size (2, 2), spatial_scale 1.
+MMCV_CASES = [
+    ([[[[1., 2.], [3., 4.]]]], [[0., 0., 0., 1., 1.]],
+     [[[[1., 2.], [3., 4.]]]], [[[[1., 1.], [1., 1.]]]]),
+    ([[[[1., 2.], [3., 4.]], [[4., 3.], [2., 1.]]]], [[0., 0., 0., 1., 1.]],
+     [[[[1., 2.], [3., 4.]], [[4., 3.], [2., 1.]]]],
+     [[[[1., 1.], [1., 1.]], [[1., 1.], [1., 1.]]]]),
+    ([[[[1., 2., 5., 6.], [3., 4., 7., 8.], [9., 10., 13., 14.], [11., 12., 15., 16.]]]],
+     [[0., 0., 0., 3., 3.]],
+     [[[[4., 8.], [12., 16.]]]],
+     [[[[0., 0., 0., 0.], [0., 1., 0., 1.], [0., 0., 0., 0.], [0., 1., 0., 1.]]]]),
+]
+
+
+# --- slow reference, straight from the Fast R-CNN / MMCV definition ------------
+# Geometry is computed with scalars of the kernel's dtype (np.float32 /
+# np.float64), because the definition is "in the dtype", as in MMCV.
+
+def round_half_away(v):
+    """C round(): nearest integer, halves away from zero."""
+    r = math.floor(v)
+    frac = v - r
+    if frac > 0.5 or (frac == 0.5 and v > 0):
+        r += 1
+    return r
+
+
+def ref_geometry(roi, scale, pooled_h, pooled_w, t):
+    """(batch, start_h, start_w, bin_h, bin_w) of one roi, in dtype t."""
+    s = t(scale)
+    x1, y1, x2, y2 = (t(round_half_away(float(t(v) * s))) for v in roi[1:])
+    width = max(t(x2 - x1) + t(1), t(1))
+    height = max(t(y2 - y1) + t(1), t(1))
+    return int(roi[0]), y1, x1, height / t(pooled_h), width / t(pooled_w)
+
+
+def ref_bin(start, bin_size, k, size, t):
+    """Cells [lo, hi) of bin k along an axis of `size` cells."""
+    lo = t(math.floor(t(k) * bin_size)) + start
+    hi = t(math.ceil(t(k + 1) * bin_size)) + start
+    lo = min(max(lo, t(0)), t(size))
+    hi = min(max(hi, t(0)), t(size))
+    return int(lo), int(hi)
+
+
+def ref_forward(x, rois, pooled_h, pooled_w, scale):
+    t = x.dtype.type
+    n, c, h, w = x.shape
+    out = np.zeros((len(rois), c, pooled_h, pooled_w), dtype=x.dtype)
+    arg = np.full(out.shape, -1, dtype=np.int64)
+    for k, roi in enumerate(rois):
+        b, start_h, start_w, bin_h, bin_w = ref_geometry(roi, scale, pooled_h, pooled_w, t)
+        for ch in range(c):
+            for ph in range(pooled_h):
+                h0, h1 = ref_bin(start_h, bin_h, ph, h, t)
+                for pw in range(pooled_w):
+                    w0, w1 = ref_bin(start_w, bin_w, pw, w, t)
+                    best, best_index, saw_nan = None, -1, False
+                    for hh in range(h0, h1):
+                        for ww in range(w0, w1):
+                            v = float(x[b, ch, hh, ww])
+                            if math.isnan(v):
+                                saw_nan = True
+                            elif best is None or v > best:
+                                best, best_index = v, hh * w + ww
+                    if best is not None:
+                        out[k, ch, ph, pw] = best
+                    elif saw_nan:
+                        out[k, ch, ph, pw] = math.nan
+                    arg[k, ch, ph, pw] = best_index
+    return out, arg
+
+
+def ref_backward(grad_out, rois, arg, shape):
+    grad = np.zeros(shape)
+    width = shape[3]
+    for k, roi in enumerate(rois):
+        b = int(roi[0])
+        for ch in range(shape[1]):
+            for ph in range(grad_out.shape[2]):
+                for pw in range(grad_out.shape[3]):
+                    a = int(arg[k, ch, ph, pw])
+                    if a >= 0:
+                        grad[b, ch, a // width, a % width] += float(grad_out[k, ch, ph, pw])
+    return grad
+
+
+def random_rois(rng, count, batch, height, width, scale):
+    """Rois in image coordinates: some inside, some partly or fully outside the
+    map, zero-size, reversed, tiny and huge ones, and corners on multiples of
+    0.25 so that scaled corners often land exactly on .5."""
+    img_h, img_w = height / scale, width / scale
+    x1 = rng.uniform(-0.5 * img_w, 1.2 * img_w, count)
+    y1 = rng.uniform(-0.5 * img_h, 1.2 * img_h, count)
+    x2 = x1 + rng.uniform(-0.1 * img_w, 0.9 * img_w, count)
+    y2 = y1 + rng.uniform(-0.1 * img_h, 0.9 * img_h, count)
+    rois = np.stack([rng.integers(0, batch, count).astype(float), x1, y1, x2, y2], axis=1)
+    quarter = rng.random(count) < 0.5
+    rois[quarter, 1:] = np.round(rois[quarter, 1:] * 4) / 4
+    rois[0, 3:] = rois[0, 1:3]                                        # zero size
+    rois[1, 3], rois[1, 4] = rois[1, 1] + 0.3, rois[1, 2] + 0.2       # tiny
+    rois[2, 1:] = [-1e4, -3 * img_h, 1e4, 5 * img_h]                  # huge
+    rois[3, 1:] = [-3 * img_w, -3 * img_h, -2 * img_w, -2 * img_h]    # fully outside
+    rois[4, 1:] = [img_w - 2.5, 1.5, img_w + 40, 0.5]                 # reversed y, off the edge
+    return rois
+
+
+SCALES = [1.0, 0.5, 0.25, 0.125, 2.0, 0.3, 0.7]
+POOLED = [(1, 1), (2, 2), (3, 2), (2, 5), (7, 7), (4, 3)]
+
+
+def case_arrays(seed, dtype):
+    rng = np.random.default_rng(seed)
+    batch = 1 + seed % 3
+    height, width = int(rng.integers(1, 10)), int(rng.integers(1, 11))
+    x = rng.standard_normal((batch, 2, height, width)).astype(dtype)
+    scale = SCALES[seed % len(SCALES)]
+    pooled_h, pooled_w = POOLED[seed % len(POOLED)]
+    rois = random_rois(rng, 9, batch, height, width, scale).astype(dtype)
+    return rng, x, rois, scale, pooled_h, pooled_w
+
+
+def good_call(dtype=np.float64):
+    x = np.arange(2 * 3 * 5 * 5, dtype=dtype).reshape(2, 3, 5, 5)
+    rois = np.array([[0, 0, 0, 2, 2], [1, 1, 1, 4, 4]], dtype=dtype)
+    return x, rois
+
+
+def filled(shape, dtype, value=7):
+    return np.full(shape, value, dtype=dtype)
+
+
+# --- published values ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(MMCV_CASES)))
+def test_forward_and_backward_match_mmcv_published_values(case, dtype):
+    x, rois, expected, expected_grad = (np.array(a, dtype=dtype) for a in MMCV_CASES[case])
+    out, argmax = roi_pool_forward(x, rois, (2, 2), 1.0)
+    grad = roi_pool_backward(np.ones_like(out), rois, argmax, x.shape, 1.0)
+    assert out.dtype == dtype and grad.dtype == dtype and argmax.dtype == np.int64
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(grad, expected_grad)
+
+
+# --- against the slow reference -----------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(32))
+def test_forward_and_backward_match_slow_reference(seed, dtype):
+    rng, x, rois, scale, pooled_h, pooled_w = case_arrays(seed, dtype)
+    expected, expected_arg = ref_forward(x, rois, pooled_h, pooled_w, scale)
+    out, argmax = roi_pool_forward(x, rois, (pooled_h, pooled_w), scale)
+    assert out.shape == expected.shape and out.dtype == dtype
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(argmax, expected_arg)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grad = roi_pool_backward(grad_out, rois, argmax, x.shape, scale)
+    assert grad.shape == x.shape and grad.dtype == dtype
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(grad, ref_backward(grad_out, rois, expected_arg, x.shape),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_corners_round_half_away_from_zero(dtype):
+    x = np.arange(64, dtype=dtype).reshape(1, 1, 8, 8)
+    # corners 1 and 5 at scale 0.5 land on 0.5 and 2.5: C round() gives 1 and 3
+    # (half-to-even would give 0 and 2)
+    out, argmax = roi_pool_forward(x, np.array([[0, 1, 1, 5, 5]], dtype=dtype), 3, 0.5)
+    np.testing.assert_array_equal(out[0, 0], x[0, 0, 1:4, 1:4])
+    np.testing.assert_array_equal(argmax[0, 0], [[9, 10, 11], [17, 18, 19], [25, 26, 27]])
+    # corners -5 and 5 at scale 0.5 land on -2.5 and 2.5: rounded to -3 and 3, a
+    # 7-cell roi whose first three rows and columns lie off the map
+    out, argmax = roi_pool_forward(x, np.array([[0, -5, -5, 5, 5]], dtype=dtype), 7, 0.5)
+    assert not out[0, 0, :3].any() and not out[0, 0, :, :3].any()
+    assert np.all(argmax[0, 0, :3] == -1) and np.all(argmax[0, 0, :, :3] == -1)
+    np.testing.assert_array_equal(out[0, 0, 3:, 3:], x[0, 0, :4, :4])
+    # scale 0.25: corner 2 -> 0.5 -> 1 and corner 10 -> 2.5 -> 3
+    out, _ = roi_pool_forward(x, np.array([[0, 2, 2, 2, 10]], dtype=dtype), (3, 1), 0.25)
+    np.testing.assert_array_equal(out[0, 0, :, 0], x[0, 0, 1:4, 1])
+
+
+def test_roi_spans_at_least_one_cell_even_when_reversed():
+    x = np.arange(25.0).reshape(1, 1, 5, 5)
+    out, argmax = roi_pool_forward(x, np.array([[0, 3, 2, 1, 0.0]]), 2)
+    # width = max(1 - 3 + 1, 1) = 1 from column 3, height 1 from row 2: every bin
+    # is cell (2, 3)
+    assert np.all(out == x[0, 0, 2, 3]) and np.all(argmax == 2 * 5 + 3)
+
+
+def test_bins_cover_floor_to_ceil_so_neighbours_overlap():
+    x = np.zeros((1, 1, 1, 5))
+    x[0, 0, 0, 2] = 5.0
+    # roi width 5 in 2 bins of 2.5: bin 0 = cells [0, 3), bin 1 = cells [2, 5)
+    out, argmax = roi_pool_forward(x, np.array([[0, 0, 0, 4, 0.0]]), (1, 2))
+    np.testing.assert_array_equal(out[0, 0, 0], [5.0, 5.0])
+    np.testing.assert_array_equal(argmax[0, 0, 0], [2, 2])
+    x[0, 0, 0, 2] = -5.0
+    x[0, 0, 0] += [0, 1, 0, 0, 2]
+    out, argmax = roi_pool_forward(x, np.array([[0, 0, 0, 4, 0.0]]), (1, 2))
+    np.testing.assert_array_equal(argmax[0, 0, 0], [1, 4])
+
+
+def test_first_maximum_wins_ties_in_row_major_order():
+    x = np.ones((1, 1, 3, 3))
+    out, argmax = roi_pool_forward(x, np.array([[0, 0, 0, 2, 2.0]]), 1)
+    assert out[0, 0, 0, 0] == 1.0 and argmax[0, 0, 0, 0] == 0
+
+
+# --- properties ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_points_at_the_maximum_of_its_bin(dtype, rng):
+    x = rng.standard_normal((3, 4, 9, 11)).astype(dtype)
+    rois = random_rois(rng, 20, 3, 9, 11, 0.5).astype(dtype)
+    out, argmax = roi_pool_forward(x, rois, (3, 4), 0.5)
+    flat = x.reshape(3, 4, -1)
+    found = argmax >= 0
+    assert found.any() and not found.all()
+    for k, ch, ph, pw in zip(*np.nonzero(found)):
+        assert out[k, ch, ph, pw] == flat[int(rois[k, 0]), ch, argmax[k, ch, ph, pw]]
+    assert not out[~found].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rois_outside_the_map_give_zero_and_argmax_minus_one(dtype):
+    x = np.full((1, 2, 4, 4), 3.0, dtype=dtype)
+    rois = np.array([[0, 10, 10, 20, 20], [0, -20, -20, -10, -10], [0, -8, 1, -1, 2],
+                     [0, 2, 5, 3, 9]], dtype=dtype)
+    out, argmax = roi_pool_forward(x, rois, 2)
+    assert not out.any() and np.all(argmax == -1)
+    grad = roi_pool_backward(np.ones_like(out), rois, argmax, x.shape)
+    assert not grad.any()
+
+
+def test_roi_partly_outside_empties_only_the_outer_bins():
+    x = np.arange(16.0).reshape(1, 1, 4, 4) + 1
+    # columns -4..3 in 2 bins of 4: the left bin lies off the map
+    out, argmax = roi_pool_forward(x, np.array([[0, -4, 0, 3, 3.0]]), (1, 2))
+    np.testing.assert_array_equal(out[0, 0, 0], [0.0, 16.0])
+    np.testing.assert_array_equal(argmax[0, 0, 0], [-1, 15])
+
+
+def test_nan_values_are_skipped_and_an_all_nan_bin_gives_nan():
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    x[0, 0, 3, 3] = np.nan          # would be the maximum of bin (1, 1)
+    x[0, 0, :2, :2] = np.nan        # all of bin (0, 0)
+    out, argmax = roi_pool_forward(x, np.array([[0, 0, 0, 3, 3.0]]), 2)
+    assert np.isnan(out[0, 0, 0, 0]) and argmax[0, 0, 0, 0] == -1
+    assert out[0, 0, 1, 1] == 14.0 and argmax[0, 0, 1, 1] == 14
+    assert out[0, 0, 0, 1] == 7.0 and argmax[0, 0, 0, 1] == 7
+    grad = roi_pool_backward(np.ones_like(out), np.array([[0, 0, 0, 3, 3.0]]), argmax, x.shape)
+    assert grad[0, 0, :2, :2].sum() == 0 and grad[0, 0, 3, 2] == 1.0
+
+
+def test_backward_sums_gradients_of_overlapping_rois():
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    rois = np.array([[0, 0, 0, 3, 3], [0, 0, 0, 3, 3], [0, 2, 2, 3, 3.0]])
+    out, argmax = roi_pool_forward(x, rois, 1)
+    assert np.all(argmax == 15)
+    grad = roi_pool_backward(np.array([1.0, 2.0, 4.0]).reshape(3, 1, 1, 1), rois, argmax,
+                             x.shape)
+    expected = np.zeros_like(x)
+    expected[0, 0, 3, 3] = 7.0
+    np.testing.assert_array_equal(grad, expected)
+
+
+def test_backward_sends_each_roi_to_its_own_batch_item():
+    x = np.stack([np.arange(16.0), -np.arange(16.0)]).reshape(2, 1, 4, 4)
+    rois = np.array([[1, 0, 0, 3, 3], [0, 0, 0, 3, 3.0]])
+    out, argmax = roi_pool_forward(x, rois, 1)
+    np.testing.assert_array_equal(out.ravel(), [0.0, 15.0])
+    grad = roi_pool_backward(np.array([2.0, 3.0]).reshape(2, 1, 1, 1), rois, argmax, x.shape)
+    assert grad[1, 0, 0, 0] == 2.0 and grad[0, 0, 3, 3] == 3.0 and grad.sum() == 5.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_is_bit_identical_on_repeat(dtype, rng):
+    x = rng.standard_normal((2, 8, 16, 16)).astype(dtype)
+    rois = random_rois(rng, 64, 2, 16, 16, 1.0).astype(dtype)
+    out, argmax = roi_pool_forward(x, rois, 7)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    first = roi_pool_backward(grad_out, rois, argmax, x.shape)
+    for _ in range(3):
+        again = roi_pool_backward(grad_out, rois, argmax, x.shape)
+        assert again.tobytes() == first.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_returns_input_shape_and_dtype_and_accepts_int32_argmax(dtype, rng):
+    x = rng.standard_normal((2, 3, 6, 5)).astype(dtype)
+    rois = random_rois(rng, 7, 2, 6, 5, 1.0).astype(dtype)
+    out, argmax = roi_pool_forward(x, rois, (2, 3))
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grad = roi_pool_backward(grad_out, rois, argmax, x.shape)
+    assert grad.shape == x.shape and grad.dtype == dtype
+    np.testing.assert_array_equal(
+        roi_pool_backward(grad_out, rois, argmax.astype(np.int32), list(x.shape)), grad)
+
+
+def test_impl_backward_accumulates_into_grad_input():
+    x, rois = good_call()
+    out, argmax = roi_pool_forward(x, rois, 2)
+    grad_input = np.full(x.shape, 0.5)
+    mmdispatch.roi_pool_backward_impl(np.ones_like(out), rois, argmax, grad_input, 2, 2, 1.0)
+    np.testing.assert_array_equal(grad_input, 0.5 + roi_pool_backward(np.ones_like(out), rois,
+                                                                        argmax, x.shape))
+
+
+# --- finite differences -------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_backward_matches_finite_differences(scale, rng, numeric_gradient):
+    shape = (2, 2, 6, 7)
+    # distinct values 0.1 apart, so a perturbation of 1e-6 never changes an argmax
+    x = rng.permutation(int(np.prod(shape))).reshape(shape) * 0.1 + 0.01
+    rois = np.array([[0, 0.7, 0.4, 5.1, 4.6], [1, 2.2, 1.3, 4.9, 5.2], [0, -3, -2, 3, 2.5],
+                     [1, 4, 3, 9, 8], [0, 0, 0, 6, 5], [1, 20, 20, 30, 30]])
+    rois[:, 1:] /= scale
+    grad_out = rng.standard_normal((6, 2, 2, 3))
+
+    def loss(inp):
+        return float(np.sum(roi_pool(inp, rois, (2, 3), scale) * grad_out))
+
+    _, argmax = roi_pool_forward(x, rois, (2, 3), scale)
+    analytic = roi_pool_backward(grad_out, rois, argmax, x.shape, scale)
+    numeric = numeric_gradient(loss, x)
+    assert np.count_nonzero(analytic) > 10
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-7)
+
+
+# --- edge cases ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_rois_give_empty_outputs_and_zero_gradient(dtype):
+    x = np.ones((1, 3, 4, 4), dtype=dtype)
+    rois = np.zeros((0, 5), dtype=dtype)
+    out, argmax = roi_pool_forward(x, rois, (2, 3))
+    assert out.shape == (0, 3, 2, 3) and argmax.shape == (0, 3, 2, 3)
+    grad = roi_pool_backward(out, rois, argmax, x.shape)
+    assert grad.shape == x.shape and grad.dtype == dtype and not grad.any()
+
+
+def test_empty_feature_map_pools_zeros_with_argmax_minus_one():
+    x = np.ones((1, 2, 0, 0))
+    out, argmax = roi_pool_forward(x, np.array([[0, 0, 0, 3, 3.0]]), 2)
+    assert out.shape == (1, 2, 2, 2) and not out.any() and np.all(argmax == -1)
+
+
+def test_huge_float32_rois_are_clipped_without_overflow():
+    x = np.arange(32, dtype=np.float32).reshape(1, 2, 4, 4)
+    rois = np.array([[0, -1e30, -1e30, 1e30, 1e30], [0, 0, 0, 1e30, 1e30],
+                     [0, -3e37, 1, 3e37, 2]], dtype=np.float32)
+    expected, expected_arg = ref_forward(x, rois, 2, 2, 1.0)
+    out, argmax = roi_pool_forward(x, rois, 2)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(argmax, expected_arg)
+    # the second roi starts at the origin and its first bin covers the whole map
+    assert out[1, 0, 0, 0] == 15.0 and argmax[1, 1, 0, 0] == 15
+
+
+def test_strided_inputs_give_the_same_results_as_contiguous_ones(rng):
+    x = rng.standard_normal((2, 3, 8, 16))
+    rois = np.asfortranarray(random_rois(rng, 6, 2, 8, 8, 1.0))
+    expected, expected_arg = roi_pool_forward(np.ascontiguousarray(x[..., ::2]),
+                                              np.ascontiguousarray(rois), 3)
+    out, argmax = roi_pool_forward(x[..., ::2], rois, 3)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(argmax, expected_arg)
+    grad_out = rng.standard_normal((6, 3, 3, 6))[..., ::2]
+    expected_grad = roi_pool_backward(np.ascontiguousarray(grad_out), rois, expected_arg,
+                                      (2, 3, 8, 8))
+    wide_arg = np.repeat(argmax, 2, axis=-1)[..., ::2]
+    np.testing.assert_array_equal(roi_pool_backward(grad_out, rois, wide_arg, (2, 3, 8, 8)),
+                                  expected_grad)
+
+
+def test_dlpack_only_inputs_are_accepted(rng, dlpack_only):
+    x = rng.standard_normal((2, 3, 8, 8))
+    rois = random_rois(rng, 5, 2, 8, 8, 1.0)
+    expected = roi_pool(x, rois, 3)
+    np.testing.assert_array_equal(np.asarray(roi_pool(dlpack_only(x), dlpack_only(rois), 3)),
+                                  expected)
+
+
+# --- bad rois and bad argmax: errors before anything is written -----------------
+
+@pytest.mark.parametrize("bad_roi, message", [
+    ([0, np.nan, 0, 2, 2], "rois[1] contains NaN or inf"),
+    ([0, 0, 0, 2, np.nan], "rois[1] contains NaN or inf"),
+    ([0, 0, np.inf, 2, 2], "rois[1] contains NaN or inf"),
+    ([np.nan, 0, 0, 2, 2], "rois[1] contains NaN or inf"),
+    ([2, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+    ([-1, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+    ([0.5, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+    ([1e30, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in [0, 2)"),
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_rois_raise_and_write_nothing(bad_roi, message, dtype):
+    x, rois = good_call(dtype)
+    rois = np.concatenate([rois, rois[:1]])
+    rois[1] = bad_roi        # the roi after it is fine, the one before too
+    output = filled((3, 3, 2, 2), dtype)
+    argmax = filled((3, 3, 2, 2), np.int64)
+    with pytest.raises(ValueError, match=re.escape("roi_pool_forward_impl: " + message)):
+        mmdispatch.roi_pool_forward_impl(x, rois, output, argmax, 2, 2, 1.0)
+    assert np.all(output == 7) and np.all(argmax == 7)
+    grad_input = filled(x.shape, dtype)
+    with pytest.raises(ValueError, match=re.escape("roi_pool_backward_impl: " + message)):
+        mmdispatch.roi_pool_backward_impl(np.ones((3, 3, 2, 2), dtype=dtype), rois,
+                                          np.zeros((3, 3, 2, 2), dtype=np.int64), grad_input, 2,
+                                          2, 1.0)
+    assert np.all(grad_input == 7)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        roi_pool(x, rois, 2)
+
+
+@pytest.mark.parametrize("roi, scale", [
+    ([0, 0, 0, 3e38, 3e38], 2.0),           # overflows once scaled
+    ([0, -3e38, 0, 3e38, 3], 1.0),          # width x2 - x1 + 1 overflows
+    ([0, 1, 1, 2, 2], 1e39),                # spatial_scale is inf in float32
+])
+def test_float32_rois_that_overflow_are_rejected(roi, scale):
+    x = np.zeros((1, 1, 4, 4), dtype=np.float32)
+    output = filled((1, 1, 2, 2), np.float32)
+    argmax = filled((1, 1, 2, 2), np.int64)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_forward_impl: rois[0] contains NaN or inf (or overflows once scaled)")):
+        mmdispatch.roi_pool_forward_impl(x, np.array([roi], dtype=np.float32), output, argmax,
+                                         2, 2, scale)
+    assert np.all(output == 7) and np.all(argmax == 7)
+
+
+@pytest.mark.parametrize("value, position", [(25, 0), (-2, 5), (10**12, 23), (-(2**63), 11)])
+def test_backward_rejects_argmax_out_of_range_and_writes_nothing(value, position):
+    x, rois = good_call()
+    argmax = np.zeros((2, 3, 2, 2), dtype=np.int64)
+    argmax.flat[position] = value
+    grad_input = filled(x.shape, np.float64)
+    with pytest.raises(ValueError, match=re.escape(
+            f"roi_pool_backward_impl: argmax holds {value} at flat index {position}; entries "
+            f"must be -1 or in [0, 25) (H * W of grad_input)")):
+        mmdispatch.roi_pool_backward_impl(np.ones((2, 3, 2, 2)), rois, argmax, grad_input, 2,
+                                          2, 1.0)
+    assert np.all(grad_input == 7)
+
+
+def test_backward_accepts_argmax_bounds_minus_one_and_last_cell():
+    x, rois = good_call()
+    argmax = np.full((2, 3, 2, 2), -1, dtype=np.int64)
+    argmax[1, 2, 1, 1] = 24
+    grad = roi_pool_backward(np.ones((2, 3, 2, 2)), rois, argmax, x.shape)
+    assert grad.sum() == 1.0 and grad[1, 2, 4, 4] == 1.0
+
+
+# --- bad arguments ------------------------------------------------------------
+
+def ones_grad(dtype=np.float64):
+    return np.ones((2, 3, 2, 2), dtype=dtype)
+
+
+def zero_argmax():
+    return np.zeros((2, 3, 2, 2), dtype=np.int64)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda x, r: roi_pool(x[0], r, 2), ValueError,
+     "roi_pool_forward: input must be 4-D (N, C, H, W), got shape (3, 5, 5)"),
+    (lambda x, r: roi_pool(x, r[:, :4], 2), ValueError,
+     "roi_pool_forward_impl: rois must have shape (*, 5), got (2, 4)"),
+    (lambda x, r: roi_pool(x, r[0], 2), ValueError,
+     "roi_pool_forward: rois must be 2-D (K, 5), got shape (5,)"),
+    (lambda x, r: roi_pool(x.astype(np.float32), r, 2), TypeError,
+     "roi_pool_forward_impl: rois has dtype float64 but input has dtype float32"),
+    (lambda x, r: roi_pool(x.astype(np.float16), r.astype(np.float16), 2), TypeError,
+     "roi_pool_forward_impl: input has dtype float16 on this device; supported: float32, "
+     "float64"),
+    (lambda x, r: roi_pool(x.astype(np.int64), r.astype(np.int64), 2), TypeError,
+     "roi_pool_forward_impl: input has dtype int64 on this device; supported: float32, "
+     "float64"),
+    (lambda x, r: roi_pool(x.tolist(), r, 2), TypeError,
+     "roi_pool_forward: input must be an array"),
+    (lambda x, r: roi_pool(x, r.tolist(), 2), TypeError,
+     "roi_pool_forward: rois must be an array"),
+    (lambda x, r: roi_pool(x, r, 0), ValueError, "roi_pool_forward: output_size must be >= 1"),
+    (lambda x, r: roi_pool(x, r, (2, 0)), ValueError,
+     "roi_pool_forward: output_size must be >= 1, got (2, 0)"),
+    (lambda x, r: roi_pool(x, r, "7"), TypeError,
+     "roi_pool_forward: output_size must be an int or a pair of ints, got '7'"),
+    (lambda x, r: roi_pool(x, r, 2, float("nan")), ValueError,
+     "roi_pool_forward_impl: spatial_scale must be finite and > 0, got nan"),
+    (lambda x, r: roi_pool(x, r, 2, 0), ValueError,
+     "roi_pool_forward_impl: spatial_scale must be finite and > 0, got 0"),
+    (lambda x, r: roi_pool(x, r, 2, -1.0), ValueError,
+     "roi_pool_forward_impl: spatial_scale must be finite and > 0, got -1"),
+    (lambda x, r: roi_pool(x, r, 2, float("inf")), ValueError,
+     "roi_pool_forward_impl: spatial_scale must be finite and > 0, got inf"),
+    (lambda x, r: roi_pool(x, r, 2, "1"), TypeError,
+     "roi_pool_forward_impl: at param 6 (spatial_scale), expected a real number, got str"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, zero_argmax(), (2, 3, 5)), ValueError,
+     "roi_pool_backward: input_shape must be 4 non-negative ints (N, C, H, W), got (2, 3, 5)"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, zero_argmax(), (2, 3, -5, 5)), ValueError,
+     "roi_pool_backward: input_shape must be 4 non-negative ints"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, zero_argmax(), 5), TypeError,
+     "roi_pool_backward: input_shape must be a sequence of 4 ints (N, C, H, W), got 5"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, zero_argmax().astype(float), x.shape),
+     TypeError, "roi_pool_backward: argmax must have an integer dtype, got float64"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, None, x.shape), TypeError,
+     "roi_pool_backward: argmax must be an array"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, zero_argmax()[:, :, :1], x.shape),
+     ValueError, "roi_pool_backward_impl: argmax must have shape (2, 3, 2, 2), got (2, 3, 1, 2)"),
+    (lambda x, r: roi_pool_backward(ones_grad()[:1], r, zero_argmax(), x.shape), ValueError,
+     "roi_pool_backward_impl: grad_output must have shape (2, 3, 2, 2), got (1, 3, 2, 2)"),
+    (lambda x, r: roi_pool_backward(ones_grad()[0], r, zero_argmax(), x.shape), ValueError,
+     "roi_pool_backward: grad_output must be 4-D (K, C, out_h, out_w), got shape (3, 2, 2)"),
+    (lambda x, r: roi_pool_backward(ones_grad(), r, zero_argmax(), (2, 4, 5, 5)), ValueError,
+     "roi_pool_backward_impl: grad_output must have shape (2, 4, 2, 2), got (2, 3, 2, 2)"),
+    (lambda x, r: roi_pool_backward(ones_grad(np.float32), r, zero_argmax(), x.shape),
+     TypeError, "roi_pool_backward_impl: rois has dtype float64"),
+    (lambda x, r: roi_pool_backward(ones_grad(np.float16), r.astype(np.float16), zero_argmax(),
+                                    x.shape), TypeError,
+     "roi_pool_backward_impl: grad_output has dtype float16 on this device; supported: float32, "
+     "float64"),
+])
+def test_bad_arguments_raise_clear_errors(call, error, message):
+    x, rois = good_call()
+    with pytest.raises(error, match=re.escape(message)):
+        call(x, rois)
+
+
+def impl_arrays(dtype=np.float64):
+    x, rois = good_call(dtype)
+    return x, rois, filled((2, 3, 2, 2), dtype), filled((2, 3, 2, 2), np.int64)
+
+
+def test_impl_rejects_bad_pooled_size_and_wrong_output_arrays():
+    x, rois, out, argmax = impl_arrays()
+    cases = [
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax, 0, 2, 1.0), ValueError,
+         "roi_pool_forward_impl: pooled_height and pooled_width must be >= 1, got 0 and 2"),
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax, 2, 1, 1.0), ValueError,
+         "roi_pool_forward_impl: output must have shape (2, 3, 2, 1), got (2, 3, 2, 2)"),
+        (lambda: mmdispatch.roi_pool_backward_impl(out, rois, argmax, x.copy(), 2, -1, 1.0),
+         ValueError, "roi_pool_backward_impl: pooled_height and pooled_width must be >= 1, got "
+                     "2 and -1"),
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out.astype(np.float32), argmax, 2, 2,
+                                                  1.0), TypeError,
+         "roi_pool_forward_impl: output has dtype float32 but input has dtype float64"),
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax.astype(np.int32), 2, 2,
+                                                  1.0), TypeError,
+         "roi_pool_forward_impl: argmax has dtype int32 on this device; supported: int64"),
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, np.full((2, 3, 2, 4), 7.0)[..., ::2],
+                                                  argmax, 2, 2, 1.0), ValueError,
+         "roi_pool_forward_impl: output must be C-contiguous"),
+        (lambda: mmdispatch.roi_pool_backward_impl(out, rois, argmax, np.zeros((2, 3, 5)), 2, 2,
+                                                   1.0), ValueError,
+         "roi_pool_backward_impl: grad_input must have shape (*, *, *, *), got (2, 3, 5)"),
+        (lambda: mmdispatch.roi_pool_forward_impl(x.tolist(), rois, out, argmax, 2, 2, 1.0),
+         TypeError, "roi_pool_forward_impl: at param 0 (input), expected an array"),
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, None, argmax, 2, 2, 1.0), TypeError,
+         "roi_pool_forward_impl: at param 2 (output), expected an array, got None"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+    assert np.all(out == 7) and np.all(argmax == 7)
+
+
+def readonly(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def test_impl_rejects_read_only_outputs():
+    x, rois, out, argmax = impl_arrays()
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_forward_impl: at param 2 (output), output array is read-only")):
+        mmdispatch.roi_pool_forward_impl(x, rois, readonly(out), argmax, 2, 2, 1.0)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_forward_impl: at param 3 (argmax), output array is read-only")):
+        mmdispatch.roi_pool_forward_impl(x, rois, out, readonly(argmax), 2, 2, 1.0)
+    grad_input = readonly(filled(x.shape, np.float64))
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_backward_impl: at param 3 (grad_input), output array is read-only")):
+        mmdispatch.roi_pool_backward_impl(ones_grad(), rois, zero_argmax(), grad_input, 2, 2,
+                                          1.0)
+    assert np.all(out == 7) and np.all(argmax == 7) and np.all(grad_input == 7)
+
+
+def test_impl_rejects_outputs_that_alias_inputs():
+    x, rois, out, argmax = impl_arrays()
+    overlap = "output memory overlaps param {}; outputs must not share memory"
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_forward_impl: at param 2 (output), " + overlap.format("0 (input)"))):
+        mmdispatch.roi_pool_forward_impl(x, rois, x[:2, :, :2, :2], argmax, 2, 2, 1.0)
+    shared = np.full(48, 7.0)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_forward_impl: at param 2 (output), " + overlap.format("3 (argmax)"))):
+        mmdispatch.roi_pool_forward_impl(x, rois, shared[:24].reshape(2, 3, 2, 2),
+                                         shared[:24].view(np.int64).reshape(2, 3, 2, 2), 2, 2,
+                                         1.0)
+    grad_output = np.full(200, 7.0)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_backward_impl: at param 3 (grad_input), " +
+            overlap.format("0 (grad_output)"))):
+        mmdispatch.roi_pool_backward_impl(grad_output[:24].reshape(2, 3, 2, 2), rois,
+                                          zero_argmax(), grad_output[:150].reshape(2, 3, 5, 5),
+                                          2, 2, 1.0)
+    assert np.all(shared == 7) and np.all(grad_output == 7) and np.all(argmax == 7)
+
+
+# --- device consistency -------------------------------------------------------
+
+FORWARD_NAMES = ["input", "rois", "output", "argmax"]
+BACKWARD_NAMES = ["grad_output", "rois", "argmax", "grad_input"]
+
+
+def impl_args(backward):
+    x, rois, out, argmax = impl_arrays()
+    if backward:
+        return [ones_grad(), rois, zero_argmax(), filled(x.shape, np.float64)]
+    return [x, rois, out, argmax]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("position", range(4))
+def test_impl_rejects_an_array_on_another_device(backward, position, fake_array):
+    names = BACKWARD_NAMES if backward else FORWARD_NAMES
+    op = "roi_pool_backward_impl" if backward else "roi_pool_forward_impl"
+    impl = getattr(mmdispatch, op)
+    args = impl_args(backward)
+    fake = fake_array(2, 0)
+    args[position] = fake
+    if position == 0:   # the reference device is then cuda:0 and param 1 mismatches
+        message = f"{op}: at param 1 ({names[1]}), inconsistent device: cpu vs cuda:0"
+    else:
+        message = f"{op}: at param {position} ({names[position]}), inconsistent device: " \
+                  "cuda:0 vs cpu"
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(message)):
+        impl(*args, 2, 2, 1.0)
+    assert not fake.exported
+    outputs = [3] if backward else [2, 3]
+    assert all(np.all(args[i] == 7) for i in outputs if i != position)
+
+
+def test_impl_names_the_device_index_of_a_mismatch(fake_array):
+    x, rois, out, argmax = impl_arrays()
+    fake = fake_array(2, 1)
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(
+            "roi_pool_forward_impl: at param 3 (argmax), inconsistent device: cuda:1 vs cpu")):
+        mmdispatch.roi_pool_forward_impl(x, rois, out, fake, 2, 2, 1.0)
+    assert not fake.exported and np.all(out == 7)
+
+
+@pytest.mark.parametrize("op", ["roi_pool_forward_impl", "roi_pool_backward_impl"])
+def test_impl_on_a_device_without_kernels_raises_kernel_not_found(op, fake_array):
+    fakes = [fake_array(12, 0) for _ in range(4)]
+    with pytest.raises(mmdispatch.KernelNotFoundError, match=re.escape(
+            f"{op}: implementation for device ext_dev:0 not found.")):
+        getattr(mmdispatch, op)(*fakes, 2, 2, 1.0)
+    assert not any(f.exported for f in fakes)
+
+
+# --- CUDA (runs only where a GPU, CuPy and the CUDA kernels are present) ------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_matches_cpu_exactly_in_forward_and_closely_in_backward(cupy, seed, dtype):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 8, 20, 24)).astype(dtype)
+    scale = [1.0, 0.5, 0.25, 0.3][seed]
+    rois = random_rois(rng, 48, 2, 20, 24, scale).astype(dtype)
+    out, argmax = roi_pool_forward(x, rois, (4, 3), scale)
+    out_gpu, argmax_gpu = roi_pool_forward(cupy.asarray(x), cupy.asarray(rois), (4, 3), scale)
+    assert isinstance(out_gpu, cupy.ndarray) and isinstance(argmax_gpu, cupy.ndarray)
+    assert out_gpu.dtype == dtype and argmax_gpu.dtype == np.int64
+    np.testing.assert_array_equal(cupy.asnumpy(out_gpu), out)
+    np.testing.assert_array_equal(cupy.asnumpy(argmax_gpu), argmax)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grad = roi_pool_backward(grad_out, rois, argmax, x.shape, scale)
+    grad_gpu = roi_pool_backward(cupy.asarray(grad_out), cupy.asarray(rois), argmax_gpu,
+                                 x.shape, scale)
+    assert isinstance(grad_gpu, cupy.ndarray) and grad_gpu.dtype == dtype
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_mmcv_published_values_and_nan_handling(cupy, dtype):
+    for case in MMCV_CASES:
+        x, rois, expected, expected_grad = (np.array(a, dtype=dtype) for a in case)
+        out, argmax = roi_pool_forward(cupy.asarray(x), cupy.asarray(rois), 2)
+        grad = roi_pool_backward(cupy.ones_like(out), cupy.asarray(rois), argmax, x.shape)
+        np.testing.assert_array_equal(cupy.asnumpy(out), expected)
+        np.testing.assert_array_equal(cupy.asnumpy(grad), expected_grad)
+    x = np.arange(16, dtype=dtype).reshape(1, 1, 4, 4)
+    x[0, 0, 3, 3] = np.nan
+    x[0, 0, :2, :2] = np.nan
+    rois = np.array([[0, 0, 0, 3, 3], [0, 9, 9, 12, 12]], dtype=dtype)
+    expected, expected_arg = roi_pool_forward(x, rois, 2)
+    out, argmax = roi_pool_forward(cupy.asarray(x), cupy.asarray(rois), 2)
+    np.testing.assert_array_equal(cupy.asnumpy(out), expected)
+    np.testing.assert_array_equal(cupy.asnumpy(argmax), expected_arg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_bad_rois_and_argmax_raise_and_write_nothing(cupy, dtype):
+    x, rois = good_call(dtype)
+    x, bad = cupy.asarray(x), rois.copy()
+    for roi, message in [([0, np.nan, 0, 2, 2], "rois[1] contains NaN or inf"),
+                         ([2, 0, 0, 2, 2], "rois[1, 0] (batch index) must be an integer in "
+                                           "[0, 2)")]:
+        bad[1] = roi
+        output = cupy.full((2, 3, 2, 2), 7, dtype=dtype)
+        argmax = cupy.full((2, 3, 2, 2), 7, dtype=np.int64)
+        with pytest.raises(ValueError, match=re.escape("roi_pool_forward_impl: " + message)):
+            mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0)
+        assert bool((output == 7).all()) and bool((argmax == 7).all())
+    argmax = cupy.zeros((2, 3, 2, 2), dtype=np.int64)
+    argmax[1, 0, 0, 1] = 25
+    grad_input = cupy.full(x.shape, 7, dtype=dtype)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_backward_impl: argmax holds 25 at flat index 13")):
+        mmdispatch.roi_pool_backward_impl(cupy.ones((2, 3, 2, 2), dtype=dtype),
+                                          cupy.asarray(rois), argmax, grad_input, 2, 2, 1.0)
+    assert bool((grad_input == 7).all())
+
+
+def test_cuda_and_cpu_arrays_cannot_be_mixed(cupy):
+    x, rois = good_call()
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(
+            "roi_pool_forward_impl: at param 1 (rois), inconsistent device: cpu vs cuda:0")):
+        roi_pool(cupy.asarray(x), rois, 2)
+    out, argmax = roi_pool_forward(cupy.asarray(x), cupy.asarray(rois), 2)
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(
+            "roi_pool_backward_impl: at param 2 (argmax), inconsistent device: cpu vs cuda:0")):
+        roi_pool_backward(cupy.ones_like(out), cupy.asarray(rois), cupy.asnumpy(argmax),
+                          x.shape)
