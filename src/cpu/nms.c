@@ -53,29 +53,203 @@ int mmd_nms_check(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_t
     return s;
 }
 
-static int nms_cpu(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor *idxs,
-                   const mmd_tensor *keep, const mmd_tensor *num_kept, double iou_threshold,
-                   int64_t offset, const mmd_context *ctx) {
-    (void)ctx;
+static int nms_run(int reference, const mmd_tensor *boxes, const mmd_tensor *scores,
+                   const mmd_tensor *idxs, const mmd_tensor *keep, const mmd_tensor *num_kept,
+                   double iou_threshold, int64_t offset) {
     int s = mmd_nms_check(boxes, scores, idxs, keep, num_kept, iou_threshold, offset,
                           MMD_FLOAT32_64);
     if (s) return s;
     if (boxes->dtype == MMD_FLOAT32)
-        return nms_f32(boxes, scores, idxs, keep, num_kept, iou_threshold, offset);
-    return nms_f64(boxes, scores, idxs, keep, num_kept, iou_threshold, offset);
+        return nms_f32(reference, boxes, scores, idxs, keep, num_kept, iou_threshold, offset);
+    return nms_f64(reference, boxes, scores, idxs, keep, num_kept, iou_threshold, offset);
+}
+
+/* default: a grid of kept boxes (for thresholds >= 0); reference: the
+ * O(kept * n) definition. */
+static int nms_cpu(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor *idxs,
+                   const mmd_tensor *keep, const mmd_tensor *num_kept, double iou_threshold,
+                   int64_t offset, const mmd_context *ctx) {
+    (void)ctx;
+    return nms_run(0, boxes, scores, idxs, keep, num_kept, iou_threshold, offset);
+}
+
+static int nms_cpu_reference(const mmd_tensor *boxes, const mmd_tensor *scores,
+                             const mmd_tensor *idxs, const mmd_tensor *keep,
+                             const mmd_tensor *num_kept, double iou_threshold, int64_t offset,
+                             const mmd_context *ctx) {
+    (void)ctx;
+    return nms_run(1, boxes, scores, idxs, keep, num_kept, iou_threshold, offset);
 }
 
 #include "mmdispatch_generated.h"
 
-MMD_REGISTRATIONS(cpu, nms) { MMD_REGISTER_DEVICE_IMPL(nms_impl, CPU, DEFAULT, nms_cpu); }
+MMD_REGISTRATIONS(cpu, nms) {
+    MMD_REGISTER_DEVICE_IMPL(nms_impl, CPU, DEFAULT, nms_cpu);
+    MMD_REGISTER_DEVICE_IMPL(nms_impl, CPU, REFERENCE, nms_cpu_reference);
+}
 
 #else /* typed kernel, instantiated above for float and double */
 #define T MMD_REAL
 #define TFN MMD_FN
 
-static int TFN(nms)(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor *idxs,
-                    const mmd_tensor *keep, const mmd_tensor *num_kept, double iou_threshold,
-                    int64_t offset) {
+/* Boxes in visiting order, one array per coordinate. */
+typedef struct {
+    int64_t n;
+    T *x1, *y1, *x2, *y2, *area;
+    int64_t *cls;   /* class of each box; all 0 for plain nms */
+    T offset, threshold;
+} TFN(sorted_boxes);
+
+static inline int TFN(suppresses)(const TFN(sorted_boxes) *s, int64_t k, int64_t j) {
+    const T inter = TFN(mmd_overlap_1d)(s->x1[k], s->x2[k], s->x1[j], s->x2[j], s->offset) *
+                    TFN(mmd_overlap_1d)(s->y1[k], s->y2[k], s->y1[j], s->y2[j], s->offset);
+    const T iou = TFN(mmd_box_ratio)(inter, s->area[k] + s->area[j] - inter);
+    return (iou > s->threshold) & (s->cls[k] == s->cls[j]);
+}
+
+/* The definition: each kept box suppresses every later box it overlaps,
+ * one branch-free pass per kept box. O(kept * n); any threshold. */
+static int64_t TFN(suppress_linear)(const TFN(sorted_boxes) *s, int64_t *kept_rank) {
+    unsigned char *removed = (unsigned char *)calloc((size_t)(s->n > 0 ? s->n : 1), 1);
+    if (!removed) return -1;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < s->n; ++i) {
+        if (removed[i]) continue;
+        kept_rank[kept++] = i;
+        for (int64_t j = i + 1; j < s->n; ++j) removed[j] |= (unsigned char)TFN(suppresses)(s, i, j);
+    }
+    free(removed);
+    return kept;
+}
+
+/* Grid cells [c0, c1] x [r0, r1] a box may overlap; c0 < 0: the box has an
+ * empty extent (x2 + offset <= x1, y2 + offset <= y1, or NaN), so its
+ * intersection with any box is 0 and, for a threshold >= 0, it neither
+ * suppresses nor is suppressed. */
+typedef struct {
+    int32_t c0, c1, r0, r1;
+} TFN(cells);
+
+static inline int32_t TFN(cell_of)(double v, double lo, double size, int32_t count) {
+    const double c = floor((v - lo) / size);
+    return c < 0 ? 0 : (c >= count ? count - 1 : (int32_t)c);
+}
+
+/* Same decisions as suppress_linear for thresholds >= 0, where only boxes
+ * with a positive intersection can suppress each other: kept boxes are
+ * entered in a uniform grid, and each box is tested only against the kept
+ * boxes sharing a cell with it (boxes covering many cells, e.g. with
+ * infinite coordinates, are tested against every kept box). O(n * local). */
+static int64_t TFN(suppress_grid)(const TFN(sorted_boxes) *s, int64_t *kept_rank) {
+    enum { kBigCells = 64, kMaxSide = 1024 };
+    const int64_t n = s->n;
+    const size_t count = (size_t)(n > 0 ? n : 1);
+    TFN(cells) *cells = (TFN(cells) *)malloc(count * sizeof *cells);
+    int64_t *big = (int64_t *)malloc(count * sizeof *big);      /* kept big boxes */
+    int64_t kept = -1, num_big = 0;
+    int32_t *cell_start = NULL, *cell_fill = NULL, *entries = NULL;
+    if (!cells || !big) goto done;
+
+    /* grid over the finite extents, cells about the mean box size */
+    double lo_x = INFINITY, hi_x = -INFINITY, lo_y = INFINITY, hi_y = -INFINITY;
+    double sum_w = 0, sum_h = 0;
+    int64_t finite = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const double ax = s->x1[i], bx = (double)s->x2[i] + s->offset;
+        const double ay = s->y1[i], by = (double)s->y2[i] + s->offset;
+        cells[i].c0 = (bx > ax && by > ay) ? 0 : -1;
+        if (cells[i].c0 < 0 || !(isfinite(ax) && isfinite(bx) && isfinite(ay) && isfinite(by)))
+            continue;
+        lo_x = ax < lo_x ? ax : lo_x;
+        hi_x = bx > hi_x ? bx : hi_x;
+        lo_y = ay < lo_y ? ay : lo_y;
+        hi_y = by > hi_y ? by : hi_y;
+        sum_w += bx - ax;
+        sum_h += by - ay;
+        ++finite;
+    }
+    int32_t cols = 1, rows = 1;
+    double cell_w = 1, cell_h = 1;
+    if (finite > 0) {
+        const double mean_w = sum_w / (double)finite, mean_h = sum_h / (double)finite;
+        const double span_x = hi_x - lo_x, span_y = hi_y - lo_y;
+        double want_x = mean_w > 0 ? ceil(span_x / mean_w) : 1;
+        double want_y = mean_h > 0 ? ceil(span_y / mean_h) : 1;
+        want_x = want_x < 1 ? 1 : (want_x > kMaxSide ? kMaxSide : want_x);
+        want_y = want_y < 1 ? 1 : (want_y > kMaxSide ? kMaxSide : want_y);
+        cols = (int32_t)want_x;
+        rows = (int32_t)want_y;
+        if (isfinite(span_x) && span_x > 0) cell_w = span_x / cols; else cols = 1;
+        if (isfinite(span_y) && span_y > 0) cell_h = span_y / rows; else rows = 1;
+    }
+    const int64_t num_cells = (int64_t)cols * rows;
+    cell_start = (int32_t *)calloc((size_t)num_cells + 1, sizeof *cell_start);
+    cell_fill = (int32_t *)calloc((size_t)num_cells, sizeof *cell_fill);
+    if (!cell_start || !cell_fill) goto done;
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        TFN(cells) *c = &cells[i];
+        if (c->c0 < 0) continue;
+        c->c0 = TFN(cell_of)(s->x1[i], lo_x, cell_w, cols);
+        c->c1 = TFN(cell_of)((double)s->x2[i] + s->offset, lo_x, cell_w, cols);
+        c->r0 = TFN(cell_of)(s->y1[i], lo_y, cell_h, rows);
+        c->r1 = TFN(cell_of)((double)s->y2[i] + s->offset, lo_y, cell_h, rows);
+        const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
+        if (covered > kBigCells) continue;
+        for (int32_t r = c->r0; r <= c->r1; ++r)
+            for (int32_t q = c->c0; q <= c->c1; ++q) ++cell_start[(int64_t)r * cols + q + 1];
+        total += covered;
+    }
+    for (int64_t k = 0; k < num_cells; ++k) cell_start[k + 1] += cell_start[k];
+    entries = (int32_t *)malloc((size_t)(total > 0 ? total : 1) * sizeof *entries);
+    if (!entries) goto done;
+
+    kept = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        const TFN(cells) *c = &cells[j];
+        int suppressed = 0;
+        if (c->c0 >= 0) {
+            const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
+            if (covered > kBigCells) {
+                for (int64_t k = 0; k < kept && !suppressed; ++k)
+                    suppressed = cells[kept_rank[k]].c0 >= 0 && TFN(suppresses)(s, kept_rank[k], j);
+            } else {
+                for (int64_t k = 0; k < num_big && !suppressed; ++k)
+                    suppressed = TFN(suppresses)(s, big[k], j);
+                for (int32_t r = c->r0; r <= c->r1 && !suppressed; ++r)
+                    for (int32_t q = c->c0; q <= c->c1 && !suppressed; ++q) {
+                        const int64_t cell = (int64_t)r * cols + q;
+                        const int32_t *list = entries + cell_start[cell];
+                        for (int32_t e = 0; e < cell_fill[cell] && !suppressed; ++e)
+                            suppressed = TFN(suppresses)(s, list[e], j);
+                    }
+            }
+        }
+        if (suppressed) continue;
+        kept_rank[kept++] = j;
+        if (c->c0 < 0) continue;
+        if ((int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1) > kBigCells) {
+            big[num_big++] = j;
+            continue;
+        }
+        for (int32_t r = c->r0; r <= c->r1; ++r)
+            for (int32_t q = c->c0; q <= c->c1; ++q) {
+                const int64_t cell = (int64_t)r * cols + q;
+                entries[cell_start[cell] + cell_fill[cell]++] = (int32_t)j;
+            }
+    }
+done:
+    free(cells);
+    free(big);
+    free(cell_start);
+    free(cell_fill);
+    free(entries);
+    return kept;
+}
+
+static int TFN(nms)(int reference, const mmd_tensor *boxes, const mmd_tensor *scores,
+                    const mmd_tensor *idxs, const mmd_tensor *keep, const mmd_tensor *num_kept,
+                    double iou_threshold, int64_t offset) {
     const int64_t n = boxes->shape[0];
     const T *b = (const T *)boxes->data;
     const T *sc = (const T *)scores->data;
@@ -85,50 +259,36 @@ static int TFN(nms)(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd
     scored_index *order = (scored_index *)malloc(count * sizeof *order);
     T *coords = (T *)malloc(5 * count * sizeof *coords);
     int64_t *cls = (int64_t *)calloc(count, sizeof *cls);
-    unsigned char *removed = (unsigned char *)calloc(count, 1);
-    if (!order || !coords || !cls || !removed) {
-        free(order);
-        free(coords);
-        free(cls);
-        free(removed);
-        return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld boxes", (long long)n);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-        order[i].key = TFN(mmd_score_key)(sc[i]);
-        order[i].index = i;
-    }
-    qsort(order, (size_t)n, sizeof *order, compare_scored);
-    T *x1 = coords, *y1 = coords + count, *x2 = coords + 2 * count, *y2 = coords + 3 * count;
-    T *area = coords + 4 * count;
-    const T off = (T)offset;
-    for (int64_t i = 0; i < n; ++i) {
-        const T *box = b + 4 * order[i].index;
-        x1[i] = box[0];
-        y1[i] = box[1];
-        x2[i] = box[2];
-        y2[i] = box[3];
-        area[i] = TFN(mmd_box_area)(box, off);
-        if (cls_in) cls[i] = cls_in[order[i].index];
-    }
-    const T threshold = TFN(mmd_threshold_below)(iou_threshold);
-    int64_t kept = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        if (removed[i]) continue;
-        out[kept++] = order[i].index;
-        const T bx1 = x1[i], by1 = y1[i], bx2 = x2[i], by2 = y2[i], barea = area[i];
-        const int64_t bcls = cls[i];
-        for (int64_t j = i + 1; j < n; ++j) {
-            const T inter = TFN(mmd_overlap_1d)(bx1, bx2, x1[j], x2[j], off) *
-                            TFN(mmd_overlap_1d)(by1, by2, y1[j], y2[j], off);
-            const T iou = TFN(mmd_box_ratio)(inter, barea + area[j] - inter);
-            removed[j] |= (unsigned char)((iou > threshold) & (cls[j] == bcls));
+    int64_t *kept_rank = (int64_t *)malloc(count * sizeof *kept_rank);
+    int64_t kept = -1;
+    if (order && coords && cls && kept_rank) {
+        for (int64_t i = 0; i < n; ++i) {
+            order[i].key = TFN(mmd_score_key)(sc[i]);
+            order[i].index = i;
         }
+        qsort(order, (size_t)n, sizeof *order, compare_scored);
+        TFN(sorted_boxes) s = {n, coords, coords + count, coords + 2 * count, coords + 3 * count,
+                               coords + 4 * count, cls, (T)offset,
+                               TFN(mmd_threshold_below)(iou_threshold)};
+        for (int64_t i = 0; i < n; ++i) {
+            const T *box = b + 4 * order[i].index;
+            s.x1[i] = box[0];
+            s.y1[i] = box[1];
+            s.x2[i] = box[2];
+            s.y2[i] = box[3];
+            s.area[i] = TFN(mmd_box_area)(box, s.offset);
+            if (cls_in) cls[i] = cls_in[order[i].index];
+        }
+        kept = (reference || !(iou_threshold >= 0)) ? TFN(suppress_linear)(&s, kept_rank)
+                                                    : TFN(suppress_grid)(&s, kept_rank);
+        for (int64_t k = 0; k < kept; ++k) out[k] = order[kept_rank[k]].index;
     }
-    *(int64_t *)num_kept->data = kept;
     free(order);
     free(coords);
     free(cls);
-    free(removed);
+    free(kept_rank);
+    if (kept < 0) return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld boxes", (long long)n);
+    *(int64_t *)num_kept->data = kept;
     return MMD_OK;
 }
 

@@ -557,6 +557,44 @@ def test_op_rejects_foreign_device_arrays_with_an_error_naming_the_op(call, fake
     assert not any(a.exported for a in made)
 
 
+# --- default (grid) vs reference (definition) backends ---------------------------
+
+def grid_stress_case(seed, dtype):
+    """Many boxes of mixed sizes, including boxes covering most of the map,
+    infinite and NaN coordinates, inverted and zero-size boxes, so that the
+    default backend's grid meets every kind of box."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(200, 1500))
+    xy = rng.uniform(-50, 300, (n, 2))
+    wh = rng.uniform(0, 40, (n, 2)) * (rng.random((n, 1)) < 0.9) + \
+        rng.uniform(0, 400, (n, 2)) * (rng.random((n, 1)) >= 0.9)
+    boxes = np.concatenate([xy, xy + wh], axis=1)
+    if seed % 2:
+        boxes = np.round(boxes)                                    # exact ties
+    special = rng.random(n)
+    boxes[special < 0.01, 0] = -np.inf
+    boxes[(special >= 0.01) & (special < 0.02), 2] = np.inf
+    boxes[(special >= 0.02) & (special < 0.03), 1] = np.nan
+    boxes[(special >= 0.03) & (special < 0.05), 2] -= 60           # inverted
+    scores = rng.integers(0, 50, n) / 7.0
+    scores[rng.random(n) < 0.03] = np.nan
+    return boxes.astype(dtype), scores.astype(dtype), rng.integers(0, 4, n)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.0, -0.0, 0.3, 0.5, 1 / 3, 1.0, np.inf, -0.2])
+def test_default_backend_keeps_exactly_what_the_reference_backend_keeps(seed, dtype, threshold):
+    boxes, scores, idxs = grid_stress_case(seed, dtype)
+    for offset in (0, 1):
+        with mmdispatch.use_backend("cpu", "reference"):
+            expected = nms(boxes, scores, threshold, offset)
+            expected_batched = batched_nms(boxes, scores, idxs, threshold, offset)
+        np.testing.assert_array_equal(nms(boxes, scores, threshold, offset), expected)
+        np.testing.assert_array_equal(batched_nms(boxes, scores, idxs, threshold, offset),
+                                      expected_batched)
+
+
 # --- bad input -------------------------------------------------------------------------
 
 B = np.array([[0, 0, 2, 2], [1, 1, 3, 3.0]])
