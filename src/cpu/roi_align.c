@@ -217,6 +217,17 @@ static inline void TFN(scatter)(T *plane, int64_t width, const TFN(axis) *ay,
     row_high[ax->high] += g * ay->w_high * ax->w_high;
 }
 
+/* Grows *buf to at least `need` entries; 0 when out of memory (*buf is
+ * then still valid, and freed by the caller). */
+static int TFN(reserve)(TFN(axis) **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return 1;
+    TFN(axis) *grown = (TFN(axis) *)realloc(*buf, need * sizeof **buf);
+    if (!grown) return 0;
+    *buf = grown;
+    *cap = need;
+    return 1;
+}
+
 /* Interpolation weights of every sample row (ph, iy) and column (pw, ix) of
  * one roi; bilinear weights are their products. */
 static void TFN(axis_weights)(const TFN(geometry) *g, int64_t height, int64_t width,
@@ -287,23 +298,18 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
     const int64_t bins = pooled_h * pooled_w;
     int failed = 0;
 
-#pragma omp parallel for schedule(dynamic, 1) if (!reference && num_rois > 1)
-    for (int64_t k = 0; k < num_rois; ++k) {
-        TFN(geometry) g = {0};
-        TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                    sampling_ratio, aligned, &g);
-        TFN(axis) *rows = (TFN(axis) *)malloc(sizeof(TFN(axis)) * (size_t)(pooled_h * g.grid_h + 1));
-        TFN(axis) *cols = (TFN(axis) *)malloc(sizeof(TFN(axis)) * (size_t)(pooled_w * g.grid_w + 1));
-        if (!rows || !cols) {
-            free(rows);
-            free(cols);
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        if (reference) {
-            /* one sample at a time, straight from the definition */
-            for (int64_t c = 0; c < channels; ++c) {
+    if (reference) {
+        /* one roi, channel and sample at a time, straight from the definition */
+        for (int64_t k = 0; k < num_rois && !failed; ++k) {
+            TFN(geometry) g = {0};
+            TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                        sampling_ratio, aligned, &g);
+            TFN(axis) *rows = NULL, *cols = NULL;
+            size_t rows_cap = 0, cols_cap = 0;
+            if (!TFN(reserve)(&rows, &rows_cap, (size_t)(pooled_h * g.grid_h + 1)) ||
+                !TFN(reserve)(&cols, &cols_cap, (size_t)(pooled_w * g.grid_w + 1)))
+                failed = 1;
+            for (int64_t c = 0; c < channels && !failed; ++c) {
                 const T *plane = in + (g.batch * channels + c) * height * width;
                 for (int64_t ph = 0; ph < pooled_h; ++ph)
                     for (int64_t pw = 0; pw < pooled_w; ++pw) {
@@ -320,17 +326,39 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
                                       am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
                     }
             }
-        } else {
-            TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
-            for (int64_t c = 0; c < channels; ++c) {
-                const T *plane = in + (g.batch * channels + c) * height * width;
-                for (int64_t ph = 0; ph < pooled_h; ++ph)
-                    for (int64_t pw = 0; pw < pooled_w; ++pw) {
-                        const int64_t o = (k * channels + c) * bins + ph * pooled_w + pw;
-                        TFN(pool_bin)(plane, width, &g, rows, cols, ph, pw, pool_mode, &out[o],
-                                      am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
-                    }
+            free(rows);
+            free(cols);
+        }
+        return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights")
+                      : MMD_OK;
+    }
+
+    /* Threads own channels and visit every roi, so a thread keeps reading
+     * the same (H, W) planes from cache instead of streaming the whole map
+     * once per roi; per-roi weights are recomputed per channel, which costs
+     * O(pooled * grid) against O(pooled^2 * grid^2) samples. */
+#pragma omp parallel for schedule(dynamic, 1) if (channels > 1)
+    for (int64_t c = 0; c < channels; ++c) {
+        TFN(axis) *rows = NULL, *cols = NULL;
+        size_t rows_cap = 0, cols_cap = 0;
+        for (int64_t k = 0; k < num_rois && !failed; ++k) {
+            TFN(geometry) g = {0};
+            TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                        sampling_ratio, aligned, &g);
+            if (!TFN(reserve)(&rows, &rows_cap, (size_t)(pooled_h * g.grid_h + 1)) ||
+                !TFN(reserve)(&cols, &cols_cap, (size_t)(pooled_w * g.grid_w + 1))) {
+#pragma omp atomic write
+                failed = 1;
+                break;
             }
+            TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
+            const T *plane = in + (g.batch * channels + c) * height * width;
+            for (int64_t ph = 0; ph < pooled_h; ++ph)
+                for (int64_t pw = 0; pw < pooled_w; ++pw) {
+                    const int64_t o = (k * channels + c) * bins + ph * pooled_w + pw;
+                    TFN(pool_bin)(plane, width, &g, rows, cols, ph, pw, pool_mode, &out[o],
+                                  am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
+                }
         }
         free(rows);
         free(cols);
@@ -393,20 +421,11 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
             TFN(geometry) g = {0};
             TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
                                         sampling_ratio, aligned, &g);
-            const size_t need_rows = (size_t)(pooled_h * g.grid_h + 1);
-            const size_t need_cols = (size_t)(pooled_w * g.grid_w + 1);
-            if (need_rows > rows_cap || need_cols > cols_cap) {
-                free(rows);
-                free(cols);
-                rows_cap = need_rows > rows_cap ? need_rows : rows_cap;
-                cols_cap = need_cols > cols_cap ? need_cols : cols_cap;
-                rows = (TFN(axis) *)malloc(sizeof(TFN(axis)) * rows_cap);
-                cols = (TFN(axis) *)malloc(sizeof(TFN(axis)) * cols_cap);
-                if (!rows || !cols) {
+            if (!TFN(reserve)(&rows, &rows_cap, (size_t)(pooled_h * g.grid_h + 1)) ||
+                !TFN(reserve)(&cols, &cols_cap, (size_t)(pooled_w * g.grid_w + 1))) {
 #pragma omp atomic write
-                    failed = 1;
-                    break;
-                }
+                failed = 1;
+                break;
             }
             if (pool_mode == MMD_POOL_AVG)
                 TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
