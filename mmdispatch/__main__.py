@@ -143,8 +143,14 @@ def demo():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mmdispatch")
-    parser.add_argument("command", choices=["info", "demo"], nargs="?", default="info")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from mmdispatch.bench import main as bench
+
+        return bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m mmdispatch",
+                                     epilog="bench [--quick] [--json PATH]: run the benchmarks")
+    parser.add_argument("command", choices=["info", "demo", "bench"], nargs="?", default="info")
     args = parser.parse_args(argv)
     if args.command == "info":
         info()

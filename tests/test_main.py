@@ -1,4 +1,5 @@
 """python -m mmdispatch info / demo."""
+import json
 import subprocess
 import sys
 
@@ -23,3 +24,16 @@ def test_demo_checks_pass(tmp_path):
     for op in ("roi_align", "nms", "bbox_overlaps", "sigmoid_focal_loss"):
         assert f"MMCV published {op} values: match" in result.stdout
     assert "demo: all checks passed" in result.stdout
+
+
+def test_bench_quick_writes_a_result_for_every_benchmark(tmp_path):
+    """Smoke test only: the suite runs and reports; timings are not judged."""
+    out = tmp_path / "bench.json"
+    result = run("bench", "--quick", "--repeat", "1", "--json", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    names = [row["benchmark"] for row in report["results"]]
+    assert any(name.startswith("roi_align sampling_ratio=0 forward+backward") for name in names)
+    assert any(name.startswith("nms") for name in names)
+    assert all(row["mmdispatch"] > 0 for row in report["results"])
+    assert "| benchmark | mmdispatch |" in result.stdout
