@@ -250,14 +250,22 @@ static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geomet
                                  int64_t pw, int64_t pool_mode, T *out, T *arg_y, T *arg_x) {
     const int64_t count = g->grid_h * g->grid_w;
     if (pool_mode == MMD_POOL_AVG) {
+        /* bilinear weights factor by axis: each sample row's two source rows
+         * are summed over the bin's columns first, then weighted once */
         T sum = 0;
+        const TFN(axis) *bin_cols = &cols[pw * g->grid_w];
         for (int64_t iy = 0; iy < g->grid_h; ++iy) {
             const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
             if (!ay->valid) continue;
+            const T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
+            T sum_low = 0, sum_high = 0;
             for (int64_t ix = 0; ix < g->grid_w; ++ix) {
-                const TFN(axis) *ax = &cols[pw * g->grid_w + ix];
-                if (ax->valid) sum += TFN(sample)(plane, width, ay, ax);
+                const TFN(axis) *ax = &bin_cols[ix];
+                if (!ax->valid) continue;
+                sum_low += ax->w_low * row_low[ax->low] + ax->w_high * row_low[ax->high];
+                sum_high += ax->w_low * row_high[ax->low] + ax->w_high * row_high[ax->high];
             }
+            sum += ay->w_low * sum_low + ay->w_high * sum_high;
         }
         *out = sum / (T)(count > 1 ? count : 1);
         return;
@@ -381,12 +389,20 @@ static inline void TFN(backward_bin)(T *plane, int64_t height, int64_t width,
     }
     const int64_t count = g->grid_h * g->grid_w;
     const T share = grad / (T)(count > 1 ? count : 1);
+    const TFN(axis) *bin_cols = &cols[pw * g->grid_w];
     for (int64_t iy = 0; iy < g->grid_h; ++iy) {
         const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
         if (!ay->valid) continue;
+        /* (share * w_y) * w_x: the products scatter() forms, hoisted */
+        T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
+        const T g_low = share * ay->w_low, g_high = share * ay->w_high;
         for (int64_t ix = 0; ix < g->grid_w; ++ix) {
-            const TFN(axis) *ax = &cols[pw * g->grid_w + ix];
-            if (ax->valid) TFN(scatter)(plane, width, ay, ax, share);
+            const TFN(axis) *ax = &bin_cols[ix];
+            if (!ax->valid) continue;
+            row_low[ax->low] += g_low * ax->w_low;
+            row_low[ax->high] += g_low * ax->w_high;
+            row_high[ax->low] += g_high * ax->w_low;
+            row_high[ax->high] += g_high * ax->w_high;
         }
     }
 }
