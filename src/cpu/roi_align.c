@@ -217,8 +217,12 @@ static inline void TFN(scatter)(T *plane, int64_t width, const TFN(axis) *ay,
     row_high[ax->high] += g * ay->w_high * ax->w_high;
 }
 
-/* Grows *buf to at least `need` entries; 0 when out of memory (*buf is
- * then still valid, and freed by the caller). */
+/* Per-thread room for one roi's axis weights, grown as rois need it. */
+typedef struct {
+    TFN(axis) *rows, *cols;
+    size_t rows_cap, cols_cap;
+} TFN(scratch);
+
 static int TFN(reserve)(TFN(axis) **buf, size_t *cap, size_t need) {
     if (need <= *cap) return 1;
     TFN(axis) *grown = (TFN(axis) *)realloc(*buf, need * sizeof **buf);
@@ -226,6 +230,22 @@ static int TFN(reserve)(TFN(axis) **buf, size_t *cap, size_t need) {
     *buf = grown;
     *cap = need;
     return 1;
+}
+
+/* Geometry of roi `roi` (already validated) and room for its weights in
+ * `s`; 0 when out of memory (s stays valid for TFN(scratch_free)). */
+static int TFN(prepare_roi)(const T *roi, int64_t batch, T spatial_scale, int64_t pooled_h,
+                            int64_t pooled_w, int64_t sampling_ratio, int aligned,
+                            TFN(geometry) *g, TFN(scratch) *s) {
+    TFN(mmd_roi_align_geometry)(roi, batch, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                                aligned, g);
+    return TFN(reserve)(&s->rows, &s->rows_cap, (size_t)(pooled_h * g->grid_h + 1)) &&
+           TFN(reserve)(&s->cols, &s->cols_cap, (size_t)(pooled_w * g->grid_w + 1));
+}
+
+static void TFN(scratch_free)(TFN(scratch) *s) {
+    free(s->rows);
+    free(s->cols);
 }
 
 /* Interpolation weights of every sample row (ph, iy) and column (pw, ix) of
@@ -310,13 +330,10 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
         /* one roi, channel and sample at a time, straight from the definition */
         for (int64_t k = 0; k < num_rois && !failed; ++k) {
             TFN(geometry) g = {0};
-            TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                        sampling_ratio, aligned, &g);
-            TFN(axis) *rows = NULL, *cols = NULL;
-            size_t rows_cap = 0, cols_cap = 0;
-            if (!TFN(reserve)(&rows, &rows_cap, (size_t)(pooled_h * g.grid_h + 1)) ||
-                !TFN(reserve)(&cols, &cols_cap, (size_t)(pooled_w * g.grid_w + 1)))
-                failed = 1;
+            TFN(scratch) sc = {0};
+            failed = !TFN(prepare_roi)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                       sampling_ratio, aligned, &g, &sc);
+            TFN(axis) *rows = sc.rows, *cols = sc.cols;
             for (int64_t c = 0; c < channels && !failed; ++c) {
                 const T *plane = in + (g.batch * channels + c) * height * width;
                 for (int64_t ph = 0; ph < pooled_h; ++ph)
@@ -334,8 +351,7 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
                                       am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
                     }
             }
-            free(rows);
-            free(cols);
+            TFN(scratch_free)(&sc);
         }
         return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights")
                       : MMD_OK;
@@ -347,18 +363,16 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
      * O(pooled * grid) against O(pooled^2 * grid^2) samples. */
 #pragma omp parallel for schedule(dynamic, 1) if (channels > 1)
     for (int64_t c = 0; c < channels; ++c) {
-        TFN(axis) *rows = NULL, *cols = NULL;
-        size_t rows_cap = 0, cols_cap = 0;
+        TFN(scratch) sc = {0};
         for (int64_t k = 0; k < num_rois && !failed; ++k) {
             TFN(geometry) g = {0};
-            TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                        sampling_ratio, aligned, &g);
-            if (!TFN(reserve)(&rows, &rows_cap, (size_t)(pooled_h * g.grid_h + 1)) ||
-                !TFN(reserve)(&cols, &cols_cap, (size_t)(pooled_w * g.grid_w + 1))) {
+            if (!TFN(prepare_roi)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                  sampling_ratio, aligned, &g, &sc)) {
 #pragma omp atomic write
                 failed = 1;
                 break;
             }
+            TFN(axis) *rows = sc.rows, *cols = sc.cols;
             TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
             const T *plane = in + (g.batch * channels + c) * height * width;
             for (int64_t ph = 0; ph < pooled_h; ++ph)
@@ -368,8 +382,7 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
                                   am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
                 }
         }
-        free(rows);
-        free(cols);
+        TFN(scratch_free)(&sc);
     }
     return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
 }
@@ -431,18 +444,16 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
 
 #pragma omp parallel for schedule(dynamic, 1) if (!reference && channels > 1)
     for (int64_t c = 0; c < channels; ++c) {
-        TFN(axis) *rows = NULL, *cols = NULL;
-        size_t rows_cap = 0, cols_cap = 0;
+        TFN(scratch) sc = {0};
         for (int64_t k = 0; k < num_rois && !failed; ++k) {
             TFN(geometry) g = {0};
-            TFN(mmd_roi_align_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                        sampling_ratio, aligned, &g);
-            if (!TFN(reserve)(&rows, &rows_cap, (size_t)(pooled_h * g.grid_h + 1)) ||
-                !TFN(reserve)(&cols, &cols_cap, (size_t)(pooled_w * g.grid_w + 1))) {
+            if (!TFN(prepare_roi)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                  sampling_ratio, aligned, &g, &sc)) {
 #pragma omp atomic write
                 failed = 1;
                 break;
             }
+            TFN(axis) *rows = sc.rows, *cols = sc.cols;
             if (pool_mode == MMD_POOL_AVG)
                 TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
             T *plane = gi + (g.batch * channels + c) * height * width;
@@ -454,8 +465,7 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
                                       go[o], am_y ? am_y[o] : (T)0, am_x ? am_x[o] : (T)0);
                 }
         }
-        free(rows);
-        free(cols);
+        TFN(scratch_free)(&sc);
     }
     return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
 }
