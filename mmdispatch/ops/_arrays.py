@@ -128,3 +128,14 @@ def choice(op, name, value, options):
     except (KeyError, TypeError):
         allowed = ", ".join(repr(k) for k in options)
         raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}") from None
+
+
+
+def roi_forward_inputs(op, input, rois):
+    """The (N, C, H, W) map and (K, 5) rois every roi op's forward takes, as
+    contiguous numpy/CuPy arrays."""
+    input = contiguous(native(op, "input", input))
+    rois = contiguous(native(op, "rois", rois))
+    check_ndim(op, "input", input, 4, "(N, C, H, W)")
+    check_ndim(op, "rois", rois, 2, "(K, 5)")
+    return input, rois

@@ -11,7 +11,7 @@ roi_align_forward_impl / roi_align_backward_impl.
 """
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (check_ndim, choice, contiguous, like, namespace, native,
-                                    pair, shape_arg)
+                                    pair, roi_forward_inputs, shape_arg)
 
 _POOL_MODES = {"avg": 1, "max": 0}
 
@@ -29,10 +29,7 @@ def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_rati
     height, width = pair(op, "output_size", output_size)
     mode = _pool_mode(op, pool_mode)
     original = input
-    input = contiguous(native(op, "input", input))
-    rois = contiguous(native(op, "rois", rois))
-    check_ndim(op, "input", input, 4, "(N, C, H, W)")
-    check_ndim(op, "rois", rois, 2, "(K, 5)")
+    input, rois = roi_forward_inputs(op, input, rois)
     xp, device = namespace(op, input)
     with device:
         output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)

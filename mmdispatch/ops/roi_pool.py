@@ -14,7 +14,7 @@ import numpy as np
 
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (check_ndim, contiguous, index_array, like, namespace,
-                                    native, pair, shape_arg)
+                                    native, pair, roi_forward_inputs, shape_arg)
 
 
 def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
@@ -23,10 +23,7 @@ def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
     op = "roi_pool_forward"
     height, width = pair(op, "output_size", output_size)
     original = input
-    input = contiguous(native(op, "input", input))
-    rois = contiguous(native(op, "rois", rois))
-    check_ndim(op, "input", input, 4, "(N, C, H, W)")
-    check_ndim(op, "rois", rois, 2, "(K, 5)")
+    input, rois = roi_forward_inputs(op, input, rois)
     xp, device = namespace(op, input)
     with device:
         output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)

@@ -128,6 +128,7 @@ static int64_t TFN(suppress_linear)(const TFN(sorted_boxes) *s, int64_t *kept_ra
  * suppresses nor is suppressed. */
 typedef struct {
     int32_t c0, c1, r0, r1;
+    int big; /* covers more than kBigCells cells: kept out of the grid */
 } TFN(cells);
 
 static inline int32_t TFN(cell_of)(double v, double lo, double size, int32_t count) {
@@ -195,7 +196,8 @@ static int64_t TFN(suppress_grid)(const TFN(sorted_boxes) *s, int64_t *kept_rank
         c->r0 = TFN(cell_of)(s->y1[i], lo_y, cell_h, rows);
         c->r1 = TFN(cell_of)((double)s->y2[i] + s->offset, lo_y, cell_h, rows);
         const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
-        if (covered > kBigCells) continue;
+        c->big = covered > kBigCells;
+        if (c->big) continue;
         for (int32_t r = c->r0; r <= c->r1; ++r)
             for (int32_t q = c->c0; q <= c->c1; ++q) ++cell_start[(int64_t)r * cols + q + 1];
         total += covered;
@@ -209,8 +211,7 @@ static int64_t TFN(suppress_grid)(const TFN(sorted_boxes) *s, int64_t *kept_rank
         const TFN(cells) *c = &cells[j];
         int suppressed = 0;
         if (c->c0 >= 0) {
-            const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
-            if (covered > kBigCells) {
+            if (c->big) {
                 for (int64_t k = 0; k < kept && !suppressed; ++k)
                     suppressed = cells[kept_rank[k]].c0 >= 0 && TFN(suppresses)(s, kept_rank[k], j);
             } else {
@@ -228,7 +229,7 @@ static int64_t TFN(suppress_grid)(const TFN(sorted_boxes) *s, int64_t *kept_rank
         if (suppressed) continue;
         kept_rank[kept++] = j;
         if (c->c0 < 0) continue;
-        if ((int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1) > kBigCells) {
+        if (c->big) {
             big[num_big++] = j;
             continue;
         }
