@@ -141,6 +141,8 @@ class BuildExt(build_ext):
     def build_extensions(self):
         self.openmp = self._probe_openmp()
         for ext in self.extensions:
+            if ext.name != "mmdispatch._core":
+                continue
             if self.openmp:
                 ext.extra_compile_args.append("-fopenmp")
                 ext.extra_link_args.append("-fopenmp")
@@ -233,10 +235,19 @@ core = Extension(
     extra_compile_args=["-O3"],
 )
 
+# The dispatch-overhead benchmark's no-op kernel and raw baseline.
+benchkit = Extension(
+    "mmdispatch._benchkit",
+    sources=["mmdispatch/_benchkit.pyx"],
+    include_dirs=[str(ROOT / "include"), str(GEN_DIR), numpy.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=["-O3"],
+)
+
 setup(
     version=VERSION,
     ext_modules=cythonize(
-        [core],
+        [core, benchkit],
         include_path=[str(GEN_DIR), str(ROOT / "mmdispatch")],
         compiler_directives={"language_level": 3, "embedsignature": True},
     ),

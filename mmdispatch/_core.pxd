@@ -1,7 +1,7 @@
 # C declarations of the dispatcher core (include/mmdispatch/*.h) and the
 # per-call state shared by _core.pyx and the generated entry points.
 from cpython.ref cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 
 cdef extern from "mmdispatch/tensor.h" nogil:
     enum:
@@ -101,6 +101,8 @@ cdef struct CallState:
     int kinds[MAX_ARRAY_ARGS]
     mmd_tensor tensors[MAX_ARRAY_ARGS]
     const mmd_tensor *args[MAX_ARRAY_ARGS]   # NULL for an absent optional
+    uintptr_t lo[MAX_ARRAY_ARGS]             # [lo, hi): the bytes each view covers
+    uintptr_t hi[MAX_ARRAY_ARGS]
     void *kernel
     bint python_kernel
     mmd_context ctx
@@ -113,7 +115,9 @@ cdef class OpRegistry:
     cdef void **c_table
     cdef const char **c_origin
     cdef list python_kernels     # slot -> active Python kernel or None
-    cdef dict python_stacks      # slot -> [KernelHandle], newest last
+    # slot -> C kernel registered at run time (a capsule), active when not NULL
+    cdef void *runtime_c_kernels[MMD_TABLE_SIZE]
+    cdef dict runtime_stacks     # slot -> [KernelHandle], newest last
     cdef int n_arrays
     cdef int array_positions[MAX_ARRAY_ARGS]
     cdef int array_flags[MAX_ARRAY_ARGS]
@@ -122,5 +126,6 @@ cdef class OpRegistry:
     cdef int classify(self, int i, object obj, CallState *st) except -1
     cdef object prepare(self, CallState *st)
     cdef int check_outputs(self, CallState *st) except -1
+    cdef void activate(self, int slot)
     cdef object not_found(self, int device_type, int device_id, int backend)
     cdef int raise_kernel_error(self, int status) except -1

@@ -13,8 +13,9 @@ One call of an entry point (generated per op into _dispatch_gen.pxi):
   5. call the kernel without the GIL; a nonzero status becomes an exception
      in one place (OpRegistry.raise_kernel_error).
 """
+cimport cython
 cimport numpy as cnp
-from cpython.pycapsule cimport PyCapsule_GetPointer
+from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
 from libc.stdint cimport uintptr_t
 
 import contextlib
@@ -144,30 +145,34 @@ def devices():
 
 cdef class KernelHandle:
     """Returned by register_impl; ``remove()`` (or leaving a ``with`` block)
-    unregisters the kernel and restores what it replaced."""
+    unregisters the kernel and restores what it replaced. ``kind`` is
+    "python" for a callable, "C" for a kernel capsule."""
     cdef readonly str op
     cdef readonly str device
     cdef readonly str backend
     cdef readonly object fn
+    cdef readonly str kind
     cdef readonly str origin
     cdef OpRegistry registry
     cdef int slot
+    cdef void *c_kernel
 
     def remove(self):
         """Unregisters this kernel; calling it again does nothing."""
         with _registry_lock:
-            stack = self.registry.python_stacks.get(self.slot)
+            stack = self.registry.runtime_stacks.get(self.slot)
             if stack is None or self not in stack:
                 return
             stack.remove(self)
             if not stack:
-                del self.registry.python_stacks[self.slot]
-            self.registry.python_kernels[self.slot] = stack[-1].fn if stack else None
+                del self.registry.runtime_stacks[self.slot]
+            self.registry.activate(self.slot)
 
     @property
     def active(self):
         """True while this kernel is the one the dispatcher calls."""
-        return self.registry.python_kernels[self.slot] is self.fn
+        stack = self.registry.runtime_stacks.get(self.slot)
+        return bool(stack) and stack[-1] is self
 
     def __enter__(self):
         return self
@@ -185,21 +190,44 @@ def _origin_of(fn):
     return f"python:{module}.{qualname}"
 
 
+def kernel_capsule_name(op_name):
+    """The name a PyCapsule must carry to be registered as a C kernel of
+    ``op_name``: its pointer must be a function with the op's C signature
+    (``int fn(const mmd_tensor *..., <scalars>, const mmd_context *)``, see
+    mmdispatch_generated.h), callable without the GIL."""
+    return f"mmdispatch.kernel.{_op_registry(op_name).name}"
+
+
+cdef void *_capsule_kernel(OpRegistry op, object capsule) except NULL:
+    expected = kernel_capsule_name(op.name)
+    cdef const char *name = PyCapsule_GetName(capsule)
+    if name == NULL or name.decode("utf-8", "replace") != expected:
+        got = "no name" if name == NULL else repr(name.decode("utf-8", "replace"))
+        raise TypeError(f"register_impl: a C kernel capsule for {op.name} must be named "
+                        f"{expected!r}, got {got}")
+    return PyCapsule_GetPointer(capsule, name)
+
+
 def register_impl(op_name, device, fn, *, backend="default", bint override=False):
-    """Registers a Python callable as the kernel of ``op_name`` for a device
-    type and backend. It is called with the entry point's original arguments.
+    """Registers a kernel of ``op_name`` for a device type and backend: a
+    Python callable, called with the entry point's original arguments, or a
+    PyCapsule holding a C kernel (named ``kernel_capsule_name(op_name)``),
+    called like the built-in ones, without the GIL.
     Registering where a kernel (C or Python) already is raises ValueError
     unless ``override=True``; the returned handle's ``remove()`` restores the
     previous kernel."""
     cdef OpRegistry op = _op_registry(op_name)
-    if not callable(fn):
-        raise TypeError(f"register_impl: fn must be callable, got {type(fn).__name__}")
+    cdef bint is_capsule = PyCapsule_CheckExact(fn)
+    cdef void *c_kernel = _capsule_kernel(op, fn) if is_capsule else NULL
+    if not is_capsule and not callable(fn):
+        raise TypeError(f"register_impl: fn must be callable or a C kernel capsule, got "
+                        f"{type(fn).__name__}")
     cdef int code = parse_device_type(device)
     cdef int slot
     cdef KernelHandle handle
     with _registry_lock:
         slot = code * MMD_MAX_BACKENDS + _backend_index(backend, create=True)
-        existing = op.python_stacks.get(slot)
+        existing = op.runtime_stacks.get(slot)
         if not override and (existing or op.c_table[slot] != NULL):
             current = existing[-1].origin if existing else op.c_origin[slot].decode()
             raise ValueError(
@@ -211,11 +239,13 @@ def register_impl(op_name, device, fn, *, backend="default", bint override=False
         handle.device = DEVICE_TYPES.get(code, str(code))
         handle.backend = backend
         handle.fn = fn
-        handle.origin = _origin_of(fn)
+        handle.kind = "C" if is_capsule else "python"
+        handle.origin = f"capsule:{kernel_capsule_name(op.name)}" if is_capsule else _origin_of(fn)
         handle.registry = op
         handle.slot = slot
-        op.python_stacks.setdefault(slot, []).append(handle)
-        op.python_kernels[slot] = fn
+        handle.c_kernel = c_kernel
+        op.runtime_stacks.setdefault(slot, []).append(handle)
+        op.activate(slot)
     return handle
 
 
@@ -236,6 +266,7 @@ def registry_table():
     ``device``, ``backend``, ``kind`` ("C" or "python"), ``origin`` (who
     registered it) and ``active`` (whether dispatch calls it)."""
     cdef OpRegistry op
+    cdef KernelHandle handle
     cdef int slot
     rows = []
     with _registry_lock:
@@ -243,7 +274,7 @@ def registry_table():
             op = _ops[name]
             for slot in range(MMD_TABLE_SIZE):
                 code, backend = divmod(slot, MMD_MAX_BACKENDS)
-                stack = op.python_stacks.get(slot, ())
+                stack = op.runtime_stacks.get(slot, ())
                 base = {"op": name, "device": DEVICE_TYPES.get(code, str(code)),
                         "backend": _backend_names[backend] if backend < len(_backend_names)
                         else str(backend)}
@@ -251,7 +282,7 @@ def registry_table():
                     rows.append(dict(base, kind="C", origin=op.c_origin[slot].decode(),
                                      active=not stack))
                 for handle in stack:
-                    rows.append(dict(base, kind="python", origin=handle.origin,
+                    rows.append(dict(base, kind=handle.kind, origin=handle.origin,
                                      active=handle is stack[-1]))
     return rows
 
@@ -299,6 +330,8 @@ cdef class OpRegistry:
             f"{self.where(i)}, expected an array (numpy, CuPy, or an object with "
             f"__dlpack__ or __cuda_array_interface__), got {type(obj).__name__}")
 
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     cdef object prepare(self, CallState *st):
         """Steps 1-4 of a call. Returns the Python kernel to call (with
         st.python_kernel set), or the DLPack capsules that must stay alive
@@ -306,19 +339,32 @@ cdef class OpRegistry:
         cdef int i, kind, ref = -1
         cdef int n = self.n_arrays
         cdef int device_type, device_id, backend, slot
+        cdef unsigned int pending = 0  # bit i: array i still needs its view
         cdef mmd_tensor *t
         st.python_kernel = False
         for i in range(n):
-            self.classify(i, <object>st.objects[i], st)
+            t = &st.tensors[i]
+            if mmd_is_exact_ndarray(st.objects[i]):  # the common case, inline
+                st.kinds[i] = KIND_NUMPY
+                t.device_type = MMD_DEVICE_CPU
+                t.device_id = 0
+                if not mmd_view_contiguous_numpy(st.objects[i], t, &st.lo[i], &st.hi[i]):
+                    pending |= 1u << i  # viewed (or rejected) after the lookup
+            else:
+                self.classify(i, <object>st.objects[i], st)
+                if st.kinds[i] != KIND_NONE:
+                    pending |= 1u << i
             if st.kinds[i] == KIND_NONE:
+                st.args[i] = NULL
                 continue
+            st.args[i] = t
             if ref < 0:
                 ref = i
-            elif (st.tensors[i].device_type != st.tensors[ref].device_type
-                  or st.tensors[i].device_id != st.tensors[ref].device_id):
+            elif (t.device_type != st.tensors[ref].device_type
+                  or t.device_id != st.tensors[ref].device_id):
                 raise DeviceMismatchError(
                     f"{self.where(i)}, inconsistent device: "
-                    f"{device_name(st.tensors[i].device_type, st.tensors[i].device_id)} vs "
+                    f"{device_name(t.device_type, t.device_id)} vs "
                     f"{device_name(st.tensors[ref].device_type, st.tensors[ref].device_id)}")
         if ref < 0:
             raise TypeError(f"{self.name}: no array argument was given")
@@ -332,26 +378,28 @@ cdef class OpRegistry:
         if python_kernel is not None:
             st.python_kernel = True
             return python_kernel
-        st.kernel = self.c_table[slot]
+        st.kernel = self.runtime_c_kernels[slot]
+        if st.kernel == NULL:
+            st.kernel = self.c_table[slot]
         if st.kernel == NULL:
             raise self.not_found(device_type, device_id, backend)
 
         st.ctx.device_id = device_id
         st.ctx.stream = NULL
+        held = None
+        if not pending:
+            self.check_outputs(st)
+            return held
         dlpack_stream = None
         provider = _context_providers[device_type]
         if provider is not None:
             stream_ptr, dlpack_stream = provider(device_id)
             st.ctx.stream = <void *><uintptr_t>stream_ptr
-
-        held = None
         for i in range(n):
+            if not pending & (1u << i):
+                continue
             t = &st.tensors[i]
             kind = st.kinds[i]
-            if kind == KIND_NONE:
-                st.args[i] = NULL
-                continue
-            st.args[i] = t
             if kind == KIND_NUMPY:
                 _intake_numpy(self, i, <cnp.ndarray>st.objects[i], t)
             elif kind == KIND_CUPY:
@@ -364,6 +412,7 @@ cdef class OpRegistry:
                     held.append(capsule)
             else:
                 _intake_cai(self, i, <object>st.objects[i], t)
+            _byte_extent(t, &st.lo[i], &st.hi[i])
         self.check_outputs(st)
         return held
 
@@ -371,11 +420,8 @@ cdef class OpRegistry:
         """Outputs must be writable and must not overlap any other array
         (bounding byte ranges, like numpy.may_share_memory)."""
         cdef int i, j, n = self.n_arrays
-        cdef uintptr_t lo[MAX_ARRAY_ARGS]
-        cdef uintptr_t hi[MAX_ARRAY_ARGS]
-        for i in range(n):
-            if st.kinds[i] != KIND_NONE:
-                _byte_extent(&st.tensors[i], &lo[i], &hi[i])
+        cdef uintptr_t *lo = st.lo
+        cdef uintptr_t *hi = st.hi
         for i in range(n):
             if not (self.array_flags[i] & ARG_OUTPUT) or st.kinds[i] == KIND_NONE:
                 continue
@@ -390,6 +436,14 @@ cdef class OpRegistry:
                         f"{self.array_positions[j]} ({self.array_names[j]}); outputs must "
                         "not share memory with other arguments")
         return 0
+
+    cdef void activate(self, int slot):
+        """Makes the newest kernel registered at run time for `slot` the one
+        dispatch calls (the built-in C kernel when there is none)."""
+        stack = self.runtime_stacks.get(slot)
+        cdef KernelHandle top = stack[-1] if stack else None
+        self.python_kernels[slot] = top.fn if top is not None and top.c_kernel == NULL else None
+        self.runtime_c_kernels[slot] = top.c_kernel if top is not None else NULL
 
     cdef object not_found(self, int device_type, int device_id, int backend):
         device = device_name(device_type, device_id)
@@ -437,7 +491,7 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
     op.c_table = c_table
     op.c_origin = c_origin
     op.python_kernels = [None] * MMD_TABLE_SIZE
-    op.python_stacks = {}
+    op.runtime_stacks = {}
     op.n_arrays = len(positions)
     for i in range(op.n_arrays):
         op.array_positions[i] = positions[i]
@@ -447,18 +501,24 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
 
 
 # Scalar arguments: converted before dispatch; errors name the parameter.
+cdef extern from "Python.h":
+    long long _as_long_long "PyLong_AsLongLongAndOverflow"(object value, int *overflow) noexcept
+
+
 cdef int64_t _int_arg(OpRegistry op, int pos, object value) except? -1:
+    cdef long long result
+    cdef int overflow
     if type(value) is not int:
         try:
             value = operator.index(value)
         except TypeError:
             raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected an "
                             f"int, got {type(value).__name__}") from None
-    try:
-        return value
-    except OverflowError:
+    result = _as_long_long(value, &overflow)  # an exact int: cannot fail otherwise
+    if overflow:
         raise ValueError(f"{op.name}: at param {pos} ({op.param_names[pos]}), {value} does "
-                         "not fit in int64") from None
+                         "not fit in int64")
+    return result
 
 
 cdef double _float_arg(OpRegistry op, int pos, object value) except? -1.0:

@@ -24,26 +24,65 @@ cdef inline bint _is_cupy_array(object obj):
     return type(obj) is _cupy_ndarray_type
 
 
-cdef int _dtype_code(char kind, Py_ssize_t itemsize) noexcept:
-    if kind == b'f':
-        if itemsize == 4:
-            return MMD_FLOAT32
-        if itemsize == 8:
-            return MMD_FLOAT64
-        if itemsize == 2:
-            return MMD_FLOAT16
-    elif kind == b'i' or kind == b'u':
-        if itemsize == 1:
-            return MMD_INT8 if kind == b'i' else MMD_UINT8
-        if itemsize == 2:
-            return MMD_INT16 if kind == b'i' else MMD_UINT16
-        if itemsize == 4:
-            return MMD_INT32 if kind == b'i' else MMD_UINT32
-        if itemsize == 8:
-            return MMD_INT64 if kind == b'i' else MMD_UINT64
-    elif kind == b'b' and itemsize == 1:
-        return MMD_BOOL
-    return MMD_DTYPE_UNKNOWN
+cdef extern from *:
+    """
+    static inline int mmd_is_exact_ndarray(PyObject *obj) {
+        return Py_TYPE(obj) == &PyArray_Type;
+    }
+
+    static inline int mmd_dtype_code(char kind, Py_ssize_t itemsize) {
+        switch (kind) {
+        case 'f':
+            return itemsize == 4 ? MMD_FLOAT32 : itemsize == 8 ? MMD_FLOAT64
+                 : itemsize == 2 ? MMD_FLOAT16 : MMD_DTYPE_UNKNOWN;
+        case 'i':
+            return itemsize == 8 ? MMD_INT64 : itemsize == 4 ? MMD_INT32
+                 : itemsize == 2 ? MMD_INT16 : itemsize == 1 ? MMD_INT8 : MMD_DTYPE_UNKNOWN;
+        case 'u':
+            return itemsize == 8 ? MMD_UINT64 : itemsize == 4 ? MMD_UINT32
+                 : itemsize == 2 ? MMD_UINT16 : itemsize == 1 ? MMD_UINT8 : MMD_DTYPE_UNKNOWN;
+        case 'b':
+            return itemsize == 1 ? MMD_BOOL : MMD_DTYPE_UNKNOWN;
+        }
+        return MMD_DTYPE_UNKNOWN;
+    }
+
+    /* The dispatch fast path: views an exact numpy array that is C-contiguous,
+       aligned, native-endian and of a supported dtype, with no division, and
+       sets [lo, hi) to the bytes it covers. numpy may give size-1 axes any
+       stride; they are never stepped along, so the strides set here serve.
+       Returns 0 for every other array: _intake_numpy then takes it (strided
+       arrays) or raises the error. */
+    static inline int mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
+                                                uintptr_t *hi) {
+        PyArrayObject *arr = (PyArrayObject *)obj;
+        const int nd = PyArray_NDIM(arr);
+        const npy_intp itemsize = PyArray_ITEMSIZE(arr);
+        if (nd > MMD_MAX_NDIM || PyArray_ISBYTESWAPPED(arr) ||
+            !PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED))
+            return 0;
+        const int dtype = mmd_dtype_code(PyArray_DESCR(arr)->kind, itemsize);
+        if (dtype == MMD_DTYPE_UNKNOWN) return 0;
+        const npy_intp *dims = PyArray_DIMS(arr);
+        int64_t numel = 1;
+        for (int d = nd - 1; d >= 0; --d) {
+            t->shape[d] = dims[d];
+            t->strides[d] = numel;
+            numel *= dims[d];
+        }
+        t->ndim = nd;
+        t->dtype = dtype;
+        t->data = PyArray_DATA(arr);
+        t->writable = PyArray_ISWRITEABLE(arr);
+        *lo = (uintptr_t)t->data;
+        *hi = *lo + (uintptr_t)(numel * itemsize);
+        return 1;
+    }
+    """
+    int _dtype_code "mmd_dtype_code"(char kind, Py_ssize_t itemsize) noexcept nogil
+    bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
+                                   uintptr_t *hi) noexcept nogil
+    bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
 
 
 # DLPack DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
@@ -73,6 +112,7 @@ cdef int _check_alignment(OpRegistry op, int i, mmd_tensor *t) except -1:
 
 
 cdef int _intake_numpy(OpRegistry op, int i, cnp.ndarray arr, mmd_tensor *t) except -1:
+    """Any numpy array: the general path behind mmd_view_contiguous_numpy."""
     cdef int d, nd = cnp.PyArray_NDIM(arr)
     cdef cnp.npy_intp itemsize = cnp.PyArray_ITEMSIZE(arr)
     cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)

@@ -1,5 +1,6 @@
 """The dispatcher: device checks, kernel lookup, Python registration,
 backends, array intake and the error contract (DESIGN.md section 2)."""
+import ctypes
 import re
 import threading
 
@@ -143,6 +144,59 @@ def test_registry_table_lists_c_and_python_slots():
                          "kind": "python", "active": True,
                          "origin": f"python:{__name__}.{my_kernel.__qualname__}"}]
     assert not [r for r in mmdispatch.registry_table() if r["kind"] == "python"]
+
+
+def test_c_kernel_capsule_dispatches_and_stacks_with_python_kernels():
+    from mmdispatch import _benchkit
+
+    capsule = _benchkit.noop_roi_align_forward_kernel()
+    args = cpu_args()
+    handle = mmdispatch.register_impl("roi_align_forward_impl", "cpu", capsule, override=True)
+    try:
+        assert handle.kind == "C" and handle.active
+        assert handle.origin == "capsule:mmdispatch.kernel.roi_align_forward_impl"
+        assert FWD(*args, *SCALARS) is None and np.all(args[2] == 0)  # the no-op ran
+        rows = [r for r in mmdispatch.registry_table()
+                if (r["op"], r["device"], r["backend"]) == ("roi_align_forward_impl", "cpu",
+                                                            "default")]
+        assert [(r["kind"], r["active"]) for r in rows] == [("C", False), ("C", True)]
+        with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: "python",
+                                      override=True):
+            assert FWD(*args, *SCALARS) == "python" and not handle.active
+        assert handle.active and FWD(*args, *SCALARS) is None and np.all(args[2] == 0)
+    finally:
+        handle.remove()
+    FWD(*args, *SCALARS)
+    assert np.any(args[2] != 0)  # the built-in kernel is back
+
+
+def test_capsule_named_for_another_op_is_rejected():
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = b"mmdispatch.kernel.nms_impl"  # kept alive: the capsule borrows it
+    capsule = new_capsule(1, name, None)  # never called
+    assert mmdispatch.kernel_capsule_name("nms_impl") == name.decode()
+    with pytest.raises(TypeError, match=re.escape(
+            "register_impl: a C kernel capsule for roi_align_forward_impl must be named "
+            "'mmdispatch.kernel.roi_align_forward_impl', got 'mmdispatch.kernel.nms_impl'")):
+        mmdispatch.register_impl("roi_align_forward_impl", "metal", capsule)
+    assert not [r for r in mmdispatch.registry_table() if r["device"] == "metal"]
+
+
+def test_contiguous_arrays_with_odd_strides_on_size_1_axes_give_the_same_result():
+    expected = cpu_args()
+    FWD(*expected, *SCALARS)
+    args = cpu_args()
+    base = np.zeros((2, 3, 6, 6))
+    base[...] = args[0]
+    odd = np.lib.stride_tricks.as_strided(base[:1], shape=(1, 3, 6, 6),
+                                          strides=(8 * 1000,) + base.strides[1:])
+    assert odd.flags.c_contiguous
+    rois = args[1][args[1][:, 0] == 0]
+    out = np.zeros((len(rois),) + args[2].shape[1:])
+    FWD(odd, rois, out, *args[3:], *SCALARS)
+    np.testing.assert_array_equal(out, expected[2][expected[1][:, 0] == 0])
 
 
 def test_register_impl_rejects_bad_arguments():
