@@ -9,11 +9,16 @@ roi_align_forward_impl / roi_align_backward_impl.
   of samples (at least 1); max records the position of the maximum
   (argmax_y / argmax_x) for backward.
 """
+import numpy as np
+
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (check_ndim, choice, contiguous, like, namespace, native,
                                     pair, roi_forward_inputs, shape_arg)
 
 _POOL_MODES = {"avg": 1, "max": 0}
+# Zero-size argmax outputs for avg mode, which the kernels never touch; shared
+# by the fast path of roi_align (they are never handed to the caller).
+_NO_ARGMAX = {np.dtype(t): np.empty((0,), t) for t in (np.float32, np.float64)}
 
 
 def _pool_mode(op, pool_mode):
@@ -65,8 +70,35 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
     return like(original, grad_input)
 
 
+def _plain_size(output_size):
+    """(h, w) when output_size is a positive int or a pair of them given as
+    plain Python ints, else None (the general path validates it)."""
+    if type(output_size) is int:
+        h = w = output_size
+    elif (type(output_size) is tuple and len(output_size) == 2
+          and type(output_size[0]) is int and type(output_size[1]) is int):
+        h, w = output_size
+    else:
+        return None
+    return (h, w) if h > 0 and w > 0 else None
+
+
 def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
               aligned=True):
     """RoIAlign output, (K, C, *output_size)."""
+    size = _plain_size(output_size)
+    if (size is not None and pool_mode == "avg" and type(input) is np.ndarray
+            and type(rois) is np.ndarray and input.ndim == 4 and rois.ndim == 2
+            and input.flags.c_contiguous and rois.flags.c_contiguous):
+        no_argmax = _NO_ARGMAX.get(input.dtype)
+        if no_argmax is not None:
+            # The common call (contiguous float numpy arrays, avg mode) with
+            # nothing to convert: allocate the output and dispatch. Scalars and
+            # dtype/shape agreement are checked by the entry point, as below.
+            output = np.empty((rois.shape[0], input.shape[1], *size), dtype=input.dtype)
+            _core.roi_align_forward_impl(input, rois, output, no_argmax, no_argmax, size[0],
+                                         size[1], spatial_scale, sampling_ratio,
+                                         _POOL_MODES["avg"], aligned)
+            return output
     return roi_align_forward(input, rois, output_size, spatial_scale, sampling_ratio,
                              pool_mode, aligned)[0]

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "mmdispatch/ops/roi_align.h"
+#include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 
 #define MMD_TYPED_FILE "roi_align.c"
@@ -217,16 +218,28 @@ static inline void TFN(scatter)(T *plane, int64_t width, const TFN(axis) *ay,
     row_high[ax->high] += g * ay->w_high * ax->w_high;
 }
 
-/* Per-thread room for one roi's axis weights, grown as rois need it. */
+/* Per-thread room for one roi's axis weights: on the stack for the usual
+ * sizes (7x7 bins of up to 9 samples a side fit), on the heap beyond. */
+#define SCRATCH_INLINE 64
 typedef struct {
     TFN(axis) *rows, *cols;
     size_t rows_cap, cols_cap;
+    TFN(axis) rows_inline[SCRATCH_INLINE], cols_inline[SCRATCH_INLINE];
 } TFN(scratch);
 
-static int TFN(reserve)(TFN(axis) **buf, size_t *cap, size_t need) {
+static void TFN(scratch_init)(TFN(scratch) *s) {
+    s->rows = s->rows_inline;
+    s->cols = s->cols_inline;
+    s->rows_cap = s->cols_cap = SCRATCH_INLINE;
+}
+
+/* Room for `need` entries in *buf; the old contents are not kept (every
+ * roi recomputes its weights). */
+static int TFN(reserve)(TFN(axis) **buf, size_t *cap, TFN(axis) *inline_buf, size_t need) {
     if (need <= *cap) return 1;
-    TFN(axis) *grown = (TFN(axis) *)realloc(*buf, need * sizeof **buf);
+    TFN(axis) *grown = (TFN(axis) *)malloc(need * sizeof **buf);
     if (!grown) return 0;
+    if (*buf != inline_buf) free(*buf);
     *buf = grown;
     *cap = need;
     return 1;
@@ -239,13 +252,15 @@ static int TFN(prepare_roi)(const T *roi, int64_t batch, T spatial_scale, int64_
                             TFN(geometry) *g, TFN(scratch) *s) {
     TFN(mmd_roi_align_geometry)(roi, batch, spatial_scale, pooled_h, pooled_w, sampling_ratio,
                                 aligned, g);
-    return TFN(reserve)(&s->rows, &s->rows_cap, (size_t)(pooled_h * g->grid_h + 1)) &&
-           TFN(reserve)(&s->cols, &s->cols_cap, (size_t)(pooled_w * g->grid_w + 1));
+    return TFN(reserve)(&s->rows, &s->rows_cap, s->rows_inline,
+                        (size_t)(pooled_h * g->grid_h + 1)) &&
+           TFN(reserve)(&s->cols, &s->cols_cap, s->cols_inline,
+                        (size_t)(pooled_w * g->grid_w + 1));
 }
 
 static void TFN(scratch_free)(TFN(scratch) *s) {
-    free(s->rows);
-    free(s->cols);
+    if (s->rows != s->rows_inline) free(s->rows);
+    if (s->cols != s->cols_inline) free(s->cols);
 }
 
 /* Interpolation weights of every sample row (ph, iy) and column (pw, ix) of
@@ -307,6 +322,41 @@ static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geomet
     *arg_x = m.x;
 }
 
+/* Everything a worker needs to pool one channel of every roi. */
+typedef struct {
+    const T *in, *rois;
+    T *out, *am_y, *am_x;
+    int64_t batch, channels, height, width, num_rois, pooled_h, pooled_w;
+    T spatial_scale;
+    int64_t sampling_ratio, pool_mode;
+    int aligned;
+} TFN(forward_job);
+
+/* Pools channel c of every roi; 0 when out of memory. */
+static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
+    const int64_t bins = j->pooled_h * j->pooled_w;
+    TFN(scratch) sc;
+    TFN(scratch_init)(&sc);
+    int ok = 1;
+    for (int64_t k = 0; k < j->num_rois && ok; ++k) {
+        TFN(geometry) g = {0};
+        ok = TFN(prepare_roi)(j->rois + 5 * k, j->batch, j->spatial_scale, j->pooled_h,
+                              j->pooled_w, j->sampling_ratio, j->aligned, &g, &sc);
+        if (!ok) break;
+        TFN(axis_weights)(&g, j->height, j->width, j->pooled_h, j->pooled_w, sc.rows, sc.cols);
+        const T *plane = j->in + (g.batch * j->channels + c) * j->height * j->width;
+        for (int64_t ph = 0; ph < j->pooled_h; ++ph)
+            for (int64_t pw = 0; pw < j->pooled_w; ++pw) {
+                const int64_t o = (k * j->channels + c) * bins + ph * j->pooled_w + pw;
+                TFN(pool_bin)(plane, j->width, &g, sc.rows, sc.cols, ph, pw, j->pool_mode,
+                              &j->out[o], j->am_y ? &j->am_y[o] : NULL,
+                              j->am_x ? &j->am_x[o] : NULL);
+            }
+    }
+    TFN(scratch_free)(&sc);
+    return ok;
+}
+
 static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const mmd_tensor *rois,
                                   const mmd_tensor *output, const mmd_tensor *argmax_y,
                                   const mmd_tensor *argmax_x, int64_t pooled_h, int64_t pooled_w,
@@ -330,7 +380,8 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
         /* one roi, channel and sample at a time, straight from the definition */
         for (int64_t k = 0; k < num_rois && !failed; ++k) {
             TFN(geometry) g = {0};
-            TFN(scratch) sc = {0};
+            TFN(scratch) sc;
+            TFN(scratch_init)(&sc);
             failed = !TFN(prepare_roi)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
                                        sampling_ratio, aligned, &g, &sc);
             TFN(axis) *rows = sc.rows, *cols = sc.cols;
@@ -361,28 +412,19 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
      * the same (H, W) planes from cache instead of streaming the whole map
      * once per roi; per-roi weights are recomputed per channel, which costs
      * O(pooled * grid) against O(pooled^2 * grid^2) samples. */
-#pragma omp parallel for schedule(dynamic, 1) if (channels > 1)
-    for (int64_t c = 0; c < channels; ++c) {
-        TFN(scratch) sc = {0};
-        for (int64_t k = 0; k < num_rois && !failed; ++k) {
-            TFN(geometry) g = {0};
-            if (!TFN(prepare_roi)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                  sampling_ratio, aligned, &g, &sc)) {
+    const TFN(forward_job) job = {in, r, out, am_y, am_x, batch, channels, height, width, num_rois,
+                             pooled_h, pooled_w, spatial_scale, sampling_ratio, pool_mode,
+                             aligned};
+    if (!mmd_worth_threads(channels, channels * num_rois * bins)) {
+        for (int64_t c = 0; c < channels && !failed; ++c)
+            failed = !TFN(forward_channel)(&job, c);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t c = 0; c < channels; ++c)
+            if (!TFN(forward_channel)(&job, c)) {
 #pragma omp atomic write
                 failed = 1;
-                break;
             }
-            TFN(axis) *rows = sc.rows, *cols = sc.cols;
-            TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
-            const T *plane = in + (g.batch * channels + c) * height * width;
-            for (int64_t ph = 0; ph < pooled_h; ++ph)
-                for (int64_t pw = 0; pw < pooled_w; ++pw) {
-                    const int64_t o = (k * channels + c) * bins + ph * pooled_w + pw;
-                    TFN(pool_bin)(plane, width, &g, rows, cols, ph, pw, pool_mode, &out[o],
-                                  am_y ? &am_y[o] : NULL, am_x ? &am_x[o] : NULL);
-                }
-        }
-        TFN(scratch_free)(&sc);
     }
     return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
 }
@@ -423,6 +465,44 @@ static inline void TFN(backward_bin)(T *plane, int64_t height, int64_t width,
 /* Accumulates into grad_input (MMCV semantics: the caller passes zeros).
  * Each channel is owned by one thread and visits rois in order, so the
  * result does not depend on the thread count. */
+typedef struct {
+    const T *grad_output, *rois, *am_y, *am_x;
+    T *grad_input;
+    int64_t batch, channels, height, width, num_rois, pooled_h, pooled_w;
+    T spatial_scale;
+    int64_t sampling_ratio, pool_mode;
+    int aligned;
+} TFN(backward_job);
+
+/* Adds every roi's gradient into channel c of grad_input, rois in order;
+ * 0 when out of memory. */
+static int TFN(backward_channel)(const TFN(backward_job) *j, int64_t c) {
+    const int64_t bins = j->pooled_h * j->pooled_w;
+    TFN(scratch) sc;
+    TFN(scratch_init)(&sc);
+    int ok = 1;
+    for (int64_t k = 0; k < j->num_rois && ok; ++k) {
+        TFN(geometry) g = {0};
+        ok = TFN(prepare_roi)(j->rois + 5 * k, j->batch, j->spatial_scale, j->pooled_h,
+                              j->pooled_w, j->sampling_ratio, j->aligned, &g, &sc);
+        if (!ok) break;
+        if (j->pool_mode == MMD_POOL_AVG)
+            TFN(axis_weights)(&g, j->height, j->width, j->pooled_h, j->pooled_w, sc.rows,
+                              sc.cols);
+        T *plane = j->grad_input + (g.batch * j->channels + c) * j->height * j->width;
+        const int64_t base = (k * j->channels + c) * bins;
+        for (int64_t ph = 0; ph < j->pooled_h; ++ph)
+            for (int64_t pw = 0; pw < j->pooled_w; ++pw) {
+                const int64_t o = base + ph * j->pooled_w + pw;
+                TFN(backward_bin)(plane, j->height, j->width, &g, sc.rows, sc.cols, ph, pw,
+                                  j->pool_mode, j->grad_output[o],
+                                  j->am_y ? j->am_y[o] : (T)0, j->am_x ? j->am_x[o] : (T)0);
+            }
+    }
+    TFN(scratch_free)(&sc);
+    return ok;
+}
+
 static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
                                    const mmd_tensor *rois, const mmd_tensor *argmax_y,
                                    const mmd_tensor *argmax_x, const mmd_tensor *grad_input,
@@ -442,30 +522,19 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
     const int64_t bins = pooled_h * pooled_w;
     int failed = 0;
 
-#pragma omp parallel for schedule(dynamic, 1) if (!reference && channels > 1)
-    for (int64_t c = 0; c < channels; ++c) {
-        TFN(scratch) sc = {0};
-        for (int64_t k = 0; k < num_rois && !failed; ++k) {
-            TFN(geometry) g = {0};
-            if (!TFN(prepare_roi)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                  sampling_ratio, aligned, &g, &sc)) {
+    const TFN(backward_job) job = {go, r, am_y, am_x, gi, batch, channels, height, width,
+                                   num_rois, pooled_h, pooled_w, spatial_scale,
+                                   sampling_ratio, pool_mode, aligned};
+    if (reference || !mmd_worth_threads(channels, channels * num_rois * bins)) {
+        for (int64_t c = 0; c < channels && !failed; ++c)
+            failed = !TFN(backward_channel)(&job, c);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t c = 0; c < channels; ++c)
+            if (!TFN(backward_channel)(&job, c)) {
 #pragma omp atomic write
                 failed = 1;
-                break;
             }
-            TFN(axis) *rows = sc.rows, *cols = sc.cols;
-            if (pool_mode == MMD_POOL_AVG)
-                TFN(axis_weights)(&g, height, width, pooled_h, pooled_w, rows, cols);
-            T *plane = gi + (g.batch * channels + c) * height * width;
-            const int64_t base = (k * channels + c) * bins;
-            for (int64_t ph = 0; ph < pooled_h; ++ph)
-                for (int64_t pw = 0; pw < pooled_w; ++pw) {
-                    const int64_t o = base + ph * pooled_w + pw;
-                    TFN(backward_bin)(plane, height, width, &g, rows, cols, ph, pw, pool_mode,
-                                      go[o], am_y ? am_y[o] : (T)0, am_x ? am_x[o] : (T)0);
-                }
-        }
-        TFN(scratch_free)(&sc);
     }
     return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
 }

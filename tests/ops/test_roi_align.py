@@ -214,6 +214,24 @@ def test_backward_matches_finite_differences(mode, aligned, rng, numeric_gradien
 
 # --- edge cases ---------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_roi_align_fast_path_equals_the_general_path(dtype, rng):
+    """roi_align skips the conversions for contiguous float numpy arrays in avg
+    mode; the result must be what roi_align_forward computes, for int and
+    tuple sizes, and the same as for a non-contiguous copy (general path)."""
+    x = rng.standard_normal((2, 3, 9, 11)).astype(dtype)
+    rois = np.array([[0, 1, 1, 6, 7], [1, 0, 2, 10, 8], [0, 3, 3, 3, 3]], dtype=dtype)
+    for size in (3, (2, 4)):
+        expected = roi_align_forward(x, rois, size, 0.5, 2, "avg", True)[0]
+        fast = roi_align(x, rois, size, 0.5, 2)
+        general = roi_align(np.asfortranarray(x), rois, size, 0.5, 2)
+        np.testing.assert_array_equal(fast, expected)
+        np.testing.assert_array_equal(general, expected)
+        assert fast.flags.c_contiguous and fast.flags.writeable and fast.base is None
+    with pytest.raises(ValueError, match="roi_align_forward_impl"):
+        roi_align(x, rois[:, :4], 3)
+
+
 def test_empty_rois_give_empty_outputs():
     x = np.ones((1, 3, 4, 4), dtype=np.float32)
     out, ay, ax = roi_align_forward(x, np.zeros((0, 5), dtype=np.float32), (2, 2), 1.0, 0, "max")
