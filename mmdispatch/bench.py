@@ -1,12 +1,19 @@
 """Benchmarks of the CPU kernels and of the per-call cost, on issue 4's
 standard workload, side by side with torchvision when it is installed.
 
-    python -m mmdispatch bench [--quick] [--json PATH] [--repeat N]
+    python -m mmdispatch bench [--quick] [--json PATH] [--plot PNG] [--repeat N]
 
 Every figure is the median of `repeat` timed runs (after one warm-up run).
 Ratios are torchvision / mmdispatch measured in the same run; without
 torchvision the table shows only our figures. Timings are never asserted
 anywhere: CI may run --quick as a smoke test.
+
+Dispatch overhead is what the dispatcher adds to a call: roi_align_forward_impl
+with a registered no-op C kernel minus a Cython function that hands the same
+Python arguments straight to that kernel (mmdispatch._benchkit), timed in
+alternating batches; the median of the per-batch differences is reported.
+The overhead-fraction sweep divides it by the time of real roi_align calls of
+growing size (the --plot figure, when matplotlib is installed).
 """
 import argparse
 import json
@@ -19,7 +26,7 @@ import timeit
 import numpy as np
 
 import mmdispatch
-from mmdispatch import ops
+from mmdispatch import _benchkit, _core, ops
 
 # Standard workload: an FPN P2 level of an 800x1216 image, 512 rois per image.
 STANDARD = dict(batch=2, channels=256, height=200, width=304, rois_per_image=512,
@@ -70,6 +77,97 @@ def median_time(fn, repeat):
 def median_call(fn, repeat, number=2000):
     """Median seconds per call of a fast function, over `repeat` batches."""
     return statistics.median(timeit.repeat(fn, repeat=repeat, number=number)) / number
+
+
+def dispatch_overhead(repeat, number=20000):
+    """(median ns of the no-op call through the dispatcher, of the raw call,
+    of their per-batch difference) on a tiny roi_align argument set."""
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    rois = np.zeros((1, 5), np.float32)
+    out = np.empty((1, 1, 1, 1), np.float32)
+    argmax_y, argmax_x = np.empty((0,), np.float32), np.empty((0,), np.float32)
+    args = (x, rois, out, argmax_y, argmax_x, 1, 1, 1.0, 2, 1, True)
+    dispatched, raw = _core.roi_align_forward_impl, _benchkit.raw_roi_align_forward
+    noop = _benchkit.noop_roi_align_forward_kernel()
+    pairs = []
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", noop, backend="bench_noop"):
+        with mmdispatch.use_backend("cpu", "bench_noop"):
+            for _ in range(max(repeat, 5) * 3):
+                a = timeit.timeit(lambda: dispatched(*args), number=number) / number
+                b = timeit.timeit(lambda: raw(*args), number=number) / number
+                pairs.append((a, b))
+    return (statistics.median(a for a, _ in pairs) * 1e9,
+            statistics.median(b for _, b in pairs) * 1e9,
+            statistics.median(a - b for a, b in pairs) * 1e9)
+
+
+# (N, C, H, W, rois) for the overhead-fraction sweep, tiny to the standard workload.
+SWEEP = [(1, 1, 4, 4, 1), (1, 4, 16, 16, 4), (1, 16, 32, 32, 16), (1, 32, 64, 64, 64),
+         (2, 64, 100, 152, 256), (2, 256, 200, 304, 1024)]
+
+
+def overhead_sweep(overhead_ns, quick, repeat):
+    """Dispatch overhead as a fraction of roi_align_forward_impl calls (7x7,
+    sampling_ratio 2, avg) of growing size."""
+    points = []
+    for n, c, h, w, k in SWEEP[:-2] if quick else SWEEP:
+        cfg = dict(STANDARD, batch=n, channels=c, height=h, width=w, rois_per_image=k // n)
+        feature, rois = roi_workload(cfg)
+        rois[:, 1:] *= min(h / 200, w / 304)  # keep the rois on this smaller map
+        out = np.empty((k, c, 7, 7), np.float32)
+        none = np.empty((0,), np.float32)
+
+        def call():
+            _core.roi_align_forward_impl(feature, rois, out, none, none, 7, 7, 0.25, 2, 1, True)
+
+        seconds = median_call(call, repeat, number=max(1, int(2e-2 / max(_once(call), 1e-7))))
+        points.append({"shape": [n, c, h, w], "rois": k, "seconds": seconds,
+                       "overhead_fraction": overhead_ns * 1e-9 / seconds})
+    return points
+
+
+def _once(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def plot_overhead(report, path):
+    """Overhead fraction against op time on log axes; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    points = report["overhead"]["sweep"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog([p["seconds"] * 1e6 for p in points],
+              [p["overhead_fraction"] * 100 for p in points], "o-", label="mmdispatch")
+    ax.axhspan(0.1, 10, color="0.9", label="seed articles: ~10% (light) to <0.1% (heavy ops)")
+    ax.set_xlabel("roi_align_forward_impl call time (µs)")
+    ax.set_ylabel("dispatch overhead (% of call)")
+    ax.set_title(f"dispatch overhead {report['overhead']['overhead_ns']:.0f} ns per call")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def peak_extra_bytes(fn, output_bytes):
+    """Peak memory numpy and Python allocate during fn() beyond its output
+    (tracemalloc sees numpy's buffers; the C kernels keep their per-roi
+    weights on the stack up to 64 samples a side, on the heap beyond)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] - output_bytes
+    finally:
+        tracemalloc.stop()
 
 
 def torchvision_ops():
@@ -171,6 +269,21 @@ def run(quick=False, repeat=None):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None
         record(name, median_call(fn, max(repeat, 5)), theirs, "s/call")
+    progress("bench: dispatch overhead (no-op kernel vs raw call) ...")
+    dispatched_ns, raw_ns, overhead_ns = dispatch_overhead(repeat)
+    record("no-op kernel through roi_align_forward_impl", dispatched_ns * 1e-9, None, "s/call")
+    record("no-op kernel, raw Cython call", raw_ns * 1e-9, None, "s/call")
+    record("dispatch overhead (difference)", overhead_ns * 1e-9, None, "s/call")
+    progress("bench: overhead fraction sweep ...")
+    sweep = overhead_sweep(overhead_ns, quick, repeat)
+    progress("bench: peak memory of a forward call ...")
+    feature, rois = roi_workload(cfg)
+    out_bytes = rois.shape[0] * feature.shape[1] * cfg["output"] ** 2 * feature.itemsize
+    for sr in (2, 0):
+        extra = peak_extra_bytes(lambda: ops.roi_align(feature, rois, cfg["output"],
+                                                       cfg["spatial_scale"], sr), out_bytes)
+        record(f"roi_align sampling_ratio={sr} forward: peak memory beyond the output", extra,
+               None, "bytes")
     return {
         "workload": "quick" if quick else "standard",
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
@@ -181,13 +294,18 @@ def run(quick=False, repeat=None):
                                        if d["device"] == "cpu")},
         "torchvision": None if tv is None else tv[1].__version__,
         "results": rows,
+        "overhead": {"overhead_ns": overhead_ns, "sweep": sweep},
     }
 
 
 def format_value(value, unit):
     if value is None:
         return "-"
-    return f"{value * 1e6:.2f} µs" if unit == "s/call" else f"{value:.4f} s"
+    if unit == "bytes":
+        return f"{value / 2**20:.2f} MiB"
+    if unit == "s/call":
+        return f"{value * 1e9:.0f} ns" if value < 1e-6 else f"{value * 1e6:.2f} µs"
+    return f"{value:.4f} s"
 
 
 def table(report):
@@ -201,6 +319,12 @@ def table(report):
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
         lines.append(f"| {row['benchmark']} | {format_value(row['mmdispatch'], row['unit'])} | "
                      f"{format_value(row['torchvision'], row['unit'])} | {ratio} |")
+    lines += ["", "| roi_align_forward_impl call (N, C, H, W; rois; 7x7) | time | "
+              "dispatch overhead share |", "|---|---|---|"]
+    for p in report["overhead"]["sweep"]:
+        lines.append(f"| {tuple(p['shape'])}; {p['rois']} | "
+                     f"{format_value(p['seconds'], 's/call')} | "
+                     f"{p['overhead_fraction'] * 100:.3g} % |")
     return "\n".join(lines)
 
 
@@ -211,9 +335,16 @@ def main(argv=None):
                         help="small workload, for smoke tests (well under a minute)")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per benchmark")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--plot", default=None,
+                        help="write the overhead-fraction plot to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     report = run(quick=args.quick, repeat=args.repeat)
     print(table(report))
+    if args.plot:
+        if plot_overhead(report, args.plot):
+            progress(f"bench: plot written to {args.plot}")
+        else:
+            progress("bench: matplotlib is not installed; no plot written")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -6,6 +6,7 @@
 #ifndef MMD_REAL
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/parallel.h"
@@ -278,6 +279,177 @@ static void TFN(axis_weights)(const TFN(geometry) *g, int64_t height, int64_t wi
                             width, &cols[pw * g->grid_w + ix]);
 }
 
+/* An axis's samples folded into dense per-pixel weights, one span per bin:
+ * bin p reads pixels [lo, lo + len) with weights w[off .. off + len). With
+ * adaptive sampling (sampling_ratio <= 0) samples are at most one pixel
+ * apart, so the pixels a bin's samples read are exactly such a span: a pixel
+ * inside it is read by some sample, and NaN or inf there propagates as in
+ * the sample-by-sample sum. */
+typedef struct {
+    int64_t lo, len, off;
+} TFN(span);
+
+typedef struct {
+    TFN(span) *spans;
+    T *w;
+    size_t spans_cap, w_cap;
+} TFN(dense_axis);
+
+static int TFN(grow)(void **buf, size_t *cap, size_t need, size_t item) {
+    if (need <= *cap) return 1;
+    void *grown = malloc(need * item);
+    if (!grown) return 0;
+    free(*buf);
+    *buf = grown;
+    *cap = need;
+    return 1;
+}
+
+/* Folds `pooled` bins of `grid` samples each (from axis_weights) into d. */
+static int TFN(dense_weights)(const TFN(axis) *samples, int64_t pooled, int64_t grid,
+                              TFN(dense_axis) *d) {
+    if (!TFN(grow)((void **)&d->spans, &d->spans_cap, (size_t)pooled, sizeof *d->spans))
+        return 0;
+    int64_t total = 0;
+    for (int64_t p = 0; p < pooled; ++p) {
+        int64_t lo = INT64_MAX, hi = -1;
+        for (int64_t i = 0; i < grid; ++i) {
+            const TFN(axis) *a = &samples[p * grid + i];
+            if (!a->valid) continue;
+            if (a->low < lo) lo = a->low;
+            if (a->high > hi) hi = a->high;
+        }
+        d->spans[p].lo = hi >= 0 ? lo : 0;
+        d->spans[p].len = hi >= 0 ? hi - lo + 1 : 0;
+        d->spans[p].off = total;
+        total += d->spans[p].len;
+    }
+    if (!TFN(grow)((void **)&d->w, &d->w_cap, (size_t)total + 1, sizeof *d->w)) return 0;
+    memset(d->w, 0, (size_t)total * sizeof *d->w);
+    for (int64_t p = 0; p < pooled; ++p) {
+        T *w = d->w + d->spans[p].off - d->spans[p].lo;
+        for (int64_t i = 0; i < grid; ++i) {
+            const TFN(axis) *a = &samples[p * grid + i];
+            if (!a->valid) continue;
+            w[a->low] += a->w_low;
+            w[a->high] += a->w_high;
+        }
+    }
+    return 1;
+}
+
+static void TFN(dense_free)(TFN(dense_axis) *d) {
+    free(d->spans);
+    free(d->w);
+}
+
+/* Avg pooling of every bin of one roi and channel from dense weights, in two
+ * passes per bin row: the weighted source rows are summed over the columns
+ * the roi reads (an axpy, vectorisable), then each bin takes the dot product
+ * of that sum with its column weights. `acc` has room for the columns. */
+static void TFN(pool_dense)(const T *plane, int64_t width, const TFN(geometry) *g,
+                            const TFN(dense_axis) *rows, const TFN(dense_axis) *cols,
+                            int64_t pooled_h, int64_t pooled_w, int64_t x0, int64_t x1,
+                            T *restrict acc, T *out) {
+    const int64_t count = g->grid_h * g->grid_w;
+    const int64_t n = x1 - x0;
+    for (int64_t ph = 0; ph < pooled_h; ++ph) {
+        const TFN(span) rs = rows->spans[ph];
+        for (int64_t x = 0; x < n; ++x) acc[x] = 0;
+        for (int64_t yy = 0; yy < rs.len; ++yy) {
+            const T wy = rows->w[rs.off + yy];
+            const T *restrict src = plane + (rs.lo + yy) * width + x0;
+            for (int64_t x = 0; x < n; ++x) acc[x] += wy * src[x];
+        }
+        T *o = out + ph * pooled_w;
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            const TFN(span) cs = cols->spans[pw];
+            const T *wx = cols->w + cs.off, *a = acc + (cs.lo - x0);
+            T sum = 0;
+            for (int64_t xx = 0; xx < cs.len; ++xx) sum += wx[xx] * a[xx];
+            o[pw] = sum / (T)(count > 1 ? count : 1);
+        }
+    }
+}
+
+/* One roi's dense weights along both axes, the columns [x0, x1) its bins
+ * read, and a row accumulator over them; reused from roi to roi. */
+typedef struct {
+    TFN(dense_axis) rows, cols;
+    T *acc;
+    size_t acc_cap;
+    int64_t x0, x1;
+} TFN(dense);
+
+static int TFN(dense_prepare)(TFN(dense) *d, const TFN(scratch) *sc, const TFN(geometry) *g,
+                              int64_t pooled_h, int64_t pooled_w) {
+    if (!TFN(dense_weights)(sc->rows, pooled_h, g->grid_h, &d->rows) ||
+        !TFN(dense_weights)(sc->cols, pooled_w, g->grid_w, &d->cols))
+        return 0;
+    d->x0 = INT64_MAX;
+    d->x1 = 0;
+    for (int64_t p = 0; p < pooled_w; ++p) {
+        const TFN(span) cs = d->cols.spans[p];
+        if (!cs.len) continue;
+        if (cs.lo < d->x0) d->x0 = cs.lo;
+        if (cs.lo + cs.len > d->x1) d->x1 = cs.lo + cs.len;
+    }
+    if (d->x1 == 0) d->x0 = 0;
+    return TFN(grow)((void **)&d->acc, &d->acc_cap, (size_t)(d->x1 - d->x0) + 1, sizeof *d->acc);
+}
+
+static void TFN(dense_release)(TFN(dense) *d) {
+    TFN(dense_free)(&d->rows);
+    TFN(dense_free)(&d->cols);
+    free(d->acc);
+}
+
+/* Backward of pool_dense for one roi and channel: per bin row, the bins'
+ * shares spread over their columns (acc), then added to each source row with
+ * its row weight (an axpy). */
+static void TFN(scatter_dense)(T *plane, int64_t width, const TFN(geometry) *g,
+                               const TFN(dense) *d, int64_t pooled_h, int64_t pooled_w,
+                               const T *grad) {
+    const int64_t count = g->grid_h * g->grid_w;
+    const int64_t n = d->x1 - d->x0;
+    T *restrict acc = d->acc;
+    for (int64_t ph = 0; ph < pooled_h; ++ph) {
+        const TFN(span) rs = d->rows.spans[ph];
+        if (!rs.len) continue;
+        for (int64_t x = 0; x < n; ++x) acc[x] = 0;
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            const TFN(span) cs = d->cols.spans[pw];
+            const T share = grad[ph * pooled_w + pw] / (T)(count > 1 ? count : 1);
+            const T *wx = d->cols.w + cs.off;
+            T *a = acc + (cs.lo - d->x0);
+            for (int64_t xx = 0; xx < cs.len; ++xx) a[xx] += share * wx[xx];
+        }
+        for (int64_t yy = 0; yy < rs.len; ++yy) {
+            const T wy = d->rows.w[rs.off + yy];
+            T *restrict dst = plane + (rs.lo + yy) * width + d->x0;
+            for (int64_t x = 0; x < n; ++x) dst[x] += wy * acc[x];
+        }
+    }
+}
+
+/* Whether all of `n` values are finite. The dense passes fold the samples
+ * reading a pixel into one weight, so a sample whose weight is exactly 0
+ * no longer multiplies the pixel: 0 * inf = NaN of the sample-by-sample sum
+ * would be lost. Planes or gradients holding inf take the sample path. */
+static int TFN(all_finite)(const T *v, int64_t n) {
+    int finite = 1;
+    for (int64_t i = 0; i < n; ++i) finite &= isfinite(v[i]) != 0;
+    return finite;
+}
+
+/* Whether a roi's avg pooling goes through dense weights: adaptive sampling
+ * (so samples are at most a pixel apart) with enough samples per bin that
+ * reading each pixel once beats reading four per sample. */
+static inline int TFN(use_dense)(const TFN(geometry) *g, int64_t sampling_ratio,
+                                 int64_t pool_mode) {
+    return pool_mode == MMD_POOL_AVG && sampling_ratio <= 0 && g->grid_h * g->grid_w >= 4;
+}
+
 /* Pools one bin from precomputed axis weights. Max mode records the sample
  * coordinates of the maximum (MMCV's argmax_y/argmax_x) for backward. */
 static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geometry) *g,
@@ -335,8 +507,11 @@ typedef struct {
 /* Pools channel c of every roi; 0 when out of memory. */
 static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
     const int64_t bins = j->pooled_h * j->pooled_w;
+    const int64_t plane_size = j->height * j->width;
     TFN(scratch) sc;
     TFN(scratch_init)(&sc);
+    TFN(dense) dense = {0};
+    int finite = -1;  /* channel c of every image is finite; -1: not checked yet */
     int ok = 1;
     for (int64_t k = 0; k < j->num_rois && ok; ++k) {
         TFN(geometry) g = {0};
@@ -345,6 +520,22 @@ static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
         if (!ok) break;
         TFN(axis_weights)(&g, j->height, j->width, j->pooled_h, j->pooled_w, sc.rows, sc.cols);
         const T *plane = j->in + (g.batch * j->channels + c) * j->height * j->width;
+        if (TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode)) {
+            if (finite < 0) {
+                finite = 1;
+                for (int64_t n = 0; n < j->batch; ++n)
+                    finite &= TFN(all_finite)(j->in + (n * j->channels + c) * plane_size,
+                                              plane_size);
+            }
+        }
+        if (finite == 1 && TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode)) {
+            ok = TFN(dense_prepare)(&dense, &sc, &g, j->pooled_h, j->pooled_w);
+            if (!ok) break;
+            TFN(pool_dense)(plane, j->width, &g, &dense.rows, &dense.cols, j->pooled_h,
+                            j->pooled_w, dense.x0, dense.x1, dense.acc,
+                            j->out + (k * j->channels + c) * bins);
+            continue;
+        }
         for (int64_t ph = 0; ph < j->pooled_h; ++ph)
             for (int64_t pw = 0; pw < j->pooled_w; ++pw) {
                 const int64_t o = (k * j->channels + c) * bins + ph * j->pooled_w + pw;
@@ -354,6 +545,7 @@ static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
             }
     }
     TFN(scratch_free)(&sc);
+    TFN(dense_release)(&dense);
     return ok;
 }
 
@@ -472,6 +664,7 @@ typedef struct {
     T spatial_scale;
     int64_t sampling_ratio, pool_mode;
     int aligned;
+    int reference;  /* the definition, sample by sample (the reference backend) */
 } TFN(backward_job);
 
 /* Adds every roi's gradient into channel c of grad_input, rois in order;
@@ -480,6 +673,7 @@ static int TFN(backward_channel)(const TFN(backward_job) *j, int64_t c) {
     const int64_t bins = j->pooled_h * j->pooled_w;
     TFN(scratch) sc;
     TFN(scratch_init)(&sc);
+    TFN(dense) dense = {0};
     int ok = 1;
     for (int64_t k = 0; k < j->num_rois && ok; ++k) {
         TFN(geometry) g = {0};
@@ -491,6 +685,14 @@ static int TFN(backward_channel)(const TFN(backward_job) *j, int64_t c) {
                               sc.cols);
         T *plane = j->grad_input + (g.batch * j->channels + c) * j->height * j->width;
         const int64_t base = (k * j->channels + c) * bins;
+        if (!j->reference && TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode) &&
+            TFN(all_finite)(j->grad_output + base, bins)) {
+            ok = TFN(dense_prepare)(&dense, &sc, &g, j->pooled_h, j->pooled_w);
+            if (!ok) break;
+            TFN(scatter_dense)(plane, j->width, &g, &dense, j->pooled_h, j->pooled_w,
+                               j->grad_output + base);
+            continue;
+        }
         for (int64_t ph = 0; ph < j->pooled_h; ++ph)
             for (int64_t pw = 0; pw < j->pooled_w; ++pw) {
                 const int64_t o = base + ph * j->pooled_w + pw;
@@ -500,6 +702,7 @@ static int TFN(backward_channel)(const TFN(backward_job) *j, int64_t c) {
             }
     }
     TFN(scratch_free)(&sc);
+    TFN(dense_release)(&dense);
     return ok;
 }
 
@@ -524,7 +727,7 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
 
     const TFN(backward_job) job = {go, r, am_y, am_x, gi, batch, channels, height, width,
                                    num_rois, pooled_h, pooled_w, spatial_scale,
-                                   sampling_ratio, pool_mode, aligned};
+                                   sampling_ratio, pool_mode, aligned, reference};
     if (reference || !mmd_worth_threads(channels, channels * num_rois * bins)) {
         for (int64_t c = 0; c < channels && !failed; ++c)
             failed = !TFN(backward_channel)(&job, c);

@@ -169,19 +169,67 @@ def test_float32_matches_reference_computed_in_float64(mode, rng):
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["avg", "max"])
-def test_default_backend_equals_reference_backend_bitwise(mode, rng):
+@pytest.mark.parametrize("mode, sampling_ratio", [("avg", 2), ("max", 0), ("max", 2)])
+def test_default_backend_equals_reference_backend_bitwise(mode, sampling_ratio, rng):
     x = rng.standard_normal((2, 16, 20, 24)).astype(np.float32)
     rois = random_rois(rng, 40, 2, 20, 24, 0.5).astype(np.float32)
     results = {}
     for backend in CPU_BACKENDS:
         with mmdispatch.use_backend("cpu", backend):
-            out, ay, ax = roi_align_forward(x, rois, 5, 0.5, 0, mode)
-            grad = roi_align_backward(np.ones_like(out), rois, ay, ax, x.shape, 0.5, 0, mode)
+            out, ay, ax = roi_align_forward(x, rois, 5, 0.5, sampling_ratio, mode)
+            grad = roi_align_backward(np.ones_like(out), rois, ay, ax, x.shape, 0.5,
+                                      sampling_ratio, mode)
             results[backend] = (out, grad)
     np.testing.assert_array_equal(results["default"][0], results["reference"][0])
     np.testing.assert_allclose(results["default"][1], results["reference"][1], rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(np.float32, 2e-5), (np.float64, 1e-12)])
+def test_adaptive_avg_pooling_through_dense_weights_matches_the_reference(dtype, rtol, rng):
+    """With sampling_ratio=0 the default backend folds each bin's samples into
+    per-pixel weights (two passes instead of four reads per sample): the same
+    sums in another order, so equal to rounding."""
+    x = rng.standard_normal((2, 8, 40, 48)).astype(dtype)
+    rois = random_rois(rng, 30, 2, 40, 48, 0.5).astype(dtype)
+    rois[:3, 1:] = [[0, 0, 95, 79], [-30, -20, 130, 110], [10, 10, 12, 60]]  # big, outside
+    grad_out = rng.standard_normal((30, 8, 6, 5)).astype(dtype)
+    results = {}
+    for backend in CPU_BACKENDS:
+        with mmdispatch.use_backend("cpu", backend):
+            out = roi_align(x, rois, (6, 5), 0.5, 0)
+            grad = roi_align_backward(grad_out, rois, None, None, x.shape, 0.5, 0)
+            results[backend] = (out, grad)
+    np.testing.assert_allclose(results["default"][0], results["reference"][0], rtol=rtol,
+                               atol=rtol)
+    np.testing.assert_allclose(results["default"][1], results["reference"][1], rtol=rtol,
+                               atol=rtol)
+
+
+def test_infinities_give_the_sample_by_sample_result_with_adaptive_sampling(rng):
+    """0 * inf = NaN where a sample reads an inf pixel with weight 0: the dense
+    path would fold that away, so planes and gradients with inf take the
+    sample path, and NaN and inf land where the reference puts them."""
+    x = rng.standard_normal((1, 3, 16, 16))
+    x[0, 1, 5, 7] = np.inf
+    x[0, 2, 9, 3] = -np.inf
+    # start 0.5, integer bins: samples fall on pixel centres, where the upper
+    # tap has weight exactly 0
+    rois = np.array([[0, 0.5, 0.5, 9.5, 9.5], [0, 2.5, 3, 11, 12.5], [0, 4, 4, 9, 9]])
+    grad_out = np.ones((3, 3, 3, 3))
+    grad_out[1, 0, 1, 1] = np.inf
+    results = {}
+    for backend in CPU_BACKENDS:
+        with mmdispatch.use_backend("cpu", backend):
+            out = roi_align(x, rois, 3, 1.0, 0, aligned=False)
+            grad = roi_align_backward(grad_out, rois, None, None, x.shape, 1.0, 0,
+                                      aligned=False)
+            results[backend] = (out, grad)
+    assert np.isnan(results["reference"][0]).any() and np.isinf(results["reference"][0]).any()
+    assert np.isnan(results["reference"][0]).any() and np.isinf(results["reference"][0]).any()
+    for default, reference in zip(results["default"], results["reference"]):
+        np.testing.assert_array_equal(np.isnan(default), np.isnan(reference))
+        np.testing.assert_allclose(default, reference, rtol=1e-12, atol=1e-12)  # inf: equal
 
 
 def test_backward_is_deterministic(rng):
