@@ -234,6 +234,8 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 
 codegen = load_codegen()
 codegen.generate(ROOT / "mmdispatch" / "signatures.txt", GEN_DIR, device_modules(codegen))
+# Type stubs of the extension (package data, like _build_info.py not in git).
+codegen.generate_stubs(ROOT / "mmdispatch" / "signatures.txt", ROOT / "mmdispatch")
 
 rel = lambda p: str(Path(p).relative_to(ROOT))  # noqa: E731
 core = Extension(
