@@ -141,6 +141,7 @@ class BuildExt(build_ext):
     def build_extensions(self):
         self.openmp = self._probe_openmp()
         for ext in self.extensions:
+            self._export_only_module_init(ext)
             if ext.name != "mmdispatch._core":
                 continue
             if self.openmp:
@@ -152,6 +153,22 @@ class BuildExt(build_ext):
                                         "-lstdc++"]
         super().build_extensions()
         self._write_build_info()
+
+    def _export_only_module_init(self, ext):
+        """Keeps the mmd_* helpers, the kernel tables and the static CUDA
+        runtime out of the extension's dynamic symbol table: only PyInit_*
+        is exported, so nothing in the process can bind to (or interpose on)
+        them. -fvisibility=hidden covers the C and Cython objects (and lets
+        the compiler address the kernel tables directly instead of through
+        the GOT); the linker version script also hides what static archives
+        such as libcudart_static.a bring in."""
+        ext.extra_compile_args.append("-fvisibility=hidden")
+        if sys.platform.startswith("linux"):
+            script = Path(self.build_temp) / f"{ext.name}.exports.map"
+            script.parent.mkdir(parents=True, exist_ok=True)
+            module = ext.name.rpartition(".")[2]
+            script.write_text(f"{{ global: PyInit_{module}; local: *; }};\n")
+            ext.extra_link_args.append(f"-Wl,--version-script={script}")
 
     def _probe_openmp(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -217,6 +234,8 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 
 codegen = load_codegen()
 codegen.generate(ROOT / "mmdispatch" / "signatures.txt", GEN_DIR, device_modules(codegen))
+# Type stubs of the extension (package data, like _build_info.py not in git).
+codegen.generate_stubs(ROOT / "mmdispatch" / "signatures.txt", ROOT / "mmdispatch")
 
 rel = lambda p: str(Path(p).relative_to(ROOT))  # noqa: E731
 core = Extension(

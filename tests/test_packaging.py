@@ -1,0 +1,122 @@
+"""What the installed package ships besides code: type stubs that match
+signatures.txt and the runtime, py.typed, and an extension that exports
+nothing but its module init function."""
+import ast
+import ctypes
+import importlib
+import importlib.metadata
+import re
+import sys
+from importlib.resources import files
+
+import pytest
+
+import mmdispatch
+from mmdispatch import _core
+
+PACKAGE = files("mmdispatch")
+
+
+def signature_params():
+    """{entry point: [parameter names]} read straight from signatures.txt."""
+    ops = {}
+    for raw in (PACKAGE / "signatures.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, params = re.fullmatch(r"(\w+)\((.*)\)", line).groups()
+            ops[name] = [chunk.split()[1] for chunk in params.split(",") if chunk.strip()]
+    return ops
+
+
+def stub(name):
+    return ast.parse((PACKAGE / name).read_text())
+
+
+def stub_functions(tree):
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def stub_names(tree):
+    """Top-level names a stub defines or re-exports (`import x as x`)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(a.asname for a in node.names if a.asname == a.name)
+    return names
+
+
+def test_py_typed_and_stubs_are_installed():
+    for name in ("py.typed", "_core.pyi", "_benchkit.pyi", "__init__.pyi"):
+        assert (PACKAGE / name).is_file(), name
+
+
+def test_core_stub_has_exactly_the_entry_points_of_signatures_txt():
+    ops = signature_params()
+    functions = stub_functions(stub("_core.pyi"))
+    # An entry point's stub carries its signature line as the docstring.
+    entry_points = {name for name, node in functions.items()
+                    if (ast.get_docstring(node) or "").startswith(f"{name}(")}
+    assert entry_points == set(ops)
+    for name, params in ops.items():
+        assert [a.arg for a in functions[name].args.args] == params, name
+
+
+def test_core_stub_marks_optional_arrays_and_only_them_as_none():
+    optional = set()
+    for raw in (PACKAGE / "signatures.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0]
+        optional.update((m.group(1) for m in re.finditer(r"Tensor\?\s+(\w+)", line)))
+    functions = stub_functions(stub("_core.pyi"))
+    for name in signature_params():
+        for arg in functions[name].args.args:
+            annotation = ast.unparse(arg.annotation)
+            assert ("None" in annotation) == (arg.arg in optional), (name, arg.arg, annotation)
+
+
+def test_core_stub_covers_the_modules_public_api():
+    defined_here = {name for name, obj in vars(_core).items()
+                    if not name.startswith("_") and getattr(obj, "__module__", None) == _core.__name__}
+    names = stub_names(stub("_core.pyi"))
+    assert defined_here - names == set(), "missing from _core.pyi"
+    public = {name for name in names if not name.startswith("_")}
+    assert public - set(dir(_core)) == set(), "in _core.pyi but not in mmdispatch._core"
+
+
+def test_package_stub_matches_the_package_exports():
+    tree = stub("__init__.pyi")
+    assert stub_names(tree) == set(mmdispatch.__all__)
+    declared_all = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                        and node.targets[0].id == "__all__")
+    assert sorted(ast.literal_eval(declared_all)) == sorted(mmdispatch.__all__)
+
+
+def test_benchkit_stub_matches_the_module():
+    from mmdispatch import _benchkit
+
+    defined_here = {name for name, obj in vars(_benchkit).items()
+                    if not name.startswith("_") and callable(obj)}
+    assert set(stub_functions(stub("_benchkit.pyi"))) == defined_here
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF symbol visibility")
+@pytest.mark.parametrize("module, helpers", [
+    ("_core", ["mmd_thread_backends", "mmd_roi_align_forward_impl_table", "mmd_error",
+               "mmd_get_device_modules", "cudaMalloc", "cudaGetDeviceCount"]),
+    ("_benchkit", []),
+])
+def test_extension_exports_only_its_module_init(module, helpers):
+    """dlsym sees only the dynamic symbol table: the C helpers, kernel
+    tables and the static CUDA runtime must not be in it."""
+    library = ctypes.CDLL(importlib.import_module(f"mmdispatch.{module}").__file__)
+    assert hasattr(library, f"PyInit_{module}")
+    for symbol in [*helpers, f"__pyx_module_is_main_mmdispatch__{module}"]:
+        assert not hasattr(library, symbol), symbol
+
+
+def test_version_matches_the_installed_distribution():
+    assert mmdispatch.__version__ == importlib.metadata.version("mmdispatch")
+    assert mmdispatch.build_info()["version"] == mmdispatch.__version__
