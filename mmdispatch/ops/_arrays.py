@@ -22,15 +22,21 @@ def native(op, name, x):
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return x
-    if getattr(type(x), "__dlpack_device__", None) is not None:
-        device_type = int(x.__dlpack_device__()[0])
-        if device_type == _CPU:
-            return np.from_dlpack(x)
-        if device_type == _CUDA and cupy is not None:
-            return cupy.from_dlpack(x)
-        return x  # left to the dispatcher (Python kernels, or its error)
-    if getattr(x, "__cuda_array_interface__", None) is not None and cupy is not None:
-        return cupy.asarray(x)
+    # The protocols run the caller's code, which may fail in any way: the
+    # error is re-raised naming the op and the parameter.
+    try:
+        if getattr(type(x), "__dlpack_device__", None) is not None:
+            device_type = operator.index(x.__dlpack_device__()[0])
+            if device_type == _CPU:
+                return np.from_dlpack(x)
+            if device_type == _CUDA and cupy is not None:
+                return cupy.from_dlpack(x)
+            return x  # left to the dispatcher (Python kernels, or its error)
+        if getattr(x, "__cuda_array_interface__", None) is not None and cupy is not None:
+            return cupy.asarray(x)
+    except Exception as exc:
+        raise TypeError(f"{op}: {name} could not be viewed through its array protocol "
+                        f"({type(x).__name__}): {type(exc).__name__}: {exc}") from exc
     raise TypeError(f"{op}: {name} must be an array (numpy, CuPy, or one with __dlpack__ or "
                     f"__cuda_array_interface__), got {type(x).__name__}")
 
@@ -43,8 +49,11 @@ def namespace(op, x):
         return cupy, x.device
     if isinstance(x, np.ndarray):
         return np, contextlib.nullcontext()
-    device = getattr(type(x), "__dlpack_device__", None) and x.__dlpack_device__()
-    where = f" on DLPack device {tuple(device)}" if device else ""
+    try:
+        device = getattr(type(x), "__dlpack_device__", None) and tuple(x.__dlpack_device__())
+    except Exception:
+        device = None
+    where = f" on DLPack device {device}" if device else ""
     raise TypeError(f"{op}: cannot allocate outputs like a {type(x).__name__}{where}: the op "
                     f"functions allocate with numpy (CPU) or CuPy (CUDA, when installed); for "
                     f"other devices call the {op}_impl-style entry points with your own outputs")
@@ -88,6 +97,21 @@ def pair(op, name, value):
     if h < 1 or w < 1:
         raise ValueError(f"{op}: {name} must be >= 1, got {value!r}")
     return h, w
+
+
+def allocate(op, name, xp, shape, dtype, zeros=False):
+    """xp.empty(shape, dtype) (xp.zeros with zeros=True) for output `name`
+    of `op`. A shape the allocator refuses (its size overflows int64, e.g. a
+    huge output_size) is a ValueError and a failed allocation a
+    MemoryError, both naming the op and the output; nothing is checked
+    before the allocation, so the common case costs nothing extra."""
+    try:
+        return xp.zeros(shape, dtype=dtype) if zeros else xp.empty(shape, dtype=dtype)
+    except MemoryError as exc:
+        raise MemoryError(f"{op}: out of memory allocating {name} of shape {tuple(shape)}: "
+                          f"{exc}") from exc
+    except (ValueError, OverflowError) as exc:
+        raise ValueError(f"{op}: {name} cannot have shape {tuple(shape)}: {exc}") from exc
 
 
 def shape_arg(op, name, value, ndim, layout):
