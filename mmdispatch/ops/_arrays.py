@@ -89,11 +89,11 @@ def check_ndim(op, name, x, ndim, layout):
 
 def pair(op, name, value):
     """(h, w) from an int or a pair of ints, each >= 1."""
-    try:
+    try:  # runs the caller's __len__ / __iter__ / __index__, which may fail in any way
         items = (value, value) if not hasattr(value, "__len__") else tuple(value)
         h, w = (operator.index(v) for v in items)
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from None
+    except Exception as exc:
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from exc
     if h < 1 or w < 1:
         raise ValueError(f"{op}: {name} must be >= 1, got {value!r}")
     return h, w
@@ -116,11 +116,11 @@ def allocate(op, name, xp, shape, dtype, zeros=False):
 
 def shape_arg(op, name, value, ndim, layout):
     """A shape given as a sequence of `ndim` non-negative ints."""
-    try:
+    try:  # runs the caller's __iter__ / __index__, which may fail in any way
         shape = tuple(operator.index(v) for v in value)
-    except TypeError:
+    except Exception as exc:
         raise TypeError(f"{op}: {name} must be a sequence of {ndim} ints {layout}, got "
-                        f"{value!r}") from None
+                        f"{value!r}") from exc
     if len(shape) != ndim or min(shape, default=0) < 0:
         raise ValueError(f"{op}: {name} must be {ndim} non-negative ints {layout}, got "
                          f"{value!r}")
@@ -147,11 +147,12 @@ def index_array(op, name, x):
 
 def choice(op, name, value, options):
     """options[value] for a string parameter such as mode or reduction."""
-    try:
+    # only strings are looked up: hashing another object may fail in any way
+    # (a writable memoryview raises ValueError)
+    if isinstance(value, str) and value in options:
         return options[value]
-    except (KeyError, TypeError):
-        allowed = ", ".join(repr(k) for k in options)
-        raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}") from None
+    allowed = ", ".join(repr(k) for k in options)
+    raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}")
 
 
 
