@@ -58,6 +58,9 @@ KNOWN_BUG_KINDS = {
                          "the op name",
     "float_returns_garbage": "_float_arg: __float__ returning a non-float raises Python's "
                              "TypeError without the op name",
+    "cai_unchecked_ints": "_intake_cai/_intake_layout: __cuda_array_interface__ shape, "
+                          "strides, data pointer or typestr size beyond the C types (or not "
+                          "ints) raise OverflowError / TypeError without the op name",
     "roi_align_huge_output": "ops/roi_align.py allocates with xp.empty / xp.zeros, not "
                              "_arrays.allocate: numpy's ValueError / MemoryError without the "
                              "op name for a huge output_size or input_shape",
@@ -300,8 +303,29 @@ def child_main(args):
                (True, False)]
     typestrs = ["<f4", "<f8", ">f8", "|b1", "<c8", "", "f", "<f", "<fx", 3]
 
-    def a_protocol_object(r):
-        cls = protocol_class(r.bool(), r.bool(), r.bool())
+    def a_cai(r):
+        """A __cuda_array_interface__ dict, well-formed or not."""
+        if r.int(0, 2) == 0:
+            return r.choice(["raise", None, 5, "x", {}, {"data": 5}])
+        if "cai_unchecked_ints" in skip:   # only values that fit the C fields
+            size = lambda: r.int(-2, 6)  # noqa: E731
+            cai = {"data": (r.choice([0, 8, 256, 2 ** 40]), r.bool()),
+                   "shape": r.choice([(size(), size()), (size(),), None, ()]),
+                   "typestr": r.choice(typestrs[:-1]), "version": 3}
+            if r.bool():
+                cai["strides"] = r.choice([None, (size() * 4, size() * 4), (4,)])
+        else:
+            cai = {"data": (r.choice([0, 1, 8, 2 ** 40, -1, 2 ** 70, "x"]), r.bool()),
+                   "shape": r.choice([(an_int(r), an_int(r)), "ab", None, (2,), (1.5,)]),
+                   "typestr": r.choice(typestrs + ["<f99999999999999999999"]), "version": 3}
+            if r.bool():
+                cai["strides"] = r.choice([None, (an_int(r), an_int(r)), (1,), ("x",)])
+        if r.int(0, 3) == 0:
+            cai["mask"] = r.choice([None, 1])
+        return cai
+
+    def a_protocol_object(r, kinds=None):
+        cls = protocol_class(*(kinds or (r.bool(), r.bool(), r.bool())))
         device = r.choice(devices) if r.int(0, 3) else (an_int(r), an_int(r))
         inner = a_numpy_array(r, dtype=r.choice(numeric))
         def inner_capsule():
@@ -327,17 +351,7 @@ def child_main(args):
                 return crafted_capsule(base, shape, ndim, 2, 64, 1, (1, 0))
             exports.append(lying_capsule)
         export = r.choice(exports)
-        if r.int(0, 2) == 0:
-            cai = r.choice(["raise", None, 5, "x", {}, {"data": 5}])
-        else:
-            cai = {"data": (r.choice([0, 1, 8, 2 ** 40, -1]), r.bool()),
-                   "shape": r.choice([(an_int(r), an_int(r)), "ab", None, (2,)]),
-                   "typestr": r.choice(typestrs), "version": 3}
-            if r.bool():
-                cai["strides"] = r.choice([None, (an_int(r), an_int(r)), (1,)])
-            if r.int(0, 3) == 0:
-                cai["mask"] = r.choice([None, 1])
-        return cls(device, export, cai, inner)
+        return cls(device, export, a_cai(r), inner)
 
     def a_bad_scalar(r):
         return bad_scalar(r.choice(["index", "float", "bool", "len", "iter"]),
@@ -463,7 +477,18 @@ def child_main(args):
             return a_protocol_object(r)
         return anything(r)
 
+    def cuda_intake_call(r):
+        """roi_align_forward_impl with __cuda_array_interface__ objects only:
+        a no-op C kernel is registered for cuda, so their intake runs."""
+        params = signatures["roi_align_forward_impl"].params
+        values = [a_protocol_object(r, (False, False, True)) if p.is_array
+                  else scalar_value(r, p.type, 1) for p in params]
+        return ("roi_align_forward_impl", mmdispatch.roi_align_forward_impl, values, set(),
+                ("roi_align_forward_impl:",))
+
     def entry_call(r):
+        if r.int(0, 9) == 0:
+            return cuda_intake_call(r)
         op_name = r.choice(sorted(signatures))
         params = signatures[op_name].params
         base = plausible(r, op_name, [p.name for p in params])
