@@ -22,15 +22,21 @@ def native(op, name, x):
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return x
-    if getattr(type(x), "__dlpack_device__", None) is not None:
-        device_type = int(x.__dlpack_device__()[0])
-        if device_type == _CPU:
-            return np.from_dlpack(x)
-        if device_type == _CUDA and cupy is not None:
-            return cupy.from_dlpack(x)
-        return x  # left to the dispatcher (Python kernels, or its error)
-    if getattr(x, "__cuda_array_interface__", None) is not None and cupy is not None:
-        return cupy.asarray(x)
+    # The protocols run the caller's code, which may fail in any way: the
+    # error is re-raised naming the op and the parameter.
+    try:
+        if getattr(type(x), "__dlpack_device__", None) is not None:
+            device_type = operator.index(x.__dlpack_device__()[0])
+            if device_type == _CPU:
+                return np.from_dlpack(x)
+            if device_type == _CUDA and cupy is not None:
+                return cupy.from_dlpack(x)
+            return x  # left to the dispatcher (Python kernels, or its error)
+        if getattr(x, "__cuda_array_interface__", None) is not None and cupy is not None:
+            return cupy.asarray(x)
+    except Exception as exc:
+        raise TypeError(f"{op}: {name} could not be viewed through its array protocol "
+                        f"({type(x).__name__}): {type(exc).__name__}: {exc}") from exc
     raise TypeError(f"{op}: {name} must be an array (numpy, CuPy, or one with __dlpack__ or "
                     f"__cuda_array_interface__), got {type(x).__name__}")
 
@@ -43,8 +49,11 @@ def namespace(op, x):
         return cupy, x.device
     if isinstance(x, np.ndarray):
         return np, contextlib.nullcontext()
-    device = getattr(type(x), "__dlpack_device__", None) and x.__dlpack_device__()
-    where = f" on DLPack device {tuple(device)}" if device else ""
+    try:
+        device = getattr(type(x), "__dlpack_device__", None) and tuple(x.__dlpack_device__())
+    except Exception:
+        device = None
+    where = f" on DLPack device {device}" if device else ""
     raise TypeError(f"{op}: cannot allocate outputs like a {type(x).__name__}{where}: the op "
                     f"functions allocate with numpy (CPU) or CuPy (CUDA, when installed); for "
                     f"other devices call the {op}_impl-style entry points with your own outputs")
@@ -80,23 +89,38 @@ def check_ndim(op, name, x, ndim, layout):
 
 def pair(op, name, value):
     """(h, w) from an int or a pair of ints, each >= 1."""
-    try:
+    try:  # runs the caller's __len__ / __iter__ / __index__, which may fail in any way
         items = (value, value) if not hasattr(value, "__len__") else tuple(value)
         h, w = (operator.index(v) for v in items)
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from None
+    except Exception as exc:
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from exc
     if h < 1 or w < 1:
         raise ValueError(f"{op}: {name} must be >= 1, got {value!r}")
     return h, w
 
 
+def allocate(op, name, xp, shape, dtype, zeros=False):
+    """xp.empty(shape, dtype) (xp.zeros with zeros=True) for output `name`
+    of `op`. A shape the allocator refuses (its size overflows int64, e.g. a
+    huge output_size) is a ValueError and a failed allocation a
+    MemoryError, both naming the op and the output; nothing is checked
+    before the allocation, so the common case costs nothing extra."""
+    try:
+        return xp.zeros(shape, dtype=dtype) if zeros else xp.empty(shape, dtype=dtype)
+    except MemoryError as exc:
+        raise MemoryError(f"{op}: out of memory allocating {name} of shape {tuple(shape)}: "
+                          f"{exc}") from exc
+    except (ValueError, OverflowError) as exc:
+        raise ValueError(f"{op}: {name} cannot have shape {tuple(shape)}: {exc}") from exc
+
+
 def shape_arg(op, name, value, ndim, layout):
     """A shape given as a sequence of `ndim` non-negative ints."""
-    try:
+    try:  # runs the caller's __iter__ / __index__, which may fail in any way
         shape = tuple(operator.index(v) for v in value)
-    except TypeError:
+    except Exception as exc:
         raise TypeError(f"{op}: {name} must be a sequence of {ndim} ints {layout}, got "
-                        f"{value!r}") from None
+                        f"{value!r}") from exc
     if len(shape) != ndim or min(shape, default=0) < 0:
         raise ValueError(f"{op}: {name} must be {ndim} non-negative ints {layout}, got "
                          f"{value!r}")
@@ -123,11 +147,12 @@ def index_array(op, name, x):
 
 def choice(op, name, value, options):
     """options[value] for a string parameter such as mode or reduction."""
-    try:
+    # only strings are looked up: hashing another object may fail in any way
+    # (a writable memoryview raises ValueError)
+    if isinstance(value, str) and value in options:
         return options[value]
-    except (KeyError, TypeError):
-        allowed = ", ".join(repr(k) for k in options)
-        raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}") from None
+    allowed = ", ".join(repr(k) for k in options)
+    raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}")
 
 
 

@@ -11,7 +11,8 @@ bbox_overlaps_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import check_ndim, choice, contiguous, like, namespace, native
+from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
+                                    native)
 
 _MODES = {"iou": 0, "iof": 1}
 
@@ -30,6 +31,6 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     shape = (bboxes1.shape[0],) if aligned else (bboxes1.shape[0], bboxes2.shape[0])
     xp, device = namespace(op, bboxes1)
     with device:
-        ious = xp.empty(shape, dtype=bboxes1.dtype)
+        ious = allocate(op, "ious", xp, shape, bboxes1.dtype)
     _core.bbox_overlaps_impl(bboxes1, bboxes2, ious, mode_code, aligned, offset)
     return like(original, ious)

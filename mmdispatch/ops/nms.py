@@ -16,7 +16,8 @@ through nms_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import check_ndim, contiguous, index_array, like, namespace, native
+from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, index_array, like,
+                                    namespace, native)
 
 
 def _nms(op, boxes, scores, idxs, iou_threshold, offset):
@@ -30,7 +31,7 @@ def _nms(op, boxes, scores, idxs, iou_threshold, offset):
         check_ndim(op, "idxs", idxs, 1, "(N,)")
     xp, device = namespace(op, boxes)
     with device:
-        keep = xp.empty((boxes.shape[0],), dtype=np.int64)
+        keep = allocate(op, "keep", xp, (boxes.shape[0],), np.int64)
         num_kept = xp.zeros((1,), dtype=np.int64)
     _core.nms_impl(boxes, scores, idxs, keep, num_kept, iou_threshold, offset)
     return like(original, keep[:int(num_kept[0])])

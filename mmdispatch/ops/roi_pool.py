@@ -13,8 +13,8 @@ roi_pool_forward_impl / roi_pool_backward_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (check_ndim, contiguous, index_array, like, namespace,
-                                    native, pair, roi_forward_inputs, shape_arg)
+from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, index_array, like,
+                                    namespace, native, pair, roi_forward_inputs, shape_arg)
 
 
 def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
@@ -26,8 +26,9 @@ def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
     input, rois = roi_forward_inputs(op, input, rois)
     xp, device = namespace(op, input)
     with device:
-        output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)
-        argmax = xp.empty(output.shape, dtype=np.int64)
+        output = allocate(op, "output", xp, (rois.shape[0], input.shape[1], height, width),
+                          input.dtype)
+        argmax = allocate(op, "argmax", xp, output.shape, np.int64)
     _core.roi_pool_forward_impl(input, rois, output, argmax, height, width, spatial_scale)
     return like(original, output), like(original, argmax)
 
@@ -44,7 +45,7 @@ def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0)
     shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
     xp, device = namespace(op, grad_output)
     with device:
-        grad_input = xp.zeros(shape, dtype=grad_output.dtype)
+        grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
     _core.roi_pool_backward_impl(grad_output, rois, argmax, grad_input, grad_output.shape[2],
                                  grad_output.shape[3], spatial_scale)
     return like(original, grad_input)

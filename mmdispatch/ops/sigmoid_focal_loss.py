@@ -15,8 +15,8 @@ sigmoid_focal_loss_forward_impl / sigmoid_focal_loss_backward_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (check_ndim, choice, contiguous, index_array, like, namespace,
-                                    native)
+from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, index_array, like,
+                                    namespace, native)
 
 _REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
 
@@ -31,7 +31,7 @@ def _run(op, impl, input, target, gamma, alpha, weight):
         weight = contiguous(native(op, "weight", weight))
     xp, device = namespace(op, input)
     with device:
-        out = xp.empty(input.shape, dtype=input.dtype)
+        out = allocate(op, "output", xp, input.shape, input.dtype)
     impl(input, target, weight, out, gamma, alpha)
     return original, xp, out
 

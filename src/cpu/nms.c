@@ -133,7 +133,9 @@ typedef struct {
 
 static inline int32_t TFN(cell_of)(double v, double lo, double size, int32_t count) {
     const double c = floor((v - lo) / size);
-    return c < 0 ? 0 : (c >= count ? count - 1 : (int32_t)c);
+    /* NaN (inf - inf, when no box is finite and the grid is one cell) goes
+     * to cell 0: converting it to an integer would be undefined */
+    return c >= count ? count - 1 : (c >= 0 ? (int32_t)c : 0);
 }
 
 /* Same decisions as suppress_linear for thresholds >= 0, where only boxes
@@ -148,7 +150,11 @@ static int64_t TFN(suppress_grid)(const TFN(sorted_boxes) *s, int64_t *kept_rank
     TFN(cells) *cells = (TFN(cells) *)malloc(count * sizeof *cells);
     int64_t *big = (int64_t *)malloc(count * sizeof *big);      /* kept big boxes */
     int64_t kept = -1, num_big = 0;
-    int32_t *cell_start = NULL, *cell_fill = NULL, *entries = NULL;
+    /* a box enters up to kBigCells cells, so the entry count can pass 2^31
+     * long before n does: offsets are 64-bit, entries (box ranks) 32-bit,
+     * which the caller guarantees by taking this path only for n <= INT32_MAX */
+    int64_t *cell_start = NULL;
+    int32_t *cell_fill = NULL, *entries = NULL;
     if (!cells || !big) goto done;
 
     /* grid over the finite extents, cells about the mean box size */
@@ -184,7 +190,7 @@ static int64_t TFN(suppress_grid)(const TFN(sorted_boxes) *s, int64_t *kept_rank
         if (isfinite(span_y) && span_y > 0) cell_h = span_y / rows; else rows = 1;
     }
     const int64_t num_cells = (int64_t)cols * rows;
-    cell_start = (int32_t *)calloc((size_t)num_cells + 1, sizeof *cell_start);
+    cell_start = (int64_t *)calloc((size_t)num_cells + 1, sizeof *cell_start);
     cell_fill = (int32_t *)calloc((size_t)num_cells, sizeof *cell_fill);
     if (!cell_start || !cell_fill) goto done;
     int64_t total = 0;
@@ -280,8 +286,9 @@ static int TFN(nms)(int reference, const mmd_tensor *boxes, const mmd_tensor *sc
             s.area[i] = TFN(mmd_box_area)(box, s.offset);
             if (cls_in) cls[i] = cls_in[order[i].index];
         }
-        kept = (reference || !(iou_threshold >= 0)) ? TFN(suppress_linear)(&s, kept_rank)
-                                                    : TFN(suppress_grid)(&s, kept_rank);
+        kept = (reference || !(iou_threshold >= 0) || n > INT32_MAX)
+                   ? TFN(suppress_linear)(&s, kept_rank)
+                   : TFN(suppress_grid)(&s, kept_rank);
         for (int64_t k = 0; k < kept; ++k) out[k] = order[kept_rank[k]].index;
     }
     free(order);
