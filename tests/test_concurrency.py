@@ -204,8 +204,9 @@ GIL_SCRIPT = textwrap.dedent("""
         with mmdispatch.use_backend("cpu", "reference"):
             ops.nms(boxes, scores, 0.5)
 
-    def roi_align():
-        ops.roi_align(x, rois, 7, 1.0, 0)   # adaptive: 37x37 samples per bin
+    def roi_align():   # adaptive: 37x37 samples per bin, one at a time
+        with mmdispatch.use_backend("cpu", "reference"):
+            ops.roi_align(x, rois, 7, 1.0, 0)
 
     def run(fn, threads):
         barrier = threading.Barrier(len(threads))

@@ -87,7 +87,8 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
               aligned=True):
     """RoIAlign output, (K, C, *output_size)."""
     size = _plain_size(output_size)
-    if (size is not None and pool_mode == "avg" and type(input) is np.ndarray
+    if (size is not None and type(pool_mode) is str and pool_mode == "avg"
+            and type(input) is np.ndarray
             and type(rois) is np.ndarray and input.ndim == 4 and rois.ndim == 2
             and input.flags.c_contiguous and rois.flags.c_contiguous):
         no_argmax = _NO_ARGMAX.get(input.dtype)
