@@ -527,7 +527,14 @@ cdef double _float_arg(OpRegistry op, int pos, object value) except? -1.0:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"real number, got {type(value).__name__}")
-    return float(value)
+    try:  # runs the caller's __float__, which may refuse or overflow
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{op.name}: at param {pos} ({op.param_names[pos]}), {value!r:.60} "
+                         "is beyond the float range") from None
+    except Exception as exc:
+        raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
+                        f"real number, got {type(value).__name__} ({exc})") from exc
 
 
 cdef int _bool_arg(OpRegistry op, int pos, object value) except -1:

@@ -211,6 +211,8 @@ cdef object _intake_dlpack(OpRegistry op, int i, object obj, object stream, mmd_
     t.ndim = dl.ndim
     for d in range(dl.ndim):
         t.shape[d] = dl.shape[d]
+        if t.shape[d] < 0:
+            raise ValueError(f"{op.where(i)}, negative size in DLPack shape")
     if dl.strides == NULL:
         _contiguous_strides(t)
     else:
@@ -245,11 +247,17 @@ cdef int _intake_cai(OpRegistry op, int i, object obj, mmd_tensor *t) except -1:
         raise TypeError(f"{op.where(i)}, malformed __cuda_array_interface__ {cai!r}") from None
     if mask is not None:
         raise TypeError(f"{op.where(i)}, masked __cuda_array_interface__ arrays are not supported")
-    t.dtype = _dtype_code(<char>ord(typestr[1]), itemsize)
-    if t.dtype == MMD_DTYPE_UNKNOWN or typestr[0] == ">":
-        raise TypeError(f"{op.where(i)}, unsupported dtype {typestr}")
-    _intake_layout(op, i, shape, strides, itemsize, t)
-    t.data = <void *><uintptr_t>pointer
+    try:  # values beyond the C types (or not ints) are a malformed interface
+        t.dtype = _dtype_code(<char>ord(typestr[1]), itemsize)
+        if t.dtype == MMD_DTYPE_UNKNOWN or typestr[0] == ">":
+            raise TypeError(f"{op.where(i)}, unsupported dtype {typestr}")
+        _intake_layout(op, i, shape, strides, itemsize, t)
+        t.data = <void *><uintptr_t>pointer
+    except (OverflowError, TypeError, IndexError) as exc:
+        if str(exc).startswith(op.name):
+            raise
+        raise TypeError(f"{op.where(i)}, malformed __cuda_array_interface__ {cai!r:.200}: "
+                        f"{exc}") from None
     t.writable = not readonly
     return _check_alignment(op, i, t)
 

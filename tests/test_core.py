@@ -265,6 +265,41 @@ def test_bad_scalar_arguments_name_the_parameter(position, value, expected):
         FWD(*call)
 
 
+class _FloatReturnsStr:
+    def __float__(self):
+        return "x"
+
+
+@pytest.mark.parametrize("value, error, expected", [
+    (2 ** 1024, ValueError, "at param 7 (spatial_scale), 1797693134862315907729305190789024733"),
+    (np.ones(3), TypeError, "at param 7 (spatial_scale), expected a real number, got ndarray"),
+    (_FloatReturnsStr(), TypeError, "at param 7 (spatial_scale), expected a real number, got "
+                                    "_FloatReturnsStr"),
+])
+def test_float_arguments_whose_conversion_fails_name_the_parameter(value, error, expected):
+    args = cpu_args()
+    with pytest.raises(error, match=re.escape(f"roi_align_forward_impl: {expected}")):
+        FWD(*args, 2, 2, value, 2, 1, True)
+    assert np.all(args[2] == 0)
+
+
+@pytest.mark.parametrize("field, value", [("shape", (2 ** 70,)), ("shape", ("a",)),
+                                          ("data", (2 ** 80, False))])
+def test_cuda_array_interface_values_beyond_c_types_are_malformed(field, value):
+    from mmdispatch import _benchkit
+
+    class Cai:
+        __cuda_array_interface__ = dict({"shape": (2,), "typestr": "<f4", "data": (0, False),
+                                         "version": 3}, **{field: value})
+
+    noop = _benchkit.noop_roi_align_forward_kernel()
+    with mmdispatch.register_impl("roi_align_forward_impl", "cuda", noop, override=True):
+        with pytest.raises(TypeError, match=re.escape(
+                "roi_align_forward_impl: at param 0 (input), malformed "
+                "__cuda_array_interface__")):
+            FWD(*[Cai() for _ in range(5)], *SCALARS)
+
+
 def test_numpy_scalars_are_accepted_as_scalar_arguments():
     expected = cpu_args()
     FWD(*expected, *SCALARS)

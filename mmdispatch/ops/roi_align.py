@@ -12,8 +12,8 @@ roi_align_forward_impl / roi_align_backward_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (check_ndim, choice, contiguous, like, namespace, native,
-                                    pair, roi_forward_inputs, shape_arg)
+from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
+                                    native, pair, roi_forward_inputs, shape_arg)
 
 _POOL_MODES = {"avg": 1, "max": 0}
 # Zero-size argmax outputs for avg mode, which the kernels never touch; shared
@@ -37,10 +37,11 @@ def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_rati
     input, rois = roi_forward_inputs(op, input, rois)
     xp, device = namespace(op, input)
     with device:
-        output = xp.empty((rois.shape[0], input.shape[1], height, width), dtype=input.dtype)
+        output = allocate(op, "output", xp, (rois.shape[0], input.shape[1], height, width),
+                          input.dtype)
         argmax_shape = output.shape if mode == _POOL_MODES["max"] else (0,)
-        argmax_y = xp.empty(argmax_shape, dtype=input.dtype)
-        argmax_x = xp.empty(argmax_shape, dtype=input.dtype)
+        argmax_y = allocate(op, "argmax_y", xp, argmax_shape, input.dtype)
+        argmax_x = allocate(op, "argmax_x", xp, argmax_shape, input.dtype)
     _core.roi_align_forward_impl(input, rois, output, argmax_y, argmax_x, height, width,
                                  spatial_scale, sampling_ratio, mode, aligned)
     return like(original, output), like(original, argmax_y), like(original, argmax_x)
@@ -60,7 +61,7 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
     shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
     xp, device = namespace(op, grad_output)
     with device:
-        grad_input = xp.zeros(shape, dtype=grad_output.dtype)
+        grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
         empty = xp.empty((0,), dtype=grad_output.dtype)
     argmax_y = empty if argmax_y is None else contiguous(native(op, "argmax_y", argmax_y))
     argmax_x = empty if argmax_x is None else contiguous(native(op, "argmax_x", argmax_x))
@@ -96,7 +97,8 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
             # The common call (contiguous float numpy arrays, avg mode) with
             # nothing to convert: allocate the output and dispatch. Scalars and
             # dtype/shape agreement are checked by the entry point, as below.
-            output = np.empty((rois.shape[0], input.shape[1], *size), dtype=input.dtype)
+            output = allocate("roi_align", "output", np,
+                              (rois.shape[0], input.shape[1], *size), input.dtype)
             _core.roi_align_forward_impl(input, rois, output, no_argmax, no_argmax, size[0],
                                          size[1], spatial_scale, sampling_ratio,
                                          _POOL_MODES["avg"], aligned)
