@@ -249,10 +249,12 @@ GIL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_kernels_release_the_gil_two_threads_overlap():
+def test_kernels_release_the_gil_two_threads_overlap(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # cwd outside the source tree: `python -c` puts the cwd first on sys.path,
+    # and the source tree's mmdispatch has no compiled extension
     proc = subprocess.run([sys.executable, "-c", GIL_SCRIPT, "9000"], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     for name, r in result.items():
