@@ -14,10 +14,12 @@ if settings is not None:
     # "ci" (the default) keeps the whole suite within seconds on a 2-core
     # machine and is derandomized, so a CI run is reproducible; "thorough"
     # is for a long local run: HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py
+    # (HYPOTHESIS_MAX_EXAMPLES sets its examples per test, 2000 by default).
     _common = dict(deadline=None, print_blob=True,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     settings.register_profile("ci", max_examples=40, derandomize=True, database=None, **_common)
-    settings.register_profile("thorough", max_examples=2000, **_common)
+    settings.register_profile(
+        "thorough", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "2000")), **_common)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
