@@ -147,14 +147,14 @@ cdef int _intake_layout(OpRegistry op, int i, object shape, object strides,
         raise TypeError(f"{op.where(i)}, strides {strides!r} do not match shape {shape!r}")
     t.ndim = nd
     for d in range(nd):
-        t.shape[d] = shape[d]
+        t.shape[d] = operator.index(shape[d])  # a float size is malformed, not truncated
         if t.shape[d] < 0:
             raise ValueError(f"{op.where(i)}, negative size in shape {shape!r}")
     if strides is None:
         _contiguous_strides(t)
         return 0
     for d in range(nd):
-        stride = strides[d]
+        stride = operator.index(strides[d])
         if stride % itemsize:
             raise ValueError(f"{op.where(i)}, strides {strides!r} are not multiples of the "
                              f"item size {itemsize}")

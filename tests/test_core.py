@@ -284,7 +284,7 @@ def test_float_arguments_whose_conversion_fails_name_the_parameter(value, error,
 
 
 @pytest.mark.parametrize("field, value", [("shape", (2 ** 70,)), ("shape", ("a",)),
-                                          ("data", (2 ** 80, False))])
+                                          ("shape", (1.5,)), ("data", (2 ** 80, False))])
 def test_cuda_array_interface_values_beyond_c_types_are_malformed(field, value):
     from mmdispatch import _benchkit
 
