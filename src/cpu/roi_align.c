@@ -12,6 +12,25 @@
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 
+/* Runs channel(job, c) for every channel, on OpenMP threads when
+ * `parallel` (dynamic: rois make channels uneven); channel returns 0 when
+ * out of memory. */
+static int for_each_channel(int (*channel)(const void *, int64_t), const void *job,
+                            int64_t channels, int parallel) {
+    int failed = 0;
+    if (!parallel) {
+        for (int64_t c = 0; c < channels && !failed; ++c) failed = !channel(job, c);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t c = 0; c < channels; ++c)
+            if (!channel(job, c)) {
+#pragma omp atomic write
+                failed = 1;
+            }
+    }
+    return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
+}
+
 #define MMD_TYPED_FILE "roi_align.c"
 #include "mmdispatch/typed.h"
 
@@ -549,6 +568,10 @@ static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
     return ok;
 }
 
+static int TFN(forward_channel_cb)(const void *job, int64_t c) {
+    return TFN(forward_channel)((const TFN(forward_job) *)job, c);
+}
+
 static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const mmd_tensor *rois,
                                   const mmd_tensor *output, const mmd_tensor *argmax_y,
                                   const mmd_tensor *argmax_x, int64_t pooled_h, int64_t pooled_w,
@@ -607,18 +630,8 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
     const TFN(forward_job) job = {in, r, out, am_y, am_x, batch, channels, height, width, num_rois,
                              pooled_h, pooled_w, spatial_scale, sampling_ratio, pool_mode,
                              aligned};
-    if (!mmd_worth_threads(channels, channels * num_rois * bins)) {
-        for (int64_t c = 0; c < channels && !failed; ++c)
-            failed = !TFN(forward_channel)(&job, c);
-    } else {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t c = 0; c < channels; ++c)
-            if (!TFN(forward_channel)(&job, c)) {
-#pragma omp atomic write
-                failed = 1;
-            }
-    }
-    return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
+    return for_each_channel(TFN(forward_channel_cb), &job, channels,
+                            mmd_worth_threads(channels, channels * num_rois * bins));
 }
 
 /* Adds one bin's gradient into its (H, W) plane. */
@@ -706,6 +719,10 @@ static int TFN(backward_channel)(const TFN(backward_job) *j, int64_t c) {
     return ok;
 }
 
+static int TFN(backward_channel_cb)(const void *job, int64_t c) {
+    return TFN(backward_channel)((const TFN(backward_job) *)job, c);
+}
+
 static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
                                    const mmd_tensor *rois, const mmd_tensor *argmax_y,
                                    const mmd_tensor *argmax_x, const mmd_tensor *grad_input,
@@ -723,23 +740,11 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
     const T *am_x = pool_mode == MMD_POOL_MAX ? (const T *)argmax_x->data : NULL;
     T *gi = (T *)grad_input->data;
     const int64_t bins = pooled_h * pooled_w;
-    int failed = 0;
-
     const TFN(backward_job) job = {go, r, am_y, am_x, gi, batch, channels, height, width,
                                    num_rois, pooled_h, pooled_w, spatial_scale,
                                    sampling_ratio, pool_mode, aligned, reference};
-    if (reference || !mmd_worth_threads(channels, channels * num_rois * bins)) {
-        for (int64_t c = 0; c < channels && !failed; ++c)
-            failed = !TFN(backward_channel)(&job, c);
-    } else {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t c = 0; c < channels; ++c)
-            if (!TFN(backward_channel)(&job, c)) {
-#pragma omp atomic write
-                failed = 1;
-            }
-    }
-    return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
+    return for_each_channel(TFN(backward_channel_cb), &job, channels,
+                            !reference && mmd_worth_threads(channels, channels * num_rois * bins));
 }
 
 #undef T
