@@ -125,6 +125,8 @@ cdef class OpRegistry:
     cdef str where(self, int array_index)
     cdef int classify(self, int i, object obj, CallState *st) except -1
     cdef object prepare(self, CallState *st)
+    cdef object view_pending(self, CallState *st, unsigned int pending, int device_type,
+                             int device_id)
     cdef int check_outputs(self, CallState *st) except -1
     cdef void activate(self, int slot)
     cdef object not_found(self, int device_type, int device_id, int backend)

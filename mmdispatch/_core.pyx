@@ -336,7 +336,7 @@ cdef class OpRegistry:
         """Steps 1-4 of a call. Returns the Python kernel to call (with
         st.python_kernel set), or the DLPack capsules that must stay alive
         while the C kernel runs (None when there are none)."""
-        cdef int i, kind, ref = -1
+        cdef int i, ref = -1
         cdef int n = self.n_arrays
         cdef int device_type, device_id, backend, slot
         cdef unsigned int pending = 0  # bit i: array i still needs its view
@@ -387,15 +387,24 @@ cdef class OpRegistry:
         st.ctx.device_id = device_id
         st.ctx.stream = NULL
         held = None
-        if not pending:
-            self.check_outputs(st)
-            return held
+        if pending:  # arrays other than plain contiguous numpy ones
+            held = self.view_pending(st, pending, device_type, device_id)
+        self.check_outputs(st)
+        return held
+
+    cdef object view_pending(self, CallState *st, unsigned int pending, int device_type,
+                             int device_id):
+        """Views the arrays of bitmask `pending` (on the device's stream, for
+        DLPack exports); returns the DLPack capsules to keep alive, or None."""
+        cdef int i, kind
+        cdef mmd_tensor *t
+        held = None
         dlpack_stream = None
         provider = _context_providers[device_type]
         if provider is not None:
             stream_ptr, dlpack_stream = provider(device_id)
             st.ctx.stream = <void *><uintptr_t>stream_ptr
-        for i in range(n):
+        for i in range(self.n_arrays):
             if not pending & (1u << i):
                 continue
             t = &st.tensors[i]
@@ -413,7 +422,6 @@ cdef class OpRegistry:
             else:
                 _intake_cai(self, i, <object>st.objects[i], t)
             _byte_extent(t, &st.lo[i], &st.hi[i])
-        self.check_outputs(st)
         return held
 
     cdef int check_outputs(self, CallState *st) except -1:

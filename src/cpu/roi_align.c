@@ -12,6 +12,19 @@
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 
+/* Room for `need` items of `item` bytes in *buf; the old contents are not
+ * kept (every roi recomputes its weights). `fixed` is storage that is not
+ * the heap's (a stack buffer) and is never freed. */
+static int grow(void **buf, size_t *cap, size_t need, size_t item, const void *fixed) {
+    if (need <= *cap) return 1;
+    void *grown = malloc(need * item);
+    if (!grown) return 0;
+    if (*buf != fixed) free(*buf);
+    *buf = grown;
+    *cap = need;
+    return 1;
+}
+
 /* Runs channel(job, c) for every channel, on OpenMP threads when
  * `parallel` (dynamic: rois make channels uneven); channel returns 0 when
  * out of memory. */
@@ -253,17 +266,6 @@ static void TFN(scratch_init)(TFN(scratch) *s) {
     s->rows_cap = s->cols_cap = SCRATCH_INLINE;
 }
 
-/* Room for `need` entries in *buf; the old contents are not kept (every
- * roi recomputes its weights). */
-static int TFN(reserve)(TFN(axis) **buf, size_t *cap, TFN(axis) *inline_buf, size_t need) {
-    if (need <= *cap) return 1;
-    TFN(axis) *grown = (TFN(axis) *)malloc(need * sizeof **buf);
-    if (!grown) return 0;
-    if (*buf != inline_buf) free(*buf);
-    *buf = grown;
-    *cap = need;
-    return 1;
-}
 
 /* Geometry of roi `roi` (already validated) and room for its weights in
  * `s`; 0 when out of memory (s stays valid for TFN(scratch_free)). */
@@ -272,10 +274,10 @@ static int TFN(prepare_roi)(const T *roi, int64_t batch, T spatial_scale, int64_
                             TFN(geometry) *g, TFN(scratch) *s) {
     TFN(mmd_roi_align_geometry)(roi, batch, spatial_scale, pooled_h, pooled_w, sampling_ratio,
                                 aligned, g);
-    return TFN(reserve)(&s->rows, &s->rows_cap, s->rows_inline,
-                        (size_t)(pooled_h * g->grid_h + 1)) &&
-           TFN(reserve)(&s->cols, &s->cols_cap, s->cols_inline,
-                        (size_t)(pooled_w * g->grid_w + 1));
+    return grow((void **)&s->rows, &s->rows_cap, (size_t)(pooled_h * g->grid_h + 1),
+                sizeof *s->rows, s->rows_inline) &&
+           grow((void **)&s->cols, &s->cols_cap, (size_t)(pooled_w * g->grid_w + 1),
+                sizeof *s->cols, s->cols_inline);
 }
 
 static void TFN(scratch_free)(TFN(scratch) *s) {
@@ -314,20 +316,10 @@ typedef struct {
     size_t spans_cap, w_cap;
 } TFN(dense_axis);
 
-static int TFN(grow)(void **buf, size_t *cap, size_t need, size_t item) {
-    if (need <= *cap) return 1;
-    void *grown = malloc(need * item);
-    if (!grown) return 0;
-    free(*buf);
-    *buf = grown;
-    *cap = need;
-    return 1;
-}
-
 /* Folds `pooled` bins of `grid` samples each (from axis_weights) into d. */
 static int TFN(dense_weights)(const TFN(axis) *samples, int64_t pooled, int64_t grid,
                               TFN(dense_axis) *d) {
-    if (!TFN(grow)((void **)&d->spans, &d->spans_cap, (size_t)pooled, sizeof *d->spans))
+    if (!grow((void **)&d->spans, &d->spans_cap, (size_t)pooled, sizeof *d->spans, NULL))
         return 0;
     int64_t total = 0;
     for (int64_t p = 0; p < pooled; ++p) {
@@ -343,7 +335,7 @@ static int TFN(dense_weights)(const TFN(axis) *samples, int64_t pooled, int64_t 
         d->spans[p].off = total;
         total += d->spans[p].len;
     }
-    if (!TFN(grow)((void **)&d->w, &d->w_cap, (size_t)total + 1, sizeof *d->w)) return 0;
+    if (!grow((void **)&d->w, &d->w_cap, (size_t)total + 1, sizeof *d->w, NULL)) return 0;
     memset(d->w, 0, (size_t)total * sizeof *d->w);
     for (int64_t p = 0; p < pooled; ++p) {
         T *w = d->w + d->spans[p].off - d->spans[p].lo;
@@ -360,35 +352,6 @@ static int TFN(dense_weights)(const TFN(axis) *samples, int64_t pooled, int64_t 
 static void TFN(dense_free)(TFN(dense_axis) *d) {
     free(d->spans);
     free(d->w);
-}
-
-/* Avg pooling of every bin of one roi and channel from dense weights, in two
- * passes per bin row: the weighted source rows are summed over the columns
- * the roi reads (an axpy, vectorisable), then each bin takes the dot product
- * of that sum with its column weights. `acc` has room for the columns. */
-static void TFN(pool_dense)(const T *plane, int64_t width, const TFN(geometry) *g,
-                            const TFN(dense_axis) *rows, const TFN(dense_axis) *cols,
-                            int64_t pooled_h, int64_t pooled_w, int64_t x0, int64_t x1,
-                            T *restrict acc, T *out) {
-    const int64_t count = g->grid_h * g->grid_w;
-    const int64_t n = x1 - x0;
-    for (int64_t ph = 0; ph < pooled_h; ++ph) {
-        const TFN(span) rs = rows->spans[ph];
-        for (int64_t x = 0; x < n; ++x) acc[x] = 0;
-        for (int64_t yy = 0; yy < rs.len; ++yy) {
-            const T wy = rows->w[rs.off + yy];
-            const T *restrict src = plane + (rs.lo + yy) * width + x0;
-            for (int64_t x = 0; x < n; ++x) acc[x] += wy * src[x];
-        }
-        T *o = out + ph * pooled_w;
-        for (int64_t pw = 0; pw < pooled_w; ++pw) {
-            const TFN(span) cs = cols->spans[pw];
-            const T *wx = cols->w + cs.off, *a = acc + (cs.lo - x0);
-            T sum = 0;
-            for (int64_t xx = 0; xx < cs.len; ++xx) sum += wx[xx] * a[xx];
-            o[pw] = sum / (T)(count > 1 ? count : 1);
-        }
-    }
 }
 
 /* One roi's dense weights along both axes, the columns [x0, x1) its bins
@@ -414,13 +377,42 @@ static int TFN(dense_prepare)(TFN(dense) *d, const TFN(scratch) *sc, const TFN(g
         if (cs.lo + cs.len > d->x1) d->x1 = cs.lo + cs.len;
     }
     if (d->x1 == 0) d->x0 = 0;
-    return TFN(grow)((void **)&d->acc, &d->acc_cap, (size_t)(d->x1 - d->x0) + 1, sizeof *d->acc);
+    return grow((void **)&d->acc, &d->acc_cap, (size_t)(d->x1 - d->x0) + 1, sizeof *d->acc,
+                NULL);
 }
 
 static void TFN(dense_release)(TFN(dense) *d) {
     TFN(dense_free)(&d->rows);
     TFN(dense_free)(&d->cols);
     free(d->acc);
+}
+
+/* Avg pooling of every bin of one roi and channel from dense weights, in two
+ * passes per bin row: the weighted source rows are summed over the columns
+ * the roi reads (an axpy, vectorisable), then each bin takes the dot product
+ * of that sum with its column weights. */
+static void TFN(pool_dense)(const T *plane, int64_t width, const TFN(geometry) *g,
+                            const TFN(dense) *d, int64_t pooled_h, int64_t pooled_w, T *out) {
+    const int64_t count = g->grid_h * g->grid_w;
+    const int64_t n = d->x1 - d->x0;
+    T *restrict acc = d->acc;
+    for (int64_t ph = 0; ph < pooled_h; ++ph) {
+        const TFN(span) rs = d->rows.spans[ph];
+        for (int64_t x = 0; x < n; ++x) acc[x] = 0;
+        for (int64_t yy = 0; yy < rs.len; ++yy) {
+            const T wy = d->rows.w[rs.off + yy];
+            const T *restrict src = plane + (rs.lo + yy) * width + d->x0;
+            for (int64_t x = 0; x < n; ++x) acc[x] += wy * src[x];
+        }
+        T *o = out + ph * pooled_w;
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            const TFN(span) cs = d->cols.spans[pw];
+            const T *wx = d->cols.w + cs.off, *a = acc + (cs.lo - d->x0);
+            T sum = 0;
+            for (int64_t xx = 0; xx < cs.len; ++xx) sum += wx[xx] * a[xx];
+            o[pw] = sum / (T)(count > 1 ? count : 1);
+        }
+    }
 }
 
 /* Backward of pool_dense for one roi and channel: per bin row, the bins'
@@ -539,19 +531,17 @@ static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
         if (!ok) break;
         TFN(axis_weights)(&g, j->height, j->width, j->pooled_h, j->pooled_w, sc.rows, sc.cols);
         const T *plane = j->in + (g.batch * j->channels + c) * j->height * j->width;
-        if (TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode)) {
-            if (finite < 0) {
-                finite = 1;
-                for (int64_t n = 0; n < j->batch; ++n)
-                    finite &= TFN(all_finite)(j->in + (n * j->channels + c) * plane_size,
-                                              plane_size);
-            }
+        const int use_dense = TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode);
+        if (use_dense && finite < 0) {
+            finite = 1;
+            for (int64_t n = 0; n < j->batch; ++n)
+                finite &= TFN(all_finite)(j->in + (n * j->channels + c) * plane_size,
+                                          plane_size);
         }
-        if (finite == 1 && TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode)) {
+        if (use_dense && finite) {
             ok = TFN(dense_prepare)(&dense, &sc, &g, j->pooled_h, j->pooled_w);
             if (!ok) break;
-            TFN(pool_dense)(plane, j->width, &g, &dense.rows, &dense.cols, j->pooled_h,
-                            j->pooled_w, dense.x0, dense.x1, dense.acc,
+            TFN(pool_dense)(plane, j->width, &g, &dense, j->pooled_h, j->pooled_w,
                             j->out + (k * j->channels + c) * bins);
             continue;
         }
