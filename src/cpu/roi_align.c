@@ -300,6 +300,73 @@ static void TFN(axis_weights)(const TFN(geometry) *g, int64_t height, int64_t wi
                             width, &cols[pw * g->grid_w + ix]);
 }
 
+/* Every roi's geometry and axis weights, computed once per call and shared
+ * read-only by the channel workers (which would otherwise recompute them
+ * for every channel). Only for a fixed sampling_ratio, where every roi has
+ * the same number of samples, and only when it is small enough; without it
+ * (weights == NULL) workers compute each roi's weights themselves. */
+#define ROI_TABLE_MAX_BYTES ((size_t)32 << 20)
+typedef struct {
+    TFN(geometry) *geometry;
+    TFN(axis) *weights;   /* roi k: rows at k * stride, then its columns */
+    int64_t stride;
+} TFN(roi_table);
+
+static void TFN(roi_table_build)(TFN(roi_table) *t, const T *rois, int64_t num_rois,
+                                 int64_t batch, int64_t height, int64_t width,
+                                 T spatial_scale, int64_t pooled_h, int64_t pooled_w,
+                                 int64_t sampling_ratio, int aligned, int64_t channels) {
+    t->geometry = NULL;
+    t->weights = NULL;
+    if (sampling_ratio <= 0 || channels < 2) return;
+    t->stride = (pooled_h + pooled_w) * sampling_ratio;
+    const size_t per_roi = sizeof *t->geometry + (size_t)t->stride * sizeof *t->weights;
+    if ((size_t)num_rois > ROI_TABLE_MAX_BYTES / per_roi) return;
+    t->geometry = malloc((size_t)num_rois * sizeof *t->geometry + 1);
+    t->weights = malloc((size_t)(num_rois * t->stride) * sizeof *t->weights + 1);
+    if (!t->geometry || !t->weights) {
+        free(t->geometry);
+        free(t->weights);
+        t->geometry = NULL;
+        t->weights = NULL;
+        return;
+    }
+    for (int64_t k = 0; k < num_rois; ++k) {
+        TFN(axis) *rows = t->weights + k * t->stride;
+        TFN(mmd_roi_align_geometry)(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                    sampling_ratio, aligned, &t->geometry[k]);
+        TFN(axis_weights)(&t->geometry[k], height, width, pooled_h, pooled_w, rows,
+                          rows + pooled_h * sampling_ratio);
+    }
+}
+
+static void TFN(roi_table_free)(TFN(roi_table) *t) {
+    free(t->geometry);
+    free(t->weights);
+}
+
+/* Roi k's geometry and weights: from the table when there is one, else
+ * computed into the worker's scratch; 0 when out of memory. */
+static int TFN(roi_weights)(const TFN(roi_table) *t, const T *rois, int64_t k, int64_t batch,
+                            int64_t height, int64_t width, T spatial_scale, int64_t pooled_h,
+                            int64_t pooled_w, int64_t sampling_ratio, int aligned,
+                            int need_weights, TFN(geometry) *g, TFN(scratch) *s,
+                            const TFN(axis) **rows, const TFN(axis) **cols) {
+    if (t && t->weights) {
+        *g = t->geometry[k];
+        *rows = t->weights + k * t->stride;
+        *cols = *rows + pooled_h * g->grid_h;
+        return 1;
+    }
+    if (!TFN(prepare_roi)(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                          sampling_ratio, aligned, g, s))
+        return 0;
+    if (need_weights) TFN(axis_weights)(g, height, width, pooled_h, pooled_w, s->rows, s->cols);
+    *rows = s->rows;
+    *cols = s->cols;
+    return 1;
+}
+
 /* An axis's samples folded into dense per-pixel weights, one span per bin:
  * bin p reads pixels [lo, lo + len) with weights w[off .. off + len). With
  * adaptive sampling (sampling_ratio <= 0) samples are at most one pixel
@@ -363,10 +430,10 @@ typedef struct {
     int64_t x0, x1;
 } TFN(dense);
 
-static int TFN(dense_prepare)(TFN(dense) *d, const TFN(scratch) *sc, const TFN(geometry) *g,
-                              int64_t pooled_h, int64_t pooled_w) {
-    if (!TFN(dense_weights)(sc->rows, pooled_h, g->grid_h, &d->rows) ||
-        !TFN(dense_weights)(sc->cols, pooled_w, g->grid_w, &d->cols))
+static int TFN(dense_prepare)(TFN(dense) *d, const TFN(axis) *rows, const TFN(axis) *cols,
+                              const TFN(geometry) *g, int64_t pooled_h, int64_t pooled_w) {
+    if (!TFN(dense_weights)(rows, pooled_h, g->grid_h, &d->rows) ||
+        !TFN(dense_weights)(cols, pooled_w, g->grid_w, &d->cols))
         return 0;
     d->x0 = INT64_MAX;
     d->x1 = 0;
@@ -505,6 +572,62 @@ static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geomet
     *arg_x = m.x;
 }
 
+/* Whether all of a roi's samples lie on the map (rows, then columns). */
+static int TFN(all_valid)(const TFN(axis) *rows, int64_t n_rows, const TFN(axis) *cols,
+                          int64_t n_cols) {
+    int valid = 1;
+    for (int64_t i = 0; i < n_rows; ++i) valid &= rows[i].valid;
+    for (int64_t i = 0; i < n_cols; ++i) valid &= cols[i].valid;
+    return valid;
+}
+
+/* Avg pooling of every bin of one roi and channel whose samples all lie on
+ * the map: pool_bin's sums in pool_bin's order (so the results are the same
+ * to the bit), without its validity tests, with each bin column's weights
+ * loaded once for the whole column of bins. `GW` is the grid width when it
+ * is known when compiling (the loop over a bin's columns unrolls), else 0. */
+static inline void TFN(pool_valid_roi_grid)(const T *plane, int64_t width, int64_t grid_h,
+                                            int64_t grid_w, const TFN(axis) *rows,
+                                            const TFN(axis) *cols, int64_t pooled_h,
+                                            int64_t pooled_w, T *out, const int64_t GW) {
+    const int64_t gw = GW ? GW : grid_w;
+    const int64_t count = grid_h * gw;
+    const T divisor = (T)(count > 1 ? count : 1);
+    /* x / 2^k and x * 2^-k are the same real number, so they round to the
+     * same float; the multiply is much cheaper than the divide */
+    const int pow2 = (count & (count - 1)) == 0;
+    const T scale = (T)1 / divisor;
+    for (int64_t pw = 0; pw < pooled_w; ++pw) {
+        const TFN(axis) *bin_cols = &cols[pw * gw];
+        for (int64_t ph = 0; ph < pooled_h; ++ph) {
+            T sum = 0;
+            for (int64_t iy = 0; iy < grid_h; ++iy) {
+                const TFN(axis) *ay = &rows[ph * grid_h + iy];
+                const T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
+                T sum_low = 0, sum_high = 0;
+                for (int64_t ix = 0; ix < gw; ++ix) {
+                    const TFN(axis) *ax = &bin_cols[ix];
+                    sum_low += ax->w_low * row_low[ax->low] + ax->w_high * row_low[ax->high];
+                    sum_high += ax->w_low * row_high[ax->low] + ax->w_high * row_high[ax->high];
+                }
+                sum += ay->w_low * sum_low + ay->w_high * sum_high;
+            }
+            out[ph * pooled_w + pw] = pow2 ? sum * scale : sum / divisor;
+        }
+    }
+}
+
+static void TFN(pool_valid_roi)(const T *plane, int64_t width, const TFN(geometry) *g,
+                                const TFN(axis) *rows, const TFN(axis) *cols, int64_t pooled_h,
+                                int64_t pooled_w, T *out) {
+    if (g->grid_w == 2)
+        TFN(pool_valid_roi_grid)(plane, width, g->grid_h, 2, rows, cols, pooled_h, pooled_w, out,
+                                 2);
+    else
+        TFN(pool_valid_roi_grid)(plane, width, g->grid_h, g->grid_w, rows, cols, pooled_h,
+                                 pooled_w, out, 0);
+}
+
 /* Everything a worker needs to pool one channel of every roi. */
 typedef struct {
     const T *in, *rois;
@@ -513,6 +636,7 @@ typedef struct {
     T spatial_scale;
     int64_t sampling_ratio, pool_mode;
     int aligned;
+    const TFN(roi_table) *table;
 } TFN(forward_job);
 
 /* Pools channel c of every roi; 0 when out of memory. */
@@ -526,10 +650,11 @@ static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
     int ok = 1;
     for (int64_t k = 0; k < j->num_rois && ok; ++k) {
         TFN(geometry) g = {0};
-        ok = TFN(prepare_roi)(j->rois + 5 * k, j->batch, j->spatial_scale, j->pooled_h,
-                              j->pooled_w, j->sampling_ratio, j->aligned, &g, &sc);
+        const TFN(axis) *rows, *cols;
+        ok = TFN(roi_weights)(j->table, j->rois, k, j->batch, j->height, j->width,
+                              j->spatial_scale, j->pooled_h, j->pooled_w, j->sampling_ratio,
+                              j->aligned, 1, &g, &sc, &rows, &cols);
         if (!ok) break;
-        TFN(axis_weights)(&g, j->height, j->width, j->pooled_h, j->pooled_w, sc.rows, sc.cols);
         const T *plane = j->in + (g.batch * j->channels + c) * j->height * j->width;
         const int use_dense = TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode);
         if (use_dense && finite < 0) {
@@ -539,16 +664,22 @@ static int TFN(forward_channel)(const TFN(forward_job) *j, int64_t c) {
                                           plane_size);
         }
         if (use_dense && finite) {
-            ok = TFN(dense_prepare)(&dense, &sc, &g, j->pooled_h, j->pooled_w);
+            ok = TFN(dense_prepare)(&dense, rows, cols, &g, j->pooled_h, j->pooled_w);
             if (!ok) break;
             TFN(pool_dense)(plane, j->width, &g, &dense, j->pooled_h, j->pooled_w,
                             j->out + (k * j->channels + c) * bins);
             continue;
         }
+        if (j->pool_mode == MMD_POOL_AVG &&
+            TFN(all_valid)(rows, j->pooled_h * g.grid_h, cols, j->pooled_w * g.grid_w)) {
+            TFN(pool_valid_roi)(plane, j->width, &g, rows, cols, j->pooled_h, j->pooled_w,
+                                j->out + (k * j->channels + c) * bins);
+            continue;
+        }
         for (int64_t ph = 0; ph < j->pooled_h; ++ph)
             for (int64_t pw = 0; pw < j->pooled_w; ++pw) {
                 const int64_t o = (k * j->channels + c) * bins + ph * j->pooled_w + pw;
-                TFN(pool_bin)(plane, j->width, &g, sc.rows, sc.cols, ph, pw, j->pool_mode,
+                TFN(pool_bin)(plane, j->width, &g, rows, cols, ph, pw, j->pool_mode,
                               &j->out[o], j->am_y ? &j->am_y[o] : NULL,
                               j->am_x ? &j->am_x[o] : NULL);
             }
@@ -615,13 +746,19 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
 
     /* Threads own channels and visit every roi, so a thread keeps reading
      * the same (H, W) planes from cache instead of streaming the whole map
-     * once per roi; per-roi weights are recomputed per channel, which costs
-     * O(pooled * grid) against O(pooled^2 * grid^2) samples. */
+     * once per roi. Per-roi weights come from the shared table, or are
+     * recomputed per channel without one (O(pooled * grid) against
+     * O(pooled^2 * grid^2) samples). */
+    TFN(roi_table) table;
+    TFN(roi_table_build)(&table, r, num_rois, batch, height, width, spatial_scale, pooled_h,
+                         pooled_w, sampling_ratio, aligned, channels);
     const TFN(forward_job) job = {in, r, out, am_y, am_x, batch, channels, height, width, num_rois,
                              pooled_h, pooled_w, spatial_scale, sampling_ratio, pool_mode,
-                             aligned};
-    return for_each_channel(TFN(forward_channel_cb), &job, channels,
-                            mmd_worth_threads(channels, channels * num_rois * bins));
+                             aligned, &table};
+    s = for_each_channel(TFN(forward_channel_cb), &job, channels,
+                         mmd_worth_threads(channels, channels * num_rois * bins));
+    TFN(roi_table_free)(&table);
+    return s;
 }
 
 /* Adds one bin's gradient into its (H, W) plane. */
@@ -657,6 +794,50 @@ static inline void TFN(backward_bin)(T *plane, int64_t height, int64_t width,
     }
 }
 
+/* Backward of pool_valid_roi: backward_bin's avg scatter for every bin of
+ * one roi and channel, bins in the same order and each pixel's additions in
+ * the same order (so the results are the same to the bit), without the
+ * validity tests. `GW` as in pool_valid_roi_grid. */
+static inline void TFN(scatter_valid_roi_grid)(T *plane, int64_t width, int64_t grid_h,
+                                               int64_t grid_w, const TFN(axis) *rows,
+                                               const TFN(axis) *cols, int64_t pooled_h,
+                                               int64_t pooled_w, const T *grad, const int64_t GW) {
+    const int64_t gw = GW ? GW : grid_w;
+    const int64_t count = grid_h * gw;
+    const T divisor = (T)(count > 1 ? count : 1);
+    const int pow2 = (count & (count - 1)) == 0;   /* as in pool_valid_roi_grid */
+    const T scale = (T)1 / divisor;
+    for (int64_t ph = 0; ph < pooled_h; ++ph)
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            const T g = grad[ph * pooled_w + pw];
+            const T share = pow2 ? g * scale : g / divisor;
+            const TFN(axis) *bin_cols = &cols[pw * gw];
+            for (int64_t iy = 0; iy < grid_h; ++iy) {
+                const TFN(axis) *ay = &rows[ph * grid_h + iy];
+                T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
+                const T g_low = share * ay->w_low, g_high = share * ay->w_high;
+                for (int64_t ix = 0; ix < gw; ++ix) {
+                    const TFN(axis) *ax = &bin_cols[ix];
+                    row_low[ax->low] += g_low * ax->w_low;
+                    row_low[ax->high] += g_low * ax->w_high;
+                    row_high[ax->low] += g_high * ax->w_low;
+                    row_high[ax->high] += g_high * ax->w_high;
+                }
+            }
+        }
+}
+
+static void TFN(scatter_valid_roi)(T *plane, int64_t width, const TFN(geometry) *g,
+                                   const TFN(axis) *rows, const TFN(axis) *cols,
+                                   int64_t pooled_h, int64_t pooled_w, const T *grad) {
+    if (g->grid_w == 2)
+        TFN(scatter_valid_roi_grid)(plane, width, g->grid_h, 2, rows, cols, pooled_h, pooled_w,
+                                    grad, 2);
+    else
+        TFN(scatter_valid_roi_grid)(plane, width, g->grid_h, g->grid_w, rows, cols, pooled_h,
+                                    pooled_w, grad, 0);
+}
+
 /* Accumulates into grad_input (MMCV semantics: the caller passes zeros).
  * Each channel is owned by one thread and visits rois in order, so the
  * result does not depend on the thread count. */
@@ -668,6 +849,7 @@ typedef struct {
     int64_t sampling_ratio, pool_mode;
     int aligned;
     int reference;  /* the definition, sample by sample (the reference backend) */
+    const TFN(roi_table) *table;
 } TFN(backward_job);
 
 /* Adds every roi's gradient into channel c of grad_input, rois in order;
@@ -680,26 +862,31 @@ static int TFN(backward_channel)(const TFN(backward_job) *j, int64_t c) {
     int ok = 1;
     for (int64_t k = 0; k < j->num_rois && ok; ++k) {
         TFN(geometry) g = {0};
-        ok = TFN(prepare_roi)(j->rois + 5 * k, j->batch, j->spatial_scale, j->pooled_h,
-                              j->pooled_w, j->sampling_ratio, j->aligned, &g, &sc);
+        const TFN(axis) *rows, *cols;
+        ok = TFN(roi_weights)(j->table, j->rois, k, j->batch, j->height, j->width,
+                              j->spatial_scale, j->pooled_h, j->pooled_w, j->sampling_ratio,
+                              j->aligned, j->pool_mode == MMD_POOL_AVG, &g, &sc, &rows, &cols);
         if (!ok) break;
-        if (j->pool_mode == MMD_POOL_AVG)
-            TFN(axis_weights)(&g, j->height, j->width, j->pooled_h, j->pooled_w, sc.rows,
-                              sc.cols);
         T *plane = j->grad_input + (g.batch * j->channels + c) * j->height * j->width;
         const int64_t base = (k * j->channels + c) * bins;
         if (!j->reference && TFN(use_dense)(&g, j->sampling_ratio, j->pool_mode) &&
             TFN(all_finite)(j->grad_output + base, bins)) {
-            ok = TFN(dense_prepare)(&dense, &sc, &g, j->pooled_h, j->pooled_w);
+            ok = TFN(dense_prepare)(&dense, rows, cols, &g, j->pooled_h, j->pooled_w);
             if (!ok) break;
             TFN(scatter_dense)(plane, j->width, &g, &dense, j->pooled_h, j->pooled_w,
                                j->grad_output + base);
             continue;
         }
+        if (!j->reference && j->pool_mode == MMD_POOL_AVG &&
+            TFN(all_valid)(rows, j->pooled_h * g.grid_h, cols, j->pooled_w * g.grid_w)) {
+            TFN(scatter_valid_roi)(plane, j->width, &g, rows, cols, j->pooled_h, j->pooled_w,
+                                   j->grad_output + base);
+            continue;
+        }
         for (int64_t ph = 0; ph < j->pooled_h; ++ph)
             for (int64_t pw = 0; pw < j->pooled_w; ++pw) {
                 const int64_t o = base + ph * j->pooled_w + pw;
-                TFN(backward_bin)(plane, j->height, j->width, &g, sc.rows, sc.cols, ph, pw,
+                TFN(backward_bin)(plane, j->height, j->width, &g, rows, cols, ph, pw,
                                   j->pool_mode, j->grad_output[o],
                                   j->am_y ? j->am_y[o] : (T)0, j->am_x ? j->am_x[o] : (T)0);
             }
@@ -730,11 +917,18 @@ static int TFN(roi_align_backward)(int reference, const mmd_tensor *grad_output,
     const T *am_x = pool_mode == MMD_POOL_MAX ? (const T *)argmax_x->data : NULL;
     T *gi = (T *)grad_input->data;
     const int64_t bins = pooled_h * pooled_w;
+    /* the reference backend computes every roi's weights itself */
+    TFN(roi_table) table;
+    TFN(roi_table_build)(&table, r, num_rois, batch, height, width, spatial_scale, pooled_h,
+                         pooled_w, reference || pool_mode != MMD_POOL_AVG ? 0 : sampling_ratio,
+                         aligned, channels);
     const TFN(backward_job) job = {go, r, am_y, am_x, gi, batch, channels, height, width,
                                    num_rois, pooled_h, pooled_w, spatial_scale,
-                                   sampling_ratio, pool_mode, aligned, reference};
-    return for_each_channel(TFN(backward_channel_cb), &job, channels,
-                            !reference && mmd_worth_threads(channels, channels * num_rois * bins));
+                                   sampling_ratio, pool_mode, aligned, reference, &table};
+    s = for_each_channel(TFN(backward_channel_cb), &job, channels,
+                         !reference && mmd_worth_threads(channels, channels * num_rois * bins));
+    TFN(roi_table_free)(&table);
+    return s;
 }
 
 #undef T
