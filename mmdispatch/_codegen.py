@@ -231,8 +231,18 @@ def generate_pyx(ops) -> str:
         call_iter = iter(call)
         kernel_args = [next(call_iter) if p.is_array else f"c_{p.name}" for p in op.params]
         kernel_args.append("&st.ctx")
+        output_mask = sum(1 << k for k, (_, p) in enumerate(arrays)
+                          if _ARRAY_TYPES[p.type] & ARG_OUTPUT)
+        optional_mask = sum(1 << k for k, (_, p) in enumerate(arrays)
+                            if _ARRAY_TYPES[p.type] & ARG_OPTIONAL)
         out += [
-            "    held = op.prepare(&st)",
+            # the masks are literals, so the C compiler unrolls the intake
+            f"    if mmd_intake_plain_numpy(st.objects, {len(arrays)}, {optional_mask}, "
+            f"{output_mask}, st.tensors,",
+            "                              st.args, st.lo, st.hi):",
+            "        held = _plain_numpy_kernel(op, &st)",
+            "    else:  # any other array kind, and every error",
+            "        held = op.prepare(&st)",
             "    if st.python_kernel:",
             f"        return held({args})",
             "    with nogil:",

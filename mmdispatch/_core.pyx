@@ -508,12 +508,60 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
     return op
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):
+    """prepare() after mmd_intake_plain_numpy took every array (so the device
+    is the CPU): only the kernel lookup is left. Inline in every entry point."""
+    cdef int backend = mmd_thread_backends()[MMD_DEVICE_CPU]
+    cdef int slot = MMD_DEVICE_CPU * MMD_MAX_BACKENDS + backend
+    python_kernel = op.python_kernels[slot]
+    if python_kernel is not None:
+        st.python_kernel = True
+        return python_kernel
+    st.python_kernel = False
+    st.kernel = op.runtime_c_kernels[slot]
+    if st.kernel == NULL:
+        st.kernel = op.c_table[slot]
+    if st.kernel == NULL:
+        raise op.not_found(MMD_DEVICE_CPU, 0, backend)
+    st.ctx.device_id = 0
+    st.ctx.stream = NULL
+    return None
+
+
 # Scalar arguments: converted before dispatch; errors name the parameter.
 cdef extern from "Python.h":
     long long _as_long_long "PyLong_AsLongLongAndOverflow"(object value, int *overflow) noexcept
 
 
-cdef int64_t _int_arg(OpRegistry op, int pos, object value) except? -1:
+cdef extern from *:
+    """
+    /* An exact int of one digit or none (|v| < 2**30): its value, read from
+       the object as Cython's own conversions do; 0 for any other int. */
+    static inline int mmd_compact_int(PyObject *v, int64_t *out) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) return 0;
+        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)v);
+    #else
+        const Py_ssize_t size = Py_SIZE(v);
+        if (size < -1 || size > 1) return 0;
+        *out = size * (int64_t)((PyLongObject *)v)->ob_digit[0];
+    #endif
+        return 1;
+    }
+    """
+    bint mmd_compact_int(object v, int64_t *out) noexcept
+
+
+cdef inline int64_t _int_arg(OpRegistry op, int pos, object value) except? -1:
+    cdef int64_t result
+    if type(value) is int and mmd_compact_int(value, &result):  # the common case, inline
+        return result
+    return _int_arg_slow(op, pos, value)
+
+
+cdef int64_t _int_arg_slow(OpRegistry op, int pos, object value) except? -1:
     cdef long long result
     cdef int overflow
     if type(value) is not int:
@@ -529,9 +577,13 @@ cdef int64_t _int_arg(OpRegistry op, int pos, object value) except? -1:
     return result
 
 
-cdef double _float_arg(OpRegistry op, int pos, object value) except? -1.0:
-    if type(value) is float:
+cdef inline double _float_arg(OpRegistry op, int pos, object value) except? -1.0:
+    if type(value) is float:  # the common case, inline
         return value
+    return _float_arg_slow(op, pos, value)
+
+
+cdef double _float_arg_slow(OpRegistry op, int pos, object value) except? -1.0:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"real number, got {type(value).__name__}")
@@ -545,9 +597,13 @@ cdef double _float_arg(OpRegistry op, int pos, object value) except? -1.0:
                         f"real number, got {type(value).__name__} ({exc})") from exc
 
 
-cdef int _bool_arg(OpRegistry op, int pos, object value) except -1:
-    if value is True or value is False:
+cdef inline int _bool_arg(OpRegistry op, int pos, object value) except -1:
+    if value is True or value is False:  # the common case, inline
         return value is True
+    return _bool_arg_slow(op, pos, value)
+
+
+cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
     try:
         return operator.index(value) != 0
     except TypeError:

@@ -63,13 +63,24 @@ cdef extern from *:
             return 0;
         const int dtype = mmd_dtype_code(PyArray_DESCR(arr)->kind, itemsize);
         if (dtype == MMD_DTYPE_UNKNOWN) return 0;
-        const npy_intp *dims = PyArray_DIMS(arr);
+        const npy_intp *restrict dims = PyArray_DIMS(arr);
         int64_t numel = 1;
-        for (int d = nd - 1; d >= 0; --d) {
-            t->shape[d] = dims[d];
-            t->strides[d] = numel;
-            numel *= dims[d];
+        /* innermost axis first; unrolled (a case per rank) as it runs for
+           every array of every call */
+        _Static_assert(MMD_MAX_NDIM == 8, "one case per rank below");
+    #define MMD_AXIS(d) t->shape[d] = dims[d]; t->strides[d] = numel; numel *= dims[d];
+        switch (nd) {
+        case 8: MMD_AXIS(7) /* fall through */
+        case 7: MMD_AXIS(6) /* fall through */
+        case 6: MMD_AXIS(5) /* fall through */
+        case 5: MMD_AXIS(4) /* fall through */
+        case 4: MMD_AXIS(3) /* fall through */
+        case 3: MMD_AXIS(2) /* fall through */
+        case 2: MMD_AXIS(1) /* fall through */
+        case 1: MMD_AXIS(0) /* fall through */
+        default: break;
         }
+    #undef MMD_AXIS
         t->ndim = nd;
         t->dtype = dtype;
         t->data = PyArray_DATA(arr);
@@ -78,11 +89,62 @@ cdef extern from *:
         *hi = *lo + (uintptr_t)(numel * itemsize);
         return 1;
     }
+
+    /* The whole intake of the common call, in one pass with no Python calls:
+       every array argument a plain numpy array that mmd_view_contiguous_numpy
+       takes (on the CPU, so on one device), or None where optional_mask
+       allows; outputs (output_mask) writable and sharing no byte with any
+       other array, the check of OpRegistry.check_outputs. Returns 1 with the
+       views, args and extents filled, else 0: the general path then redoes
+       the intake and takes the call, or raises its error. */
+    static inline int mmd_intake_plain_numpy(PyObject *const *objects, int n,
+                                             unsigned int optional_mask,
+                                             unsigned int output_mask, mmd_tensor *tensors,
+                                             const mmd_tensor **args, uintptr_t *lo,
+                                             uintptr_t *hi) {
+        unsigned int present = 0;
+        /* n and the masks are literals at every call site: unrolled, the
+           mask tests fold away */
+    #pragma GCC unroll 16
+        for (int i = 0; i < n; ++i) {
+            PyObject *obj = objects[i];
+            if (obj == Py_None && (optional_mask >> i & 1u)) {
+                args[i] = NULL;
+                lo[i] = hi[i] = 0;   /* overlaps nothing below */
+                continue;
+            }
+            if (!mmd_is_exact_ndarray(obj) ||
+                !mmd_view_contiguous_numpy(obj, &tensors[i], &lo[i], &hi[i]))
+                return 0;
+            tensors[i].device_type = MMD_DEVICE_CPU;
+            tensors[i].device_id = 0;
+            args[i] = &tensors[i];
+            present |= 1u << i;
+        }
+        if (!present) return 0;
+        const unsigned int outs = output_mask & present;
+        int bad = 0;
+    #pragma GCC unroll 16
+        for (int i = 0; i < n; ++i) {
+            if (!(outs >> i & 1u)) continue;
+            if (!tensors[i].writable) return 0;
+            if (lo[i] == hi[i]) continue;
+            const uintptr_t lo_i = lo[i], hi_i = hi[i];
+    #pragma GCC unroll 16
+            for (int j = 0; j < n; ++j)   /* branch-free: an overlap is the rare case */
+                bad |= (j != i) & (lo_i < hi[j]) & (lo[j] < hi_i);
+        }
+        return !bad;
+    }
     """
     int _dtype_code "mmd_dtype_code"(char kind, Py_ssize_t itemsize) noexcept nogil
     bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
                                    uintptr_t *hi) noexcept nogil
     bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
+    bint mmd_intake_plain_numpy(PyObject **objects, int n, unsigned int optional_mask,
+                                unsigned int output_mask, mmd_tensor *tensors,
+                                const mmd_tensor **args, uintptr_t *lo,
+                                uintptr_t *hi) noexcept nogil
 
 
 # DLPack DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
