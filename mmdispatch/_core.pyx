@@ -28,6 +28,7 @@ import numpy as np
 cnp.import_array()
 
 include "_intake.pxi"
+mmd_init_dtype_table()
 
 
 class DeviceMismatchError(RuntimeError):

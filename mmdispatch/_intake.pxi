@@ -47,6 +47,22 @@ cdef extern from *:
         return MMD_DTYPE_UNKNOWN;
     }
 
+    /* mmd_dtype_code of each built-in numpy type number (native byte order;
+       byte-swapped arrays are turned away separately), filled at import by
+       mmd_init_dtype_table: one load instead of a switch per array. */
+    #define MMD_NPY_TYPES (NPY_HALF + 1)   /* the built-in types: NPY_BOOL .. NPY_HALF */
+    static unsigned char mmd_dtype_by_typenum[MMD_NPY_TYPES];
+
+    static int mmd_init_dtype_table(void) {
+        for (int t = 0; t < MMD_NPY_TYPES; ++t) {
+            PyArray_Descr *d = PyArray_DescrFromType(t);
+            if (!d) return -1;
+            mmd_dtype_by_typenum[t] = (unsigned char)mmd_dtype_code(d->kind, PyDataType_ELSIZE(d));
+            Py_DECREF(d);
+        }
+        return 0;
+    }
+
     /* The dispatch fast path: views an exact numpy array that is C-contiguous,
        aligned, native-endian and of a supported dtype, with no division, and
        sets [lo, hi) to the bytes it covers. numpy may give size-1 axes any
@@ -61,7 +77,9 @@ cdef extern from *:
         if (nd > MMD_MAX_NDIM || PyArray_ISBYTESWAPPED(arr) ||
             !PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED))
             return 0;
-        const int dtype = mmd_dtype_code(PyArray_DESCR(arr)->kind, itemsize);
+        const int type_num = PyArray_DESCR(arr)->type_num;
+        if ((unsigned)type_num >= MMD_NPY_TYPES) return 0;
+        const int dtype = mmd_dtype_by_typenum[type_num];
         if (dtype == MMD_DTYPE_UNKNOWN) return 0;
         const npy_intp *restrict dims = PyArray_DIMS(arr);
         int64_t numel = 1;
@@ -122,17 +140,26 @@ cdef extern from *:
             present |= 1u << i;
         }
         if (!present) return 0;
-        const unsigned int outs = output_mask & present;
+        /* Each output against each input, when it is not empty, and each pair
+           of outputs once: the test is symmetric, and when one of the two is
+           empty it is that of the non-empty one (two empty ranges never
+           meet), so this is check_outputs' test. Absent arrays have
+           lo == hi == 0 and meet nothing. Branch-free: overlaps are rare. */
         int bad = 0;
     #pragma GCC unroll 16
         for (int i = 0; i < n; ++i) {
-            if (!(outs >> i & 1u)) continue;
-            if (!tensors[i].writable) return 0;
-            if (lo[i] == hi[i]) continue;
+            if (!(output_mask >> i & 1u)) continue;
+            if ((present >> i & 1u) && !tensors[i].writable) return 0;
             const uintptr_t lo_i = lo[i], hi_i = hi[i];
+            const int nonempty = lo_i != hi_i;
     #pragma GCC unroll 16
-            for (int j = 0; j < n; ++j)   /* branch-free: an overlap is the rare case */
-                bad |= (j != i) & (lo_i < hi[j]) & (lo[j] < hi_i);
+            for (int j = 0; j < n; ++j) {
+                if (output_mask >> j & 1u) {
+                    if (j > i) bad |= (lo_i < hi[j]) & (lo[j] < hi_i);
+                } else {
+                    bad |= nonempty & (lo_i < hi[j]) & (lo[j] < hi_i);
+                }
+            }
         }
         return !bad;
     }
@@ -141,6 +168,7 @@ cdef extern from *:
     bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
                                    uintptr_t *hi) noexcept nogil
     bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
+    int mmd_init_dtype_table() except -1
     bint mmd_intake_plain_numpy(PyObject **objects, int n, unsigned int optional_mask,
                                 unsigned int output_mask, mmd_tensor *tensors,
                                 const mmd_tensor **args, uintptr_t *lo,
