@@ -257,6 +257,16 @@ def _op_registry(op_name):
         raise ValueError(f"unknown op {op_name!r}; known: {', '.join(sorted(_ops))}") from None
 
 
+def plain_numpy(*arrays):
+    """Whether every argument is an exact numpy array the dispatcher takes as
+    it is, without looking further: C-contiguous, aligned, native byte order.
+    The ops' fast paths use it to skip their conversions."""
+    for a in arrays:
+        if not (mmd_is_exact_ndarray(<PyObject *>a) and mmd_is_plain_numpy(<PyObject *>a)):
+            return False
+    return True
+
+
 def op_signatures():
     """{op name: signature line} for every dispatchable op."""
     return {name: op.signature for name, op in _ops.items()}

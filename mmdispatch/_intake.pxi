@@ -63,6 +63,14 @@ cdef extern from *:
         return 0;
     }
 
+    /* An exact numpy array's layout is what mmd_view_contiguous_numpy takes
+       (its dtype may not be). */
+    static inline int mmd_is_plain_numpy(PyObject *obj) {
+        PyArrayObject *arr = (PyArrayObject *)obj;
+        return PyArray_NDIM(arr) <= MMD_MAX_NDIM && !PyArray_ISBYTESWAPPED(arr) &&
+               PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    }
+
     /* The dispatch fast path: views an exact numpy array that is C-contiguous,
        aligned, native-endian and of a supported dtype, with no division, and
        sets [lo, hi) to the bytes it covers. numpy may give size-1 axes any
@@ -74,9 +82,7 @@ cdef extern from *:
         PyArrayObject *arr = (PyArrayObject *)obj;
         const int nd = PyArray_NDIM(arr);
         const npy_intp itemsize = PyArray_ITEMSIZE(arr);
-        if (nd > MMD_MAX_NDIM || PyArray_ISBYTESWAPPED(arr) ||
-            !PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED))
-            return 0;
+        if (!mmd_is_plain_numpy(obj)) return 0;
         const int type_num = PyArray_DESCR(arr)->type_num;
         if ((unsigned)type_num >= MMD_NPY_TYPES) return 0;
         const int dtype = mmd_dtype_by_typenum[type_num];
@@ -168,6 +174,7 @@ cdef extern from *:
     bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
                                    uintptr_t *hi) noexcept nogil
     bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
+    bint mmd_is_plain_numpy(PyObject *obj) noexcept nogil
     int mmd_init_dtype_table() except -1
     bint mmd_intake_plain_numpy(PyObject **objects, int n, unsigned int optional_mask,
                                 unsigned int output_mask, mmd_tensor *tensors,

@@ -403,3 +403,17 @@ def test_devices_and_build_info_describe_this_build():
     assert info["cuda"] == (info["no_cuda_reason"] is None)
     assert mmdispatch.op_signatures()["roi_align_forward_impl"].startswith(
         "roi_align_forward_impl(Tensor input, Tensor rois, Tensor! output")
+
+
+def test_plain_numpy_is_true_only_for_arrays_taken_as_they_are():
+    a = np.zeros((2, 3), np.float32)
+    assert mmdispatch._core.plain_numpy(a, np.zeros(4), np.zeros((0, 5)))
+    assert mmdispatch._core.plain_numpy()
+    assert not mmdispatch._core.plain_numpy(a, a[:, ::2])              # strided
+    assert not mmdispatch._core.plain_numpy(a.T)                        # F-order
+    assert not mmdispatch._core.plain_numpy(a.astype(">f4"))            # byte-swapped
+    assert not mmdispatch._core.plain_numpy(a.view(np.ma.MaskedArray))  # subclass
+    assert not mmdispatch._core.plain_numpy([1.0], None, 3)
+    unaligned = np.frombuffer(bytearray(17), np.uint8)[1:].view(np.float32)
+    assert not mmdispatch._core.plain_numpy(unaligned)
+    assert not mmdispatch._core.plain_numpy(np.zeros((1,) * 9))        # beyond MMD_MAX_NDIM
