@@ -624,6 +624,26 @@ cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
                         f"bool, got {type(value).__name__}") from None
 
 
+def empty(shape, dtype):
+    """numpy.empty(shape, dtype) without numpy's argument parsing, for the
+    ops' fast paths: shape a tuple of non-negative ints, dtype a numpy dtype
+    object. Any other argument goes to numpy.empty itself (its errors)."""
+    cdef cnp.npy_intp dims[MMD_MAX_NDIM]
+    cdef int64_t size
+    cdef Py_ssize_t i, nd
+    if type(shape) is tuple and cnp.PyArray_DescrCheck(dtype):
+        nd = len(<tuple>shape)
+        if nd <= MMD_MAX_NDIM:
+            for i in range(nd):
+                value = (<tuple>shape)[i]
+                if not (type(value) is int and mmd_compact_int(value, &size) and size >= 0):
+                    break
+                dims[i] = size
+            else:
+                return mmd_numpy_empty(<int>nd, dims, dtype)
+    return np.empty(shape, dtype)
+
+
 include "_dispatch_gen.pxi"
 
 

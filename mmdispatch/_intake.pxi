@@ -71,6 +71,13 @@ cdef extern from *:
                PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
     }
 
+    /* numpy.empty for a shape already in C and a dtype object (not stolen). */
+    static inline PyObject *mmd_numpy_empty(int nd, npy_intp *dims, PyObject *descr) {
+        Py_INCREF(descr);   /* PyArray_NewFromDescr steals it */
+        return PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)descr, nd, dims, NULL, NULL,
+                                    0, NULL);
+    }
+
     /* The dispatch fast path: views an exact numpy array that is C-contiguous,
        aligned, native-endian and of a supported dtype, with no division, and
        sets [lo, hi) to the bytes it covers. numpy may give size-1 axes any
@@ -175,6 +182,7 @@ cdef extern from *:
                                    uintptr_t *hi) noexcept nogil
     bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
     bint mmd_is_plain_numpy(PyObject *obj) noexcept nogil
+    object mmd_numpy_empty(int nd, cnp.npy_intp *dims, object descr)
     int mmd_init_dtype_table() except -1
     bint mmd_intake_plain_numpy(PyObject **objects, int n, unsigned int optional_mask,
                                 unsigned int output_mask, mmd_tensor *tensors,

@@ -417,3 +417,17 @@ def test_plain_numpy_is_true_only_for_arrays_taken_as_they_are():
     unaligned = np.frombuffer(bytearray(17), np.uint8)[1:].view(np.float32)
     assert not mmdispatch._core.plain_numpy(unaligned)
     assert not mmdispatch._core.plain_numpy(np.zeros((1,) * 9))        # beyond MMD_MAX_NDIM
+
+
+def test_empty_matches_numpy_empty_and_leaves_other_arguments_to_numpy():
+    empty = mmdispatch._core.empty
+    for shape, dtype in [((2, 3), np.float32), ((), np.float64), ((0, 5), np.int64),
+                         ((1,) * 8, np.float32)]:
+        a = empty(shape, np.dtype(dtype))
+        assert type(a) is np.ndarray and a.shape == shape and a.dtype == dtype
+        assert a.flags.c_contiguous and a.flags.writeable and a.flags.owndata
+    assert empty([2, 3], "float32").shape == (2, 3)   # numpy's own path
+    for shape, error in [((-1,), ValueError), ((2 ** 40, 2 ** 40), ValueError),
+                         ((2.0,), TypeError), ((1,) * 70, ValueError)]:
+        with pytest.raises(error):
+            empty(shape, np.dtype(np.float32))

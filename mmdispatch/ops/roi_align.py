@@ -73,7 +73,7 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
 
 # Module-level names for roi_align's fast path: a global is found faster than
 # a module attribute.
-_empty, _plain_numpy = np.empty, _core.plain_numpy
+_empty, _plain_numpy = _core.empty, _core.plain_numpy
 _forward_impl = _core.roi_align_forward_impl
 _AVG = _POOL_MODES["avg"]
 
