@@ -303,8 +303,11 @@ static void TFN(axis_weights)(const TFN(geometry) *g, int64_t height, int64_t wi
 /* Every roi's geometry and axis weights, computed once per call and shared
  * read-only by the channel workers (which would otherwise recompute them
  * for every channel). Only for a fixed sampling_ratio, where every roi has
- * the same number of samples, and only when it is small enough; without it
- * (weights == NULL) workers compute each roi's weights themselves. */
+ * the same number of samples, and only when it is small: no larger than the
+ * output (a roi's entries, 936 bytes for float 7x7 at sampling_ratio 2,
+ * against its C * 7 * 7 outputs: 2% of the output at 256 channels) and
+ * than ROI_TABLE_MAX_BYTES. Without it (weights == NULL) workers compute
+ * each roi's weights themselves. */
 #define ROI_TABLE_MAX_BYTES ((size_t)32 << 20)
 typedef struct {
     TFN(geometry) *geometry;
@@ -321,7 +324,9 @@ static void TFN(roi_table_build)(TFN(roi_table) *t, const T *rois, int64_t num_r
     if (sampling_ratio <= 0 || channels < 2) return;
     t->stride = (pooled_h + pooled_w) * sampling_ratio;
     const size_t per_roi = sizeof *t->geometry + (size_t)t->stride * sizeof *t->weights;
-    if ((size_t)num_rois > ROI_TABLE_MAX_BYTES / per_roi) return;
+    if (per_roi > (size_t)(channels * pooled_h * pooled_w) * sizeof(T) ||
+        (size_t)num_rois > ROI_TABLE_MAX_BYTES / per_roi)
+        return;
     t->geometry = malloc((size_t)num_rois * sizeof *t->geometry + 1);
     t->weights = malloc((size_t)(num_rois * t->stride) * sizeof *t->weights + 1);
     if (!t->geometry || !t->weights) {

@@ -186,21 +186,22 @@ def test_default_backend_equals_reference_backend_bitwise(mode, sampling_ratio, 
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("channels", [1, 3, 16])
 @pytest.mark.parametrize("sampling_ratio", [1, 2, 3])
 def test_fixed_sampling_avg_is_bitwise_the_reference_on_and_off_the_map(dtype, channels,
                                                                         sampling_ratio, rng):
     """With a fixed sampling_ratio the default backend shares every roi's
-    weights across channels (a table, from 2 channels on) and pools rois whose
+    weights across channels (a table, when it is smaller than the output: 16
+    channels here, not 1 or 3) and pools rois whose
     samples all lie on the map without per-sample tests, grid width 2
     unrolled: the same sums in the same order as the reference, forward and
     backward, with rois partly or wholly off the map and NaN/inf pixels."""
     x = rng.standard_normal((2, channels, 20, 24)).astype(dtype)
-    x[0, 0, 3, 5], x[1, -1, 10, 23] = np.nan, np.inf
+    x[0, 0, 2:5, 4:7], x[1, -1, 10, 23] = np.nan, np.inf
     corner = rng.uniform(-8, 30, (40, 2))
     rois = np.concatenate([rng.integers(0, 2, (40, 1)), corner,
                            corner + rng.uniform(1, 20, (40, 2))], axis=1).astype(dtype)
-    rois[7] = [0, 2, 2, 20, 16]   # on the map, with an inf gradient
+    rois[7] = [0, 2, 2, 20, 16]   # on the map (and on the NaNs), with an inf gradient
     grad_out = rng.standard_normal((40, channels, 5, 4)).astype(dtype)
     grad_out[7, 0, 2, 1] = np.inf
     results = {}
