@@ -431,3 +431,41 @@ def test_empty_matches_numpy_empty_and_leaves_other_arguments_to_numpy():
                          ((2.0,), TypeError), ((1,) * 70, ValueError)]:
         with pytest.raises(error):
             empty(shape, np.dtype(np.float32))
+
+
+def test_plain_numpy_intake_and_general_intake_agree_on_overlaps():
+    """The inline intake of plain numpy calls must accept exactly what the
+    general path accepts: random slices of one buffer, empty ones included,
+    as the five arrays of roi_align_forward_impl (outputs at 2, 3, 4), with a
+    no-op C kernel; the general path is forced by handing rois as an ndarray
+    subclass, which the inline intake leaves alone."""
+    from mmdispatch import _benchkit
+
+    class Sub(np.ndarray):
+        pass
+
+    rng = np.random.default_rng(7)
+    buffer = np.zeros(48, np.float32)
+    noop = _benchkit.noop_roi_align_forward_kernel()
+    outcomes = set()
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", noop, backend="intake"):
+        with mmdispatch.use_backend("cpu", "intake"):
+            for _ in range(400):
+                arrays = []
+                for _ in range(5):
+                    start = int(rng.integers(0, 48))
+                    stop = start + int(rng.integers(0, 4)) * int(rng.integers(0, 2))
+                    arrays.append(buffer[start:min(stop, 48)])
+                results = []
+                for general in (False, True):
+                    call = list(arrays)
+                    if general:
+                        call[1] = call[1].view(Sub)
+                    try:
+                        FWD(*call, 1, 1, 1.0, 2, 1, True)
+                        results.append("ok")
+                    except ValueError as exc:
+                        results.append(str(exc))
+                assert results[0] == results[1], arrays
+                outcomes.add(results[0] == "ok")
+    assert outcomes == {True, False}   # both accepted and rejected cases were drawn
