@@ -99,7 +99,7 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
         no_argmax = _NO_ARGMAX.get(dtype)
         if no_argmax is not None:
             try:
-                output = _empty((rois.shape[0], input.shape[1], h, w), dtype)
+                output = _empty((len(rois), input.shape[1], h, w), dtype)
             except (MemoryError, ValueError):
                 output = None  # the general path raises the error naming the op
             if output is not None:
