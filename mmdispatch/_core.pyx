@@ -114,6 +114,12 @@ def get_backend(device):
     return _backend_names[mmd_thread_backends()[parse_device_type(device)]]
 
 
+# Whether any thread ever selected a backend other than "default": until one
+# does, every thread's selection is "default" and dispatch need not read the
+# thread-local table. Read and written with the GIL held.
+cdef bint _any_backend_selected = False
+
+
 @contextlib.contextmanager
 def use_backend(device, name):
     """Selects the backend (e.g. ``"reference"``) for a device type in this
@@ -122,6 +128,9 @@ def use_backend(device, name):
     cdef int index = _backend_index(name)
     cdef unsigned char *selected = mmd_thread_backends()
     cdef unsigned char previous = selected[code]
+    global _any_backend_selected
+    if index != 0:
+        _any_backend_selected = True
     selected[code] = index
     try:
         yield
@@ -524,7 +533,7 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
 cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):
     """prepare() after mmd_intake_plain_numpy took every array (so the device
     is the CPU): only the kernel lookup is left. Inline in every entry point."""
-    cdef int backend = mmd_thread_backends()[MMD_DEVICE_CPU]
+    cdef int backend = mmd_thread_backends()[MMD_DEVICE_CPU] if _any_backend_selected else 0
     cdef int slot = MMD_DEVICE_CPU * MMD_MAX_BACKENDS + backend
     python_kernel = op.python_kernels[slot]
     if python_kernel is not None:

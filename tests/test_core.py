@@ -469,3 +469,35 @@ def test_plain_numpy_intake_and_general_intake_agree_on_overlaps():
                 assert results[0] == results[1], arrays
                 outcomes.add(results[0] == "ok")
     assert outcomes == {True, False}   # both accepted and rejected cases were drawn
+
+
+def test_first_backend_selection_in_a_process_takes_effect_at_once():
+    """Until a thread selects a backend other than "default", dispatch skips
+    the thread-local table; the first selection in a fresh process must still
+    route the very next call, in that thread only."""
+    import subprocess
+    import sys
+    code = r"""
+import threading
+import numpy as np
+import mmdispatch
+x = np.zeros((1, 1, 4, 4), np.float32); rois = np.zeros((1, 5), np.float32)
+e = np.empty(0, np.float32)
+def call():
+    return mmdispatch.roi_align_forward_impl(x, rois, np.empty((1, 1, 1, 1), np.float32),
+                                             e, e, 1, 1, 1.0, 2, 1, True)
+assert call() is None                     # the C kernel, before any selection
+with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: "mine",
+                              backend="mine"):
+    with mmdispatch.use_backend("cpu", "mine"):
+        assert call() == "mine"
+        other = []
+        t = threading.Thread(target=lambda: other.append(call()))
+        t.start(); t.join()
+        assert other == [None]            # other threads keep "default"
+    assert call() is None
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -42,11 +42,10 @@ else:
     def loop(f, n):
         for _ in range(n):
             f(x, rois, out, empty, empty, 1, 1, 1.0, 2, 1, True)
+    # as mmdispatch.bench does: the no-op kernel in the cpu/default slot
     with mmdispatch.register_impl("roi_align_forward_impl", "cpu",
-                                  _benchkit.noop_roi_align_forward_kernel(),
-                                  backend="count_noop"):
-        with mmdispatch.use_backend("cpu", "count_noop"):
-            loop(f, n)
+                                  _benchkit.noop_roi_align_forward_kernel(), override=True):
+        loop(f, n)
 """
 
 
