@@ -471,7 +471,7 @@ def test_plain_numpy_intake_and_general_intake_agree_on_overlaps():
     assert outcomes == {True, False}   # both accepted and rejected cases were drawn
 
 
-def test_first_backend_selection_in_a_process_takes_effect_at_once():
+def test_first_backend_selection_in_a_process_takes_effect_at_once(tmp_path):
     """Until a thread selects a backend other than "default", dispatch skips
     the thread-local table; the first selection in a fresh process must still
     route the very next call, in that thread only."""
@@ -498,6 +498,7 @@ with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: "mine"
     assert call() is None
 print("ok")
 """
+    # cwd: not the source tree, whose mmdispatch/ would shadow the installed one
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
