@@ -533,6 +533,31 @@ static inline int TFN(use_dense)(const TFN(geometry) *g, int64_t sampling_ratio,
     return pool_mode == MMD_POOL_AVG && sampling_ratio <= 0 && g->grid_h * g->grid_w >= 4;
 }
 
+/* The avg sum of one bin (its sample rows `bin_rows`, its sample columns
+ * `bin_cols`), before the division. Bilinear weights factor by axis: each
+ * sample row's two source rows are summed over the bin's columns first, then
+ * weighted once. CHECK (a constant at every call) skips samples off the map;
+ * without it every sample must be on the map. */
+static inline T TFN(avg_bin_sum)(const T *plane, int64_t width, const TFN(axis) *bin_rows,
+                                 const TFN(axis) *bin_cols, int64_t grid_h, int64_t grid_w,
+                                 const int CHECK) {
+    T sum = 0;
+    for (int64_t iy = 0; iy < grid_h; ++iy) {
+        const TFN(axis) *ay = &bin_rows[iy];
+        if (CHECK && !ay->valid) continue;
+        const T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
+        T sum_low = 0, sum_high = 0;
+        for (int64_t ix = 0; ix < grid_w; ++ix) {
+            const TFN(axis) *ax = &bin_cols[ix];
+            if (CHECK && !ax->valid) continue;
+            sum_low += ax->w_low * row_low[ax->low] + ax->w_high * row_low[ax->high];
+            sum_high += ax->w_low * row_high[ax->low] + ax->w_high * row_high[ax->high];
+        }
+        sum += ay->w_low * sum_low + ay->w_high * sum_high;
+    }
+    return sum;
+}
+
 /* Pools one bin from precomputed axis weights. Max mode records the sample
  * coordinates of the maximum (MMCV's argmax_y/argmax_x) for backward. */
 static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geometry) *g,
@@ -540,24 +565,9 @@ static inline void TFN(pool_bin)(const T *plane, int64_t width, const TFN(geomet
                                  int64_t pw, int64_t pool_mode, T *out, T *arg_y, T *arg_x) {
     const int64_t count = g->grid_h * g->grid_w;
     if (pool_mode == MMD_POOL_AVG) {
-        /* bilinear weights factor by axis: each sample row's two source rows
-         * are summed over the bin's columns first, then weighted once */
-        T sum = 0;
-        const TFN(axis) *bin_cols = &cols[pw * g->grid_w];
-        for (int64_t iy = 0; iy < g->grid_h; ++iy) {
-            const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
-            if (!ay->valid) continue;
-            const T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
-            T sum_low = 0, sum_high = 0;
-            for (int64_t ix = 0; ix < g->grid_w; ++ix) {
-                const TFN(axis) *ax = &bin_cols[ix];
-                if (!ax->valid) continue;
-                sum_low += ax->w_low * row_low[ax->low] + ax->w_high * row_low[ax->high];
-                sum_high += ax->w_low * row_high[ax->low] + ax->w_high * row_high[ax->high];
-            }
-            sum += ay->w_low * sum_low + ay->w_high * sum_high;
-        }
-        *out = sum / (T)(count > 1 ? count : 1);
+        *out = TFN(avg_bin_sum)(plane, width, &rows[ph * g->grid_h], &cols[pw * g->grid_w],
+                                g->grid_h, g->grid_w, 1) /
+               (T)(count > 1 ? count : 1);
         return;
     }
     TFN(mmd_max_state) m;
@@ -587,10 +597,10 @@ static int TFN(all_valid)(const TFN(axis) *rows, int64_t n_rows, const TFN(axis)
 }
 
 /* Avg pooling of every bin of one roi and channel whose samples all lie on
- * the map: pool_bin's sums in pool_bin's order (so the results are the same
- * to the bit), without its validity tests, with each bin column's weights
- * loaded once for the whole column of bins. `GW` is the grid width when it
- * is known when compiling (the loop over a bin's columns unrolls), else 0. */
+ * the map: pool_bin's sums (avg_bin_sum, so the results are the same to the
+ * bit) without its validity tests, a column of bins at a time. `GW` is the
+ * grid width when it is known when compiling (the loop over a bin's columns
+ * unrolls), else 0. */
 static inline void TFN(pool_valid_roi_grid)(const T *plane, int64_t width, int64_t grid_h,
                                             int64_t grid_w, const TFN(axis) *rows,
                                             const TFN(axis) *cols, int64_t pooled_h,
@@ -602,24 +612,12 @@ static inline void TFN(pool_valid_roi_grid)(const T *plane, int64_t width, int64
      * same float; the multiply is much cheaper than the divide */
     const int pow2 = (count & (count - 1)) == 0;
     const T scale = (T)1 / divisor;
-    for (int64_t pw = 0; pw < pooled_w; ++pw) {
-        const TFN(axis) *bin_cols = &cols[pw * gw];
+    for (int64_t pw = 0; pw < pooled_w; ++pw)
         for (int64_t ph = 0; ph < pooled_h; ++ph) {
-            T sum = 0;
-            for (int64_t iy = 0; iy < grid_h; ++iy) {
-                const TFN(axis) *ay = &rows[ph * grid_h + iy];
-                const T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
-                T sum_low = 0, sum_high = 0;
-                for (int64_t ix = 0; ix < gw; ++ix) {
-                    const TFN(axis) *ax = &bin_cols[ix];
-                    sum_low += ax->w_low * row_low[ax->low] + ax->w_high * row_low[ax->high];
-                    sum_high += ax->w_low * row_high[ax->low] + ax->w_high * row_high[ax->high];
-                }
-                sum += ay->w_low * sum_low + ay->w_high * sum_high;
-            }
+            const T sum = TFN(avg_bin_sum)(plane, width, &rows[ph * grid_h], &cols[pw * gw],
+                                           grid_h, gw, 0);
             out[ph * pooled_w + pw] = pow2 ? sum * scale : sum / divisor;
         }
-    }
 }
 
 static void TFN(pool_valid_roi)(const T *plane, int64_t width, const TFN(geometry) *g,
@@ -766,6 +764,29 @@ static int TFN(roi_align_forward)(int reference, const mmd_tensor *input, const 
     return s;
 }
 
+/* Adds `share` (a bin's gradient over its sample count) times each
+ * sample's bilinear weights into the plane: avg_bin_sum in reverse, CHECK as
+ * there. */
+static inline void TFN(avg_bin_scatter)(T *plane, int64_t width, const TFN(axis) *bin_rows,
+                                        const TFN(axis) *bin_cols, int64_t grid_h,
+                                        int64_t grid_w, T share, const int CHECK) {
+    for (int64_t iy = 0; iy < grid_h; ++iy) {
+        const TFN(axis) *ay = &bin_rows[iy];
+        if (CHECK && !ay->valid) continue;
+        /* (share * w_y) * w_x: the products scatter() forms, hoisted */
+        T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
+        const T g_low = share * ay->w_low, g_high = share * ay->w_high;
+        for (int64_t ix = 0; ix < grid_w; ++ix) {
+            const TFN(axis) *ax = &bin_cols[ix];
+            if (CHECK && !ax->valid) continue;
+            row_low[ax->low] += g_low * ax->w_low;
+            row_low[ax->high] += g_low * ax->w_high;
+            row_high[ax->low] += g_high * ax->w_low;
+            row_high[ax->high] += g_high * ax->w_high;
+        }
+    }
+}
+
 /* Adds one bin's gradient into its (H, W) plane. */
 static inline void TFN(backward_bin)(T *plane, int64_t height, int64_t width,
                                      const TFN(geometry) *g, const TFN(axis) *rows,
@@ -780,29 +801,14 @@ static inline void TFN(backward_bin)(T *plane, int64_t height, int64_t width,
         return;
     }
     const int64_t count = g->grid_h * g->grid_w;
-    const T share = grad / (T)(count > 1 ? count : 1);
-    const TFN(axis) *bin_cols = &cols[pw * g->grid_w];
-    for (int64_t iy = 0; iy < g->grid_h; ++iy) {
-        const TFN(axis) *ay = &rows[ph * g->grid_h + iy];
-        if (!ay->valid) continue;
-        /* (share * w_y) * w_x: the products scatter() forms, hoisted */
-        T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
-        const T g_low = share * ay->w_low, g_high = share * ay->w_high;
-        for (int64_t ix = 0; ix < g->grid_w; ++ix) {
-            const TFN(axis) *ax = &bin_cols[ix];
-            if (!ax->valid) continue;
-            row_low[ax->low] += g_low * ax->w_low;
-            row_low[ax->high] += g_low * ax->w_high;
-            row_high[ax->low] += g_high * ax->w_low;
-            row_high[ax->high] += g_high * ax->w_high;
-        }
-    }
+    TFN(avg_bin_scatter)(plane, width, &rows[ph * g->grid_h], &cols[pw * g->grid_w], g->grid_h,
+                         g->grid_w, grad / (T)(count > 1 ? count : 1), 1);
 }
 
-/* Backward of pool_valid_roi: backward_bin's avg scatter for every bin of
- * one roi and channel, bins in the same order and each pixel's additions in
- * the same order (so the results are the same to the bit), without the
- * validity tests. `GW` as in pool_valid_roi_grid. */
+/* Backward of pool_valid_roi: backward_bin's avg scatter (avg_bin_scatter)
+ * for every bin of one roi and channel, bins in the same order, so each
+ * pixel's additions come in the same order and the results are the same to
+ * the bit, without the validity tests. `GW` as in pool_valid_roi_grid. */
 static inline void TFN(scatter_valid_roi_grid)(T *plane, int64_t width, int64_t grid_h,
                                                int64_t grid_w, const TFN(axis) *rows,
                                                const TFN(axis) *cols, int64_t pooled_h,
@@ -815,20 +821,8 @@ static inline void TFN(scatter_valid_roi_grid)(T *plane, int64_t width, int64_t 
     for (int64_t ph = 0; ph < pooled_h; ++ph)
         for (int64_t pw = 0; pw < pooled_w; ++pw) {
             const T g = grad[ph * pooled_w + pw];
-            const T share = pow2 ? g * scale : g / divisor;
-            const TFN(axis) *bin_cols = &cols[pw * gw];
-            for (int64_t iy = 0; iy < grid_h; ++iy) {
-                const TFN(axis) *ay = &rows[ph * grid_h + iy];
-                T *row_low = plane + ay->low * width, *row_high = plane + ay->high * width;
-                const T g_low = share * ay->w_low, g_high = share * ay->w_high;
-                for (int64_t ix = 0; ix < gw; ++ix) {
-                    const TFN(axis) *ax = &bin_cols[ix];
-                    row_low[ax->low] += g_low * ax->w_low;
-                    row_low[ax->high] += g_low * ax->w_high;
-                    row_high[ax->low] += g_high * ax->w_low;
-                    row_high[ax->high] += g_high * ax->w_high;
-                }
-            }
+            TFN(avg_bin_scatter)(plane, width, &rows[ph * grid_h], &cols[pw * gw], grid_h, gw,
+                                 pow2 ? g * scale : g / divisor, 0);
         }
 }
 
