@@ -358,7 +358,7 @@ cdef class OpRegistry:
         while the C kernel runs (None when there are none)."""
         cdef int i, ref = -1
         cdef int n = self.n_arrays
-        cdef int device_type, device_id, backend, slot
+        cdef int device_type, device_id
         cdef unsigned int pending = 0  # bit i: array i still needs its view
         cdef mmd_tensor *t
         st.python_kernel = False
@@ -392,20 +392,10 @@ cdef class OpRegistry:
         device_id = st.tensors[ref].device_id
         if not 0 <= device_type < MMD_MAX_DEVICE_TYPES:
             raise self.not_found(device_type, device_id, 0)
-        backend = mmd_thread_backends()[device_type]
-        slot = device_type * MMD_MAX_BACKENDS + backend
-        python_kernel = self.python_kernels[slot]
-        if python_kernel is not None:
-            st.python_kernel = True
+        python_kernel = _find_kernel(self, st, device_type, device_id,
+                                     mmd_thread_backends()[device_type])
+        if st.python_kernel:
             return python_kernel
-        st.kernel = self.runtime_c_kernels[slot]
-        if st.kernel == NULL:
-            st.kernel = self.c_table[slot]
-        if st.kernel == NULL:
-            raise self.not_found(device_type, device_id, backend)
-
-        st.ctx.device_id = device_id
-        st.ctx.stream = NULL
         held = None
         if pending:  # arrays other than plain contiguous numpy ones
             held = self.view_pending(st, pending, device_type, device_id)
@@ -530,11 +520,12 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):
-    """prepare() after mmd_intake_plain_numpy took every array (so the device
-    is the CPU): only the kernel lookup is left. Inline in every entry point."""
-    cdef int backend = mmd_thread_backends()[MMD_DEVICE_CPU] if _any_backend_selected else 0
-    cdef int slot = MMD_DEVICE_CPU * MMD_MAX_BACKENDS + backend
+cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, int device_id,
+                                int backend):
+    """Step 3 of a call: the Python kernel for the slot (returned, with
+    st.python_kernel set), else its C kernel in st.kernel with st.ctx set for
+    the device (None returned), else KernelNotFoundError."""
+    cdef int slot = device_type * MMD_MAX_BACKENDS + backend
     python_kernel = op.python_kernels[slot]
     if python_kernel is not None:
         st.python_kernel = True
@@ -544,10 +535,17 @@ cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):
     if st.kernel == NULL:
         st.kernel = op.c_table[slot]
     if st.kernel == NULL:
-        raise op.not_found(MMD_DEVICE_CPU, 0, backend)
-    st.ctx.device_id = 0
+        raise op.not_found(device_type, device_id, backend)
+    st.ctx.device_id = device_id
     st.ctx.stream = NULL
     return None
+
+
+cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):
+    """prepare() after mmd_intake_plain_numpy took every array (so the device
+    is the CPU): only the kernel lookup is left. Inline in every entry point."""
+    return _find_kernel(op, st, MMD_DEVICE_CPU, 0,
+                        mmd_thread_backends()[MMD_DEVICE_CPU] if _any_backend_selected else 0)
 
 
 # Scalar arguments: converted before dispatch; errors name the parameter.
