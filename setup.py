@@ -246,27 +246,40 @@ core = Extension(
              rel(GEN_DIR / "mmdispatch_generated.c")],
     # src/cpu: its kernel files instantiate themselves per float type through
     # mmdispatch/typed.h, which includes them back by name.
-    include_dirs=[str(ROOT / "include"), str(ROOT / "src" / "cpu"), str(GEN_DIR),
-                  numpy.get_include()],
+    include_dirs=[str(ROOT / "include"), str(ROOT / "src" / "cpu"), str(ROOT / "mmdispatch"),
+                  str(GEN_DIR), numpy.get_include()],
     # headers and shared math (.inc): editing one rebuilds the C sources
-    depends=[rel(p) for p in sorted((ROOT / "include").rglob("*")) if p.is_file()],
+    depends=[rel(p) for p in sorted((ROOT / "include").rglob("*")) if p.is_file()]
+    + ["mmdispatch/_pyarray.h"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O3"],
 )
 
+
+
+def cython_module(name, source):
+    """A one-file Cython extension that cimports the core's declarations
+    (_core.pxd, _pyarray.h) but links none of its C."""
+    return Extension(
+        name,
+        sources=[source],
+        include_dirs=[str(ROOT / "include"), str(ROOT / "mmdispatch"), str(GEN_DIR),
+                      numpy.get_include()],
+        depends=["mmdispatch/_pyarray.h", "mmdispatch/_core.pxd"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=["-O3"],
+    )
+
+
 # The dispatch-overhead benchmark's no-op kernel and raw baseline.
-benchkit = Extension(
-    "mmdispatch._benchkit",
-    sources=["mmdispatch/_benchkit.pyx"],
-    include_dirs=[str(ROOT / "include"), str(GEN_DIR), numpy.get_include()],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=["-O3"],
-)
+benchkit = cython_module("mmdispatch._benchkit", "mmdispatch/_benchkit.pyx")
+# The ops' fast-path helpers (checks and allocation of the common call).
+fastpath = cython_module("mmdispatch.ops._fastpath", "mmdispatch/ops/_fastpath.pyx")
 
 setup(
     version=VERSION,
     ext_modules=cythonize(
-        [core, benchkit],
+        [core, benchkit, fastpath],
         include_path=[str(GEN_DIR), str(ROOT / "mmdispatch")],
         compiler_directives={"language_level": 3, "embedsignature": True},
     ),

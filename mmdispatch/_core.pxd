@@ -131,3 +131,11 @@ cdef class OpRegistry:
     cdef void activate(self, int slot)
     cdef object not_found(self, int device_type, int device_id, int backend)
     cdef int raise_kernel_error(self, int status) except -1
+
+# Inline numpy / int helpers (mmdispatch/_pyarray.h), shared with
+# mmdispatch.ops._fastpath.
+cdef extern from "_pyarray.h":
+    bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
+    bint mmd_is_plain_numpy(PyObject *obj) noexcept nogil
+    object mmd_numpy_empty(int nd, Py_ssize_t *dims, object descr)  # dims: npy_intp *
+    bint mmd_compact_int(object v, int64_t *out) noexcept

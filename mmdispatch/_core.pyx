@@ -266,16 +266,6 @@ def _op_registry(op_name):
         raise ValueError(f"unknown op {op_name!r}; known: {', '.join(sorted(_ops))}") from None
 
 
-def plain_numpy(*arrays):
-    """Whether every argument is an exact numpy array the dispatcher takes as
-    it is, without looking further: C-contiguous, aligned, native byte order.
-    The ops' fast paths use it to skip their conversions."""
-    for a in arrays:
-        if not (mmd_is_exact_ndarray(<PyObject *>a) and mmd_is_plain_numpy(<PyObject *>a)):
-            return False
-    return True
-
-
 def op_signatures():
     """{op name: signature line} for every dispatchable op."""
     return {name: op.signature for name, op in _ops.items()}
@@ -553,25 +543,6 @@ cdef extern from "Python.h":
     long long _as_long_long "PyLong_AsLongLongAndOverflow"(object value, int *overflow) noexcept
 
 
-cdef extern from *:
-    """
-    /* An exact int of one digit or none (|v| < 2**30): its value, read from
-       the object as Cython's own conversions do; 0 for any other int. */
-    static inline int mmd_compact_int(PyObject *v, int64_t *out) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) return 0;
-        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)v);
-    #else
-        const Py_ssize_t size = Py_SIZE(v);
-        if (size < -1 || size > 1) return 0;
-        *out = size * (int64_t)((PyLongObject *)v)->ob_digit[0];
-    #endif
-        return 1;
-    }
-    """
-    bint mmd_compact_int(object v, int64_t *out) noexcept
-
-
 cdef inline int64_t _int_arg(OpRegistry op, int pos, object value) except? -1:
     cdef int64_t result
     if type(value) is int and mmd_compact_int(value, &result):  # the common case, inline
@@ -629,26 +600,6 @@ cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
             return bool(value)
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"bool, got {type(value).__name__}") from None
-
-
-def empty(shape, dtype):
-    """numpy.empty(shape, dtype) without numpy's argument parsing, for the
-    ops' fast paths: shape a tuple of non-negative ints, dtype a numpy dtype
-    object. Any other argument goes to numpy.empty itself (its errors)."""
-    cdef cnp.npy_intp dims[MMD_MAX_NDIM]
-    cdef int64_t size
-    cdef Py_ssize_t i, nd
-    if type(shape) is tuple and cnp.PyArray_DescrCheck(dtype):
-        nd = len(<tuple>shape)
-        if nd <= MMD_MAX_NDIM:
-            for i in range(nd):
-                value = (<tuple>shape)[i]
-                if not (type(value) is int and mmd_compact_int(value, &size) and size >= 0):
-                    break
-                dims[i] = size
-            else:
-                return mmd_numpy_empty(<int>nd, dims, dtype)
-    return np.empty(shape, dtype)
 
 
 include "_dispatch_gen.pxi"

@@ -26,10 +26,6 @@ cdef inline bint _is_cupy_array(object obj):
 
 cdef extern from *:
     """
-    static inline int mmd_is_exact_ndarray(PyObject *obj) {
-        return Py_TYPE(obj) == &PyArray_Type;
-    }
-
     static inline int mmd_dtype_code(char kind, Py_ssize_t itemsize) {
         switch (kind) {
         case 'f':
@@ -61,21 +57,6 @@ cdef extern from *:
             Py_DECREF(d);
         }
         return 0;
-    }
-
-    /* An exact numpy array's layout is what mmd_view_contiguous_numpy takes
-       (its dtype may not be). */
-    static inline int mmd_is_plain_numpy(PyObject *obj) {
-        PyArrayObject *arr = (PyArrayObject *)obj;
-        return PyArray_NDIM(arr) <= MMD_MAX_NDIM && !PyArray_ISBYTESWAPPED(arr) &&
-               PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
-    }
-
-    /* numpy.empty for a shape already in C and a dtype object (not stolen). */
-    static inline PyObject *mmd_numpy_empty(int nd, npy_intp *dims, PyObject *descr) {
-        Py_INCREF(descr);   /* PyArray_NewFromDescr steals it */
-        return PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)descr, nd, dims, NULL, NULL,
-                                    0, NULL);
     }
 
     /* The dispatch fast path: views an exact numpy array that is C-contiguous,
@@ -180,9 +161,6 @@ cdef extern from *:
     int _dtype_code "mmd_dtype_code"(char kind, Py_ssize_t itemsize) noexcept nogil
     bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
                                    uintptr_t *hi) noexcept nogil
-    bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
-    bint mmd_is_plain_numpy(PyObject *obj) noexcept nogil
-    object mmd_numpy_empty(int nd, cnp.npy_intp *dims, object descr)
     int mmd_init_dtype_table() except -1
     bint mmd_intake_plain_numpy(PyObject **objects, int n, unsigned int optional_mask,
                                 unsigned int output_mask, mmd_tensor *tensors,

@@ -405,34 +405,6 @@ def test_devices_and_build_info_describe_this_build():
         "roi_align_forward_impl(Tensor input, Tensor rois, Tensor! output")
 
 
-def test_plain_numpy_is_true_only_for_arrays_taken_as_they_are():
-    a = np.zeros((2, 3), np.float32)
-    assert mmdispatch._core.plain_numpy(a, np.zeros(4), np.zeros((0, 5)))
-    assert mmdispatch._core.plain_numpy()
-    assert not mmdispatch._core.plain_numpy(a, a[:, ::2])              # strided
-    assert not mmdispatch._core.plain_numpy(a.T)                        # F-order
-    assert not mmdispatch._core.plain_numpy(a.astype(">f4"))            # byte-swapped
-    assert not mmdispatch._core.plain_numpy(a.view(np.ma.MaskedArray))  # subclass
-    assert not mmdispatch._core.plain_numpy([1.0], None, 3)
-    unaligned = np.frombuffer(bytearray(17), np.uint8)[1:].view(np.float32)
-    assert not mmdispatch._core.plain_numpy(unaligned)
-    assert not mmdispatch._core.plain_numpy(np.zeros((1,) * 9))        # beyond MMD_MAX_NDIM
-
-
-def test_empty_matches_numpy_empty_and_leaves_other_arguments_to_numpy():
-    empty = mmdispatch._core.empty
-    for shape, dtype in [((2, 3), np.float32), ((), np.float64), ((0, 5), np.int64),
-                         ((1,) * 8, np.float32)]:
-        a = empty(shape, np.dtype(dtype))
-        assert type(a) is np.ndarray and a.shape == shape and a.dtype == dtype
-        assert a.flags.c_contiguous and a.flags.writeable and a.flags.owndata
-    assert empty([2, 3], "float32").shape == (2, 3)   # numpy's own path
-    for shape, error in [((-1,), ValueError), ((2 ** 40, 2 ** 40), ValueError),
-                         ((2.0,), TypeError), ((1,) * 70, ValueError)]:
-        with pytest.raises(error):
-            empty(shape, np.dtype(np.float32))
-
-
 def test_plain_numpy_intake_and_general_intake_agree_on_overlaps():
     """The inline intake of plain numpy calls must accept exactly what the
     general path accepts: random slices of one buffer, empty ones included,

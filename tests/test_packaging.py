@@ -29,7 +29,7 @@ def signature_params():
 
 
 def stub(name):
-    return ast.parse((PACKAGE / name).read_text())
+    return ast.parse(PACKAGE.joinpath(*name.split("/")).read_text())
 
 
 def stub_functions(tree):
@@ -50,7 +50,7 @@ def stub_names(tree):
 
 
 def test_py_typed_and_stubs_are_installed():
-    for name in ("py.typed", "_core.pyi", "_benchkit.pyi", "__init__.pyi"):
+    for name in ("py.typed", "_core.pyi", "_benchkit.pyi", "__init__.pyi", "ops/_fastpath.pyi"):
         assert (PACKAGE / name).is_file(), name
 
 
@@ -94,12 +94,13 @@ def test_package_stub_matches_the_package_exports():
     assert sorted(ast.literal_eval(declared_all)) == sorted(mmdispatch.__all__)
 
 
-def test_benchkit_stub_matches_the_module():
-    from mmdispatch import _benchkit
-
-    defined_here = {name for name, obj in vars(_benchkit).items()
-                    if not name.startswith("_") and callable(obj)}
-    assert set(stub_functions(stub("_benchkit.pyi"))) == defined_here
+@pytest.mark.parametrize("module", ["_benchkit", "ops._fastpath"])
+def test_handwritten_stub_matches_the_module(module):
+    extension = importlib.import_module(f"mmdispatch.{module}")
+    defined_here = {name for name, obj in vars(extension).items()
+                    if not name.startswith("_") and callable(obj)
+                    and getattr(obj, "__module__", None) == extension.__name__}
+    assert set(stub_functions(stub(module.replace(".", "/") + ".pyi"))) == defined_here
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF symbol visibility")
@@ -107,13 +108,15 @@ def test_benchkit_stub_matches_the_module():
     ("_core", ["mmd_thread_backends", "mmd_roi_align_forward_impl_table", "mmd_error",
                "mmd_get_device_modules", "cudaMalloc", "cudaGetDeviceCount"]),
     ("_benchkit", []),
+    ("ops._fastpath", ["mmd_numpy_empty"]),
 ])
 def test_extension_exports_only_its_module_init(module, helpers):
     """dlsym sees only the dynamic symbol table: the C helpers, kernel
     tables and the static CUDA runtime must not be in it."""
     library = ctypes.CDLL(importlib.import_module(f"mmdispatch.{module}").__file__)
-    assert hasattr(library, f"PyInit_{module}")
-    for symbol in [*helpers, f"__pyx_module_is_main_mmdispatch__{module}"]:
+    name = module.rpartition(".")[2]
+    assert hasattr(library, f"PyInit_{name}")
+    for symbol in [*helpers, f"__pyx_module_is_main_mmdispatch__{module.replace('.', '__')}"]:
         assert not hasattr(library, symbol), symbol
 
 

@@ -14,11 +14,9 @@ import numpy as np
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
                                     native, pair, roi_forward_inputs, shape_arg)
+from mmdispatch.ops._fastpath import pooled_output
 
 _POOL_MODES = {"avg": 1, "max": 0}
-# Zero-size argmax outputs for avg mode, which the kernels never touch; shared
-# by the fast path of roi_align (they are never handed to the caller).
-_NO_ARGMAX = {np.dtype(t): np.empty((0,), t) for t in (np.float32, np.float64)}
 
 
 def _pool_mode(op, pool_mode):
@@ -72,39 +70,24 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
 
 
 # Module-level names for roi_align's fast path: a global is found faster than
-# a module attribute.
-_empty, _plain_numpy = _core.empty, _core.plain_numpy
+# a module attribute; "avg" is interned, so the default pool_mode is it.
 _forward_impl = _core.roi_align_forward_impl
-_AVG = _POOL_MODES["avg"]
+_AVG, _AVG_NAME = _POOL_MODES["avg"], "avg"
 
 
 def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
               aligned=True):
     """RoIAlign output, (K, C, *output_size)."""
     # The common call, inline (a tiny call costs about as much Python as
-    # kernel): contiguous float numpy arrays, avg mode, output_size a positive
-    # int or pair of ints, nothing to convert. Allocate the output and
-    # dispatch; scalars and dtype/shape agreement are checked by the entry
-    # point, as on the general path.
-    if type(output_size) is int:
-        h = w = output_size
-    elif type(output_size) is tuple and len(output_size) == 2:
-        h, w = output_size
-    else:
-        h = w = None
-    if (type(h) is int and type(w) is int and h > 0 and w > 0
-            and type(pool_mode) is str and pool_mode == "avg"
-            and _plain_numpy(input, rois) and input.ndim == 4 and rois.ndim == 2):
-        dtype = input.dtype
-        no_argmax = _NO_ARGMAX.get(dtype)
-        if no_argmax is not None:
-            try:
-                output = _empty((len(rois), input.shape[1], h, w), dtype)
-            except (MemoryError, ValueError):
-                output = None  # the general path raises the error naming the op
-            if output is not None:
-                _forward_impl(input, rois, output, no_argmax, no_argmax, h, w, spatial_scale,
-                              sampling_ratio, _AVG, aligned)
-                return output
+    # kernel): avg mode, and what pooled_output takes (plain float numpy
+    # arrays, output_size ints), which also allocates the output. Scalars are
+    # checked by the entry point, as on the general path.
+    if pool_mode is _AVG_NAME or (type(pool_mode) is str and pool_mode == _AVG_NAME):
+        fast = pooled_output(input, rois, output_size)
+        if fast is not None:
+            output, h, w, unused = fast
+            _forward_impl(input, rois, output, unused, unused, h, w, spatial_scale,
+                          sampling_ratio, _AVG, aligned)
+            return output
     return roi_align_forward(input, rois, output_size, spatial_scale, sampling_ratio,
                              pool_mode, aligned)[0]

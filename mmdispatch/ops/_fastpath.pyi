@@ -1,0 +1,11 @@
+"""Type stubs of mmdispatch.ops._fastpath, the compiled helpers of the ops'
+fast paths."""
+from typing import Any
+
+import numpy as np
+
+def pooled_output(
+    input: object, rois: object, output_size: object
+) -> tuple[np.ndarray[Any, Any], int, int, np.ndarray[Any, Any]] | None:
+    """``(output, out_h, out_w, empty)`` for the common call of a roi pooling
+    op, else None."""
