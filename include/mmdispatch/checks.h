@@ -17,15 +17,41 @@ extern "C" {
 /* Wildcard for one dimension in mmd_check_shape. */
 #define MMD_ANY_DIM (-1)
 
-/* ndim must equal `ndim`; each expected[i] >= 0 must match exactly. */
-int mmd_check_shape(const mmd_tensor *t, const char *name, int ndim, const int64_t *expected);
-/* dtype must be one of the bits in `allowed_mask`. */
-int mmd_check_dtype(const mmd_tensor *t, const char *name, unsigned allowed_mask);
-/* dtype must equal the reference tensor's dtype. */
-int mmd_check_same_dtype(const mmd_tensor *t, const char *name, const mmd_tensor *ref,
+/* The checks run on every call, so their passing test is inline; the
+ * message of a failing one is built out of line (mmd_*_error). */
+int mmd_shape_error(const mmd_tensor *t, const char *name, int ndim, const int64_t *expected);
+int mmd_dtype_error(const mmd_tensor *t, const char *name, unsigned allowed_mask);
+int mmd_same_dtype_error(const mmd_tensor *t, const char *name, const mmd_tensor *ref,
                          const char *ref_name);
+int mmd_contiguous_error(const mmd_tensor *t, const char *name);
+
+/* ndim must equal `ndim`; each expected[i] >= 0 must match exactly. */
+static inline int mmd_check_shape(const mmd_tensor *t, const char *name, int ndim,
+                                  const int64_t *expected) {
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; ++i)
+        ok = expected[i] == MMD_ANY_DIM || expected[i] == t->shape[i];
+    return ok ? MMD_OK : mmd_shape_error(t, name, ndim, expected);
+}
+
+/* dtype must be one of the bits in `allowed_mask`. */
+static inline int mmd_check_dtype(const mmd_tensor *t, const char *name, unsigned allowed_mask) {
+    const int ok = t->dtype > 0 && t->dtype < MMD_NUM_DTYPES &&
+                   (allowed_mask & MMD_DTYPE_BIT(t->dtype));
+    return ok ? MMD_OK : mmd_dtype_error(t, name, allowed_mask);
+}
+
+/* dtype must equal the reference tensor's dtype. */
+static inline int mmd_check_same_dtype(const mmd_tensor *t, const char *name,
+                                       const mmd_tensor *ref, const char *ref_name) {
+    return t->dtype == ref->dtype ? MMD_OK : mmd_same_dtype_error(t, name, ref, ref_name);
+}
+
 /* Kernels index densely; strided views are rejected rather than misread. */
-int mmd_check_contiguous(const mmd_tensor *t, const char *name);
+static inline int mmd_check_contiguous(const mmd_tensor *t, const char *name) {
+    return mmd_is_contiguous(t) ? MMD_OK : mmd_contiguous_error(t, name);
+}
+
 /* Writes "(2, 3, 4)" into buf. */
 void mmd_format_shape(const mmd_tensor *t, char *buf, size_t size);
 

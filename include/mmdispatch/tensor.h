@@ -106,13 +106,13 @@ static inline int64_t mmd_numel(const mmd_tensor *t) {
 /* True when elements are laid out densely in C order (size-1 dims and
  * empty arrays, whose strides numpy may set to 0, are ignored). */
 static inline int mmd_is_contiguous(const mmd_tensor *t) {
-    if (mmd_numel(t) == 0) return 1;
-    int64_t expected = 1;
+    int64_t expected = 1;   /* ends as the element count */
+    int dense = 1;
     for (int i = t->ndim - 1; i >= 0; --i) {
-        if (t->shape[i] != 1 && t->strides[i] != expected) return 0;
+        dense &= t->shape[i] == 1 || t->strides[i] == expected;
         expected *= t->shape[i];
     }
-    return 1;
+    return dense || expected == 0;
 }
 
 #ifdef __cplusplus

@@ -50,11 +50,7 @@ void mmd_format_shape(const mmd_tensor *t, char *buf, size_t size) {
     if (used < size) snprintf(buf + used, size - used, t->ndim == 1 ? ",)" : ")");
 }
 
-int mmd_check_shape(const mmd_tensor *t, const char *name, int ndim, const int64_t *expected) {
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; ++i)
-        ok = expected[i] == MMD_ANY_DIM || expected[i] == t->shape[i];
-    if (ok) return MMD_OK;
+int mmd_shape_error(const mmd_tensor *t, const char *name, int ndim, const int64_t *expected) {
     char got[256], want[256];
     mmd_format_shape(t, got, sizeof got);
     size_t used = (size_t)snprintf(want, sizeof want, "(");
@@ -69,9 +65,7 @@ int mmd_check_shape(const mmd_tensor *t, const char *name, int ndim, const int64
     return mmd_error(MMD_ERR_VALUE, "%s must have shape %s, got %s", name, want, got);
 }
 
-int mmd_check_dtype(const mmd_tensor *t, const char *name, unsigned allowed_mask) {
-    if (t->dtype > 0 && t->dtype < MMD_NUM_DTYPES && (allowed_mask & MMD_DTYPE_BIT(t->dtype)))
-        return MMD_OK;
+int mmd_dtype_error(const mmd_tensor *t, const char *name, unsigned allowed_mask) {
     char allowed[256];
     size_t used = 0;
     allowed[0] = '\0';
@@ -83,15 +77,14 @@ int mmd_check_dtype(const mmd_tensor *t, const char *name, unsigned allowed_mask
                      mmd_dtype_name(t->dtype), allowed);
 }
 
-int mmd_check_same_dtype(const mmd_tensor *t, const char *name, const mmd_tensor *ref,
+int mmd_same_dtype_error(const mmd_tensor *t, const char *name, const mmd_tensor *ref,
                          const char *ref_name) {
-    if (t->dtype == ref->dtype) return MMD_OK;
     return mmd_error(MMD_ERR_TYPE, "%s has dtype %s but %s has dtype %s; they must match", name,
                      mmd_dtype_name(t->dtype), ref_name, mmd_dtype_name(ref->dtype));
 }
 
-int mmd_check_contiguous(const mmd_tensor *t, const char *name) {
-    if (mmd_is_contiguous(t)) return MMD_OK;
+int mmd_contiguous_error(const mmd_tensor *t, const char *name) {
+    (void)t;
     return mmd_error(MMD_ERR_VALUE,
                      "%s must be C-contiguous (got a strided view); make a contiguous copy first",
                      name);
