@@ -43,17 +43,23 @@ cdef extern from *:
         return MMD_DTYPE_UNKNOWN;
     }
 
-    /* mmd_dtype_code of each built-in numpy type number (native byte order;
-       byte-swapped arrays are turned away separately), filled at import by
-       mmd_init_dtype_table: one load instead of a switch per array. */
+    /* mmd_dtype_code and item size of each built-in numpy type number (native
+       byte order; byte-swapped arrays are turned away separately), filled at
+       import by mmd_init_dtype_table: one load instead of a switch and numpy's
+       version-dependent descr accessor per array. */
     #define MMD_NPY_TYPES (NPY_HALF + 1)   /* the built-in types: NPY_BOOL .. NPY_HALF */
-    static unsigned char mmd_dtype_by_typenum[MMD_NPY_TYPES];
+    typedef struct { unsigned char dtype, itemsize; } mmd_numpy_type;
+    static mmd_numpy_type mmd_type_by_typenum[MMD_NPY_TYPES];
 
     static int mmd_init_dtype_table(void) {
         for (int t = 0; t < MMD_NPY_TYPES; ++t) {
             PyArray_Descr *d = PyArray_DescrFromType(t);
             if (!d) return -1;
-            mmd_dtype_by_typenum[t] = (unsigned char)mmd_dtype_code(d->kind, PyDataType_ELSIZE(d));
+            const int dtype = mmd_dtype_code(d->kind, PyDataType_ELSIZE(d));
+            mmd_type_by_typenum[t].dtype = (unsigned char)dtype;
+            /* only read for known dtypes, whose items are 1 to 8 bytes */
+            mmd_type_by_typenum[t].itemsize =
+                dtype == MMD_DTYPE_UNKNOWN ? 0 : (unsigned char)PyDataType_ELSIZE(d);
             Py_DECREF(d);
         }
         return 0;
@@ -69,11 +75,11 @@ cdef extern from *:
                                                 uintptr_t *hi) {
         PyArrayObject *arr = (PyArrayObject *)obj;
         const int nd = PyArray_NDIM(arr);
-        const npy_intp itemsize = PyArray_ITEMSIZE(arr);
         if (!mmd_is_plain_numpy(obj)) return 0;
         const int type_num = PyArray_DESCR(arr)->type_num;
         if ((unsigned)type_num >= MMD_NPY_TYPES) return 0;
-        const int dtype = mmd_dtype_by_typenum[type_num];
+        const mmd_numpy_type type = mmd_type_by_typenum[type_num];
+        const int dtype = type.dtype;
         if (dtype == MMD_DTYPE_UNKNOWN) return 0;
         const npy_intp *restrict dims = PyArray_DIMS(arr);
         int64_t numel = 1;
@@ -98,7 +104,7 @@ cdef extern from *:
         t->data = PyArray_DATA(arr);
         t->writable = PyArray_ISWRITEABLE(arr);
         *lo = (uintptr_t)t->data;
-        *hi = *lo + (uintptr_t)(numel * itemsize);
+        *hi = *lo + (uintptr_t)(numel * type.itemsize);
         return 1;
     }
 
@@ -138,22 +144,21 @@ cdef extern from *:
            of outputs once: the test is symmetric, and when one of the two is
            empty it is that of the non-empty one (two empty ranges never
            meet), so this is check_outputs' test. Absent arrays have
-           lo == hi == 0 and meet nothing. Branch-free: overlaps are rare. */
+           lo == hi == 0 and meet nothing. Branch-free but for the test of an
+           empty output (steady within a call site): overlaps are rare. */
         int bad = 0;
     #pragma GCC unroll 16
         for (int i = 0; i < n; ++i) {
             if (!(output_mask >> i & 1u)) continue;
             if ((present >> i & 1u) && !tensors[i].writable) return 0;
             const uintptr_t lo_i = lo[i], hi_i = hi[i];
-            const int nonempty = lo_i != hi_i;
     #pragma GCC unroll 16
-            for (int j = 0; j < n; ++j) {
-                if (output_mask >> j & 1u) {
-                    if (j > i) bad |= (lo_i < hi[j]) & (lo[j] < hi_i);
-                } else {
-                    bad |= nonempty & (lo_i < hi[j]) & (lo[j] < hi_i);
-                }
-            }
+            for (int j = i + 1; j < n; ++j)
+                if (output_mask >> j & 1u) bad |= (lo_i < hi[j]) & (lo[j] < hi_i);
+            if (lo_i == hi_i) continue;   /* an empty output meets no input */
+    #pragma GCC unroll 16
+            for (int j = 0; j < n; ++j)
+                if (!(output_mask >> j & 1u)) bad |= (lo_i < hi[j]) & (lo[j] < hi_i);
         }
         return !bad;
     }
