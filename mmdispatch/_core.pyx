@@ -328,7 +328,7 @@ cdef class OpRegistry:
         dlpack_device = getattr(type(obj), "__dlpack_device__", None)
         if dlpack_device is not None:
             st.kinds[i] = KIND_DLPACK
-            _read_dlpack_device(self.where(i), dlpack_device(obj), t)
+            _read_dlpack_device(self.where(i), dlpack_device, obj, t)
             return 0
         cai = getattr(obj, "__cuda_array_interface__", None)
         if cai is not None:
@@ -554,11 +554,15 @@ cdef int64_t _int_arg_slow(OpRegistry op, int pos, object value) except? -1:
     cdef long long result
     cdef int overflow
     if type(value) is not int:
-        try:
+        try:  # runs the caller's __index__, which may refuse or fail
             value = operator.index(value)
         except TypeError:
             raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected an "
                             f"int, got {type(value).__name__}") from None
+        except Exception as exc:
+            raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected an "
+                            f"int, got {type(value).__name__} (its __index__ raised "
+                            f"{type(exc).__name__}: {exc})") from exc
     result = _as_long_long(value, &overflow)  # an exact int: cannot fail otherwise
     if overflow:
         raise ValueError(f"{op.name}: at param {pos} ({op.param_names[pos]}), {value} does "
@@ -593,13 +597,17 @@ cdef inline int _bool_arg(OpRegistry op, int pos, object value) except -1:
 
 
 cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
-    try:
+    try:  # runs the caller's __index__, which may refuse or fail
         return operator.index(value) != 0
     except TypeError:
         if isinstance(value, np.bool_):  # numpy booleans have no __index__
             return bool(value)
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"bool, got {type(value).__name__}") from None
+    except Exception as exc:
+        raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
+                        f"bool, got {type(value).__name__} (its __index__ raised "
+                        f"{type(exc).__name__}: {exc})") from exc
 
 
 include "_dispatch_gen.pxi"

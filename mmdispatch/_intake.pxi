@@ -261,13 +261,21 @@ cdef int _intake_cupy(OpRegistry op, int i, object arr, mmd_tensor *t) except -1
     return _check_alignment(op, i, t)
 
 
-cdef int _read_dlpack_device(str where, object device, mmd_tensor *t) except -1:
+cdef int _read_dlpack_device(str where, object method, object obj, mmd_tensor *t) except -1:
+    """t's device from obj's __dlpack_device__ (`method`, looked up on its
+    type). That is the caller's code: whatever it raises, or a malformed
+    answer, becomes a TypeError naming the op and the parameter."""
+    try:
+        device = method(obj)
+    except Exception as exc:
+        raise TypeError(f"{where}, __dlpack_device__() raised {type(exc).__name__}: "
+                        f"{exc}") from exc
     try:
         device_type, device_id = device
         t.device_type = operator.index(device_type)
         t.device_id = operator.index(device_id)
-    except (TypeError, ValueError, OverflowError):
-        raise TypeError(f"{where}, __dlpack_device__() returned {device!r}; expected "
+    except Exception:
+        raise TypeError(f"{where}, __dlpack_device__() returned {device!r:.80}; expected "
                         "(device_type, device_id)") from None
     return 0
 

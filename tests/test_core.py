@@ -265,6 +265,60 @@ def test_bad_scalar_arguments_name_the_parameter(position, value, expected):
         FWD(*call)
 
 
+class _IndexFails:
+    def __index__(self):
+        raise RuntimeError("index broke")
+
+
+@pytest.mark.parametrize("position, expected", [
+    (5, "at param 5 (aligned_height), expected an int, got _IndexFails (its __index__ raised "
+        "RuntimeError: index broke)"),
+    (10, "at param 10 (aligned), expected a bool, got _IndexFails (its __index__ raised "
+         "RuntimeError: index broke)"),
+])
+def test_scalar_whose_index_fails_names_the_parameter(position, expected):
+    """The caller's own __index__ may raise anything: the error still names
+    the op and the parameter, with the original as its cause."""
+    args = cpu_args()
+    call = args + list(SCALARS)
+    call[position] = _IndexFails()
+    with pytest.raises(TypeError, match=re.escape(f"roi_align_forward_impl: {expected}")) as info:
+        FWD(*call)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert np.all(args[2] == 0)
+
+
+class _DeviceFails:
+    def __dlpack_device__(self):
+        raise RuntimeError("device query broke")
+
+
+class _DeviceMalformed:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __dlpack_device__(self):
+        return self.answer
+
+
+@pytest.mark.parametrize("array, expected", [
+    (_DeviceFails(), "at param 1 (rois), __dlpack_device__() raised RuntimeError: device query "
+                     "broke"),
+    (_DeviceMalformed("cpu"), "at param 1 (rois), __dlpack_device__() returned 'cpu'; expected "
+                              "(device_type, device_id)"),
+    (_DeviceMalformed((1,)), "at param 1 (rois), __dlpack_device__() returned (1,); expected "
+                             "(device_type, device_id)"),
+    (_DeviceMalformed((1, _IndexFails())), "at param 1 (rois), __dlpack_device__() returned"),
+    (_DeviceMalformed((2 ** 70, 0)), "at param 1 (rois), __dlpack_device__() returned"),
+])
+def test_dlpack_device_that_fails_or_is_malformed_names_the_parameter(array, expected):
+    args = cpu_args()
+    args[1] = array
+    with pytest.raises(TypeError, match=re.escape(f"roi_align_forward_impl: {expected}")):
+        FWD(*args, *SCALARS)
+    assert np.all(args[2] == 0)
+
+
 class _FloatReturnsStr:
     def __float__(self):
         return "x"
