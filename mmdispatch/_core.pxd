@@ -1,7 +1,7 @@
 # C declarations of the dispatcher core (include/mmdispatch/*.h) and the
 # per-call state shared by _core.pyx and the generated entry points.
 from cpython.ref cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 
 cdef extern from "mmdispatch/tensor.h" nogil:
     enum:
@@ -59,7 +59,8 @@ cdef extern from "mmdispatch_generated.h" nogil:
         int (*register_fn)(char *status, size_t size) noexcept nogil
     const mmd_device_module *mmd_get_device_modules(int *count)
 
-# DLPack ABI (dlpack.h, unversioned DLManagedTensor), read from capsules.
+# DLPack ABI (dlpack.h: DLManagedTensor, and DLManagedTensorVersioned of
+# DLPack 1.x with its flags), read from capsules.
 cdef struct DLDevice:
     int32_t device_type
     int32_t device_id
@@ -82,6 +83,21 @@ cdef struct DLManagedTensor:
     DLTensor dl_tensor
     void *manager_ctx
     void (*deleter)(DLManagedTensor *)
+
+cdef struct DLPackVersion:
+    uint32_t major
+    uint32_t minor
+
+cdef struct DLManagedTensorVersioned:
+    DLPackVersion version
+    void *manager_ctx
+    void (*deleter)(DLManagedTensorVersioned *)
+    uint64_t flags
+    DLTensor dl_tensor
+
+cdef enum:
+    DLPACK_FLAG_READ_ONLY = 1    # DLPACK_FLAG_BITMASK_READ_ONLY
+    DLPACK_FLAG_IS_COPIED = 2    # DLPACK_FLAG_BITMASK_IS_COPIED
 
 cdef enum:
     MAX_ARRAY_ARGS = 16  # _codegen.MAX_ARRAY_ARGS

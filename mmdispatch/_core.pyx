@@ -15,7 +15,8 @@ One call of an entry point (generated per op into _dispatch_gen.pxi):
 """
 cimport cython
 cimport numpy as cnp
-from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
+from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer,
+                                PyCapsule_IsValid)
 from libc.stdint cimport uintptr_t
 
 import contextlib

@@ -280,19 +280,45 @@ cdef int _read_dlpack_device(str where, object method, object obj, mmd_tensor *t
     return 0
 
 
+cdef object _export_dlpack(object obj, object stream):
+    """obj.__dlpack__(), asking for a DLPack 1.x (versioned) capsule, whose
+    flags say whether the memory is read-only or a copy; a producer that does
+    not take max_version (it raises TypeError, as the array API standard
+    says) is asked again for the unversioned kind."""
+    try:
+        if stream is None:
+            return obj.__dlpack__(max_version=(1, 0))
+        return obj.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:
+        if stream is None:
+            return obj.__dlpack__()
+        return obj.__dlpack__(stream=stream)
+
+
 cdef object _intake_dlpack(OpRegistry op, int i, object obj, object stream, mmd_tensor *t):
     """Views a DLPack export; returns the capsule, which the caller keeps
     alive until the kernel has run (the producer frees it after that)."""
-    cdef DLManagedTensor *managed
+    cdef DLManagedTensorVersioned *versioned = NULL
     cdef DLTensor *dl
     cdef int d
     try:
-        capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
-        managed = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+        capsule = _export_dlpack(obj, stream)
+        if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
+            versioned = <DLManagedTensorVersioned *>PyCapsule_GetPointer(
+                capsule, b"dltensor_versioned")
+            dl = &versioned.dl_tensor
+        else:
+            dl = &(<DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
     except Exception as exc:
         raise TypeError(f"{op.where(i)}, could not export the array through __dlpack__: "
                         f"{exc}") from exc
-    dl = &managed.dl_tensor
+    if versioned != NULL:
+        if versioned.version.major != 1:
+            raise TypeError(f"{op.where(i)}, __dlpack__ gave DLPack {versioned.version.major}."
+                            f"{versioned.version.minor}, which is not 1.x")
+        if versioned.flags & DLPACK_FLAG_IS_COPIED and op.array_flags[i] & ARG_OUTPUT:
+            raise ValueError(f"{op.where(i)}, __dlpack__ exported a copy of this output "
+                             "(DLPack flag IS_COPIED): what the kernel wrote would be lost")
     if dl.device.device_type != t.device_type or dl.device.device_id != t.device_id:
         raise ValueError(f"{op.where(i)}, __dlpack__ device "
                          f"{device_name(dl.device.device_type, dl.device.device_id)} differs "
@@ -315,7 +341,9 @@ cdef object _intake_dlpack(OpRegistry op, int i, object obj, object stream, mmd_
         for d in range(dl.ndim):
             t.strides[d] = dl.strides[d]   # DLPack strides count elements
     t.data = <char *>dl.data + dl.byte_offset
-    t.writable = 1
+    # an unversioned capsule cannot say; producers refuse to export read-only
+    # memory that way (numpy does)
+    t.writable = versioned == NULL or not (versioned.flags & DLPACK_FLAG_READ_ONLY)
     _check_alignment(op, i, t)
     return capsule
 

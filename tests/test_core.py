@@ -425,6 +425,110 @@ def test_dlpack_arrays_are_viewed_without_copy(dlpack_only):
     np.testing.assert_array_equal(args[2], expected[2])  # written through the DLPack view
 
 
+class _DLPackVersioned:
+    """Only the DLPack protocol, passing max_version (DLPack 1.x) and copy on
+    to numpy, so the capsule carries its flags."""
+
+    def __init__(self, array, copy=None):
+        self.array, self.copy = array, copy
+        self.asked = []
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.asked.append(max_version)
+        return self.array.__dlpack__(max_version=max_version, copy=self.copy)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_versioned_dlpack_is_asked_for_and_read_only_inputs_are_read():
+    expected = cpu_args()
+    FWD(*expected, *SCALARS)
+    args = cpu_args()
+    args[0].flags.writeable = False   # numpy exports read-only memory only as DLPack 1.x
+    wrapped = [_DLPackVersioned(a) for a in args[:3]] + args[3:]
+    FWD(*wrapped, *SCALARS)
+    np.testing.assert_array_equal(args[2], expected[2])  # written through the 1.x view
+    assert wrapped[0].asked == [(1, 0)]
+
+
+def test_read_only_versioned_dlpack_output_is_rejected_and_untouched():
+    args = cpu_args()
+    args[2].flags.writeable = False
+    args[2] = _DLPackVersioned(args[2])
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: at param 2 (output), output array is read-only")):
+        FWD(*args, *SCALARS)
+    assert not args[2].array.any()
+
+
+def test_copied_dlpack_export_is_refused_as_an_output_and_read_as_an_input():
+    args = cpu_args()
+    output = args[2]
+    args[2] = _DLPackVersioned(output, copy=True)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: at param 2 (output), __dlpack__ exported a copy of this "
+            "output (DLPack flag IS_COPIED)")):
+        FWD(*args, *SCALARS)
+    expected = cpu_args()
+    FWD(*expected, *SCALARS)
+    args = cpu_args()
+    args[0] = _DLPackVersioned(args[0], copy=True)
+    FWD(*args, *SCALARS)
+    np.testing.assert_array_equal(args[2], expected[2])
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+class _HandMadeVersioned:
+    """A DLPack producer built with ctypes: a versioned capsule of any
+    version over a numpy array's memory (kept alive by this object)."""
+
+    def __init__(self, array, major):
+        self.array = array
+        self.shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+        self.managed = _DLManagedTensorVersioned(
+            major=major, minor=0, flags=0,
+            dl_tensor=_DLTensor(data=array.ctypes.data, device_type=1, device_id=0,
+                                ndim=array.ndim, code=2, bits=8 * array.itemsize, lanes=1,
+                                shape=self.shape, strides=None, byte_offset=0))
+
+    def __dlpack__(self, stream=None, max_version=None):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                       ctypes.c_void_p]
+        return new(ctypes.addressof(self.managed), b"dltensor_versioned", None)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_dlpack_capsules_of_a_major_version_other_than_1_are_refused():
+    expected = cpu_args()
+    FWD(*expected, *SCALARS)
+    args = cpu_args()
+    FWD(_HandMadeVersioned(args[0], 1), *args[1:], *SCALARS)   # the ctypes producer works
+    np.testing.assert_array_equal(args[2], expected[2])
+    args = cpu_args()
+    with pytest.raises(TypeError, match=re.escape(
+            "roi_align_forward_impl: at param 0 (input), __dlpack__ gave DLPack 2.0, which is "
+            "not 1.x")):
+        FWD(_HandMadeVersioned(args[0], 2), *args[1:], *SCALARS)
+    assert not args[2].any()
+
+
 def test_cuda_array_interface_objects_are_classified_as_cuda():
     class CaiOnly:
         __cuda_array_interface__ = {"shape": (1, 5), "typestr": "<f4", "data": (0, False),

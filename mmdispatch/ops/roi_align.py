@@ -9,7 +9,6 @@ roi_align_forward_impl / roi_align_backward_impl.
   of samples (at least 1); max records the position of the maximum
   (argmax_y / argmax_x) for backward.
 """
-import numpy as np
 
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
