@@ -9,3 +9,7 @@ def pooled_output(
 ) -> tuple[np.ndarray[Any, Any], int, int, np.ndarray[Any, Any]] | None:
     """``(output, out_h, out_w, empty)`` for the common call of a roi pooling
     op, else None."""
+
+def index_like(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A new, uninitialised int64 array of ``array``'s shape: the argmax
+    output that goes with a pooled_output output."""

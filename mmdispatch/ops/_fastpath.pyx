@@ -76,3 +76,9 @@ def pooled_output(input, rois, output_size):
     except (MemoryError, ValueError):
         return None
     return output, out_h, out_w, _EMPTY_F32 if type_num == cnp.NPY_FLOAT32 else _EMPTY_F64
+
+
+def index_like(cnp.ndarray array not None):
+    """A new, uninitialised int64 array of ``array``'s shape: the argmax
+    output that goes with a pooled_output output."""
+    return cnp.PyArray_EMPTY(cnp.PyArray_NDIM(array), cnp.PyArray_DIMS(array), cnp.NPY_INT64, 0)

@@ -15,6 +15,7 @@ import numpy as np
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, index_array, like,
                                     namespace, native, pair, roi_forward_inputs, shape_arg)
+from mmdispatch.ops._fastpath import index_like, pooled_output
 
 
 def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
@@ -51,6 +52,21 @@ def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0)
     return like(original, grad_input)
 
 
+_forward_impl = _core.roi_pool_forward_impl
+
+
 def roi_pool(input, rois, output_size, spatial_scale=1.0):
     """RoIPool output, (K, C, *output_size)."""
+    # The common call (what pooled_output takes: plain float numpy arrays,
+    # output_size ints) without the general path's conversions, as roi_align.
+    fast = pooled_output(input, rois, output_size)
+    if fast is not None:
+        output, h, w, _ = fast
+        try:
+            argmax = index_like(output)
+        except MemoryError:
+            argmax = None  # the general path raises the error naming the op
+        if argmax is not None:
+            _forward_impl(input, rois, output, argmax, h, w, spatial_scale)
+            return output
     return roi_pool_forward(input, rois, output_size, spatial_scale)[0]

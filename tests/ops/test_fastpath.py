@@ -4,7 +4,7 @@ general path."""
 import numpy as np
 import pytest
 
-from mmdispatch.ops._fastpath import pooled_output
+from mmdispatch.ops._fastpath import index_like, pooled_output
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -78,3 +78,17 @@ def test_pooled_output_leaves_an_output_numpy_cannot_allocate():
     raises the error naming the op."""
     x, rois = np.zeros((1, 2 ** 20, 1, 1), np.float32), np.zeros((1, 5), np.float32)
     assert pooled_output(x, rois, (2 ** 29, 2 ** 29)) is None
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (0, 3, 2, 2), (7,), ()])
+def test_index_like_allocates_int64_of_the_same_shape(shape):
+    array = np.zeros(shape, np.float32)
+    index = index_like(array)
+    assert type(index) is np.ndarray and index.shape == shape and index.dtype == np.int64
+    assert index.flags.c_contiguous and index.flags.writeable and index.flags.owndata
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], 3])
+def test_index_like_takes_only_numpy_arrays(bad):
+    with pytest.raises(TypeError):
+        index_like(bad)

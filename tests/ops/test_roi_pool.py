@@ -375,6 +375,24 @@ def test_huge_float32_rois_are_clipped_without_overflow():
     assert out[1, 0, 0, 0] == 15.0 and argmax[1, 1, 0, 0] == 15
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_roi_pool_fast_path_equals_the_general_path(dtype, rng):
+    """roi_pool skips the conversions for plain float numpy arrays; the result
+    must be roi_pool_forward's, and that of a Fortran-order copy (general
+    path), for int and tuple sizes."""
+    x = rng.standard_normal((2, 3, 9, 11)).astype(dtype)
+    rois = np.array([[0, 1, 1, 6, 7], [1, 0, 2, 10, 8], [0, 3, 3, 3, 3]], dtype=dtype)
+    for size in (3, (2, 4)):
+        expected = roi_pool_forward(x, rois, size, 0.5)[0]
+        fast = roi_pool(x, rois, size, 0.5)
+        general = roi_pool(np.asfortranarray(x), rois, size, 0.5)
+        np.testing.assert_array_equal(fast, expected)
+        np.testing.assert_array_equal(general, expected)
+        assert fast.dtype == dtype and fast.flags.c_contiguous and fast.base is None
+    with pytest.raises(ValueError, match="spatial_scale"):
+        roi_pool(x, rois, 3, -1.0)
+
+
 def test_strided_inputs_give_the_same_results_as_contiguous_ones(rng):
     x = rng.standard_normal((2, 3, 8, 16))
     rois = np.asfortranarray(random_rois(rng, 6, 2, 8, 8, 1.0))
