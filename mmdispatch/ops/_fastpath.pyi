@@ -13,3 +13,8 @@ def pooled_output(
 def index_like(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """A new, uninitialised int64 array of ``array``'s shape: the argmax
     output that goes with a pooled_output output."""
+
+def nms_outputs(
+    boxes: object, scores: object
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
+    """``(keep, num_kept)`` for the common call of nms, else None."""

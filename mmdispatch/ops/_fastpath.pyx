@@ -34,6 +34,10 @@ cdef inline bint _plain(object a, int ndim) noexcept:
             and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim)
 
 
+cdef inline bint _float_type(int type_num) noexcept:
+    return type_num == cnp.NPY_FLOAT32 or type_num == cnp.NPY_FLOAT64
+
+
 def pooled_output(input, rois, output_size):
     """``(output, out_h, out_w, empty)`` for the common call of a roi pooling
     op, else None.
@@ -63,7 +67,7 @@ def pooled_output(input, rois, output_size):
     if not (_plain(input, 4) and _plain(rois, 2)):
         return None
     type_num = cnp.PyArray_TYPE(<cnp.ndarray>input)
-    if ((type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT64)
+    if (not _float_type(type_num)
             or cnp.PyArray_TYPE(<cnp.ndarray>rois) != type_num
             or cnp.PyArray_DIM(<cnp.ndarray>rois, 1) != 5):
         return None
@@ -82,3 +86,29 @@ def index_like(cnp.ndarray array not None):
     """A new, uninitialised int64 array of ``array``'s shape: the argmax
     output that goes with a pooled_output output."""
     return cnp.PyArray_EMPTY(cnp.PyArray_NDIM(array), cnp.PyArray_DIMS(array), cnp.NPY_INT64, 0)
+
+
+def nms_outputs(boxes, scores):
+    """``(keep, num_kept)`` for the common call of nms, else None.
+
+    The common call: ``boxes`` (N, 4) and ``scores`` (N,) exact numpy
+    arrays, C-contiguous, aligned and native-endian, both float32 or both
+    float64. ``keep`` is a new, uninitialised (N,) int64 array, ``num_kept``
+    a new (1,) int64 zero: nms_impl's outputs. Where they cannot be
+    allocated the answer is None too."""
+    cdef cnp.npy_intp n, one = 1
+    cdef int type_num
+    if not (_plain(boxes, 2) and _plain(scores, 1)):
+        return None
+    type_num = cnp.PyArray_TYPE(<cnp.ndarray>boxes)
+    n = cnp.PyArray_DIM(<cnp.ndarray>boxes, 0)
+    if (not _float_type(type_num) or cnp.PyArray_TYPE(<cnp.ndarray>scores) != type_num
+            or cnp.PyArray_DIM(<cnp.ndarray>boxes, 1) != 4
+            or cnp.PyArray_DIM(<cnp.ndarray>scores, 0) != n):
+        return None
+    try:
+        keep = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
+        num_kept = cnp.PyArray_ZEROS(1, &one, cnp.NPY_INT64, 0)
+    except MemoryError:
+        return None
+    return keep, num_kept

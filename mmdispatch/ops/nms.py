@@ -18,6 +18,7 @@ import numpy as np
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, index_array, like,
                                     namespace, native)
+from mmdispatch.ops._fastpath import nms_outputs
 
 
 def _nms(op, boxes, scores, idxs, iou_threshold, offset):
@@ -37,10 +38,20 @@ def _nms(op, boxes, scores, idxs, iou_threshold, offset):
     return like(original, keep[:int(num_kept[0])])
 
 
+_nms_impl = _core.nms_impl
+
+
 def nms(boxes, scores, iou_threshold, offset=0):
     """Indices (int64) of the boxes kept, by descending score.
 
     boxes: (N, 4) float array; scores: (N,) of the same dtype and device."""
+    # The common call (what nms_outputs takes: plain float numpy arrays of
+    # matching shapes) without the general path's conversions.
+    fast = nms_outputs(boxes, scores)
+    if fast is not None:
+        keep, num_kept = fast
+        _nms_impl(boxes, scores, None, keep, num_kept, iou_threshold, offset)
+        return keep[:num_kept[0]]
     return _nms("nms", boxes, scores, None, iou_threshold, offset)
 
 

@@ -4,7 +4,7 @@ general path."""
 import numpy as np
 import pytest
 
-from mmdispatch.ops._fastpath import index_like, pooled_output
+from mmdispatch.ops._fastpath import index_like, nms_outputs, pooled_output
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -92,3 +92,30 @@ def test_index_like_allocates_int64_of_the_same_shape(shape):
 def test_index_like_takes_only_numpy_arrays(bad):
     with pytest.raises(TypeError):
         index_like(bad)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_nms_outputs_allocates_keep_and_a_zero_count(dtype, n):
+    keep, num_kept = nms_outputs(np.zeros((n, 4), dtype), np.zeros(n, dtype))
+    assert keep.shape == (n,) and keep.dtype == np.int64 and keep.flags.owndata
+    assert num_kept.shape == (1,) and num_kept.dtype == np.int64 and num_kept[0] == 0
+
+
+@pytest.mark.parametrize("boxes, scores", [
+    (np.zeros((3, 4), np.float32), np.zeros(3, np.float64)),      # dtypes differ
+    (np.zeros((3, 4), np.float16), np.zeros(3, np.float16)),      # not float32/64
+    (np.zeros((3, 4), np.int64), np.zeros(3, np.int64)),
+    (np.zeros((3, 5), np.float32), np.zeros(3, np.float32)),      # not (N, 4)
+    (np.zeros((3, 4, 1), np.float32), np.zeros(3, np.float32)),
+    (np.zeros(4, np.float32), np.zeros(1, np.float32)),
+    (np.zeros((3, 4), np.float32), np.zeros(2, np.float32)),      # N differs
+    (np.zeros((3, 4), np.float32), np.zeros((3, 1), np.float32)),
+    (np.zeros((3, 8), np.float32)[:, ::2], np.zeros(3, np.float32)),   # strided
+    (np.zeros((3, 4), np.float32), np.zeros(6, np.float32)[::2]),
+    (np.zeros((3, 4), ">f4"), np.zeros(3, ">f4")),                # byte-swapped
+    (np.zeros((3, 4), np.float32).tolist(), np.zeros(3, np.float32)),
+    (np.zeros((3, 4), np.float32), None),
+])
+def test_nms_outputs_leaves_every_other_call(boxes, scores):
+    assert nms_outputs(boxes, scores) is None

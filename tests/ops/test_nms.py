@@ -392,6 +392,21 @@ def test_result_is_a_fresh_1d_int64_array_and_inputs_are_untouched(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_nms_fast_path_equals_the_general_path(dtype):
+    """nms skips the conversions for plain float numpy arrays; it must keep
+    what batched_nms with one class keeps (the general path) and what it
+    keeps for strided copies of the same boxes."""
+    for seed in range(5):
+        boxes, scores, thr = random_case(seed, dtype)
+        fast = nms(boxes, scores, thr)
+        general = batched_nms(boxes, scores, np.zeros(len(boxes), np.int64), thr)
+        strided = nms(np.repeat(boxes, 2, axis=1)[:, ::2], scores, thr)
+        np.testing.assert_array_equal(fast, general)
+        np.testing.assert_array_equal(strided, general)
+        assert fast.dtype == np.int64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_input_gives_empty_int64_array(dtype):
     boxes, scores = np.zeros((0, 4), dtype=dtype), np.zeros((0,), dtype=dtype)
     for keep in (nms(boxes, scores, 0.5, 1),
