@@ -14,6 +14,14 @@ Python arguments straight to that kernel (mmdispatch._benchkit), timed in
 alternating batches; the median of the per-batch differences is reported.
 The overhead-fraction sweep divides it by the time of real roi_align calls of
 growing size (the --plot figure, when matplotlib is installed).
+
+On a machine where mmdispatch's CUDA kernels run and CuPy is installed, the
+same workload also runs on the GPU (CuPy arrays), each timed call waiting for
+the device, side by side with torchvision's CUDA kernels when torch sees the
+GPU; and the host-side cost of a call with CuPy arrays is measured: the
+dispatch of a no-op kernel (no device work) and a whole tiny ops.roi_align
+call, both per call over a batch of calls with one wait at the end.
+Elsewhere the report says why the GPU part was skipped.
 """
 import argparse
 import json
@@ -180,52 +188,6 @@ def torchvision_ops():
     return torch, torchvision
 
 
-def roi_align_cases(cfg, tv):
-    feature, rois = roi_workload(cfg)
-    scale, size = cfg["spatial_scale"], cfg["output"]
-    for sr in (2, 0):
-        def forward():
-            return ops.roi_align_forward(feature, rois, size, scale, sr, "avg", True)[0]
-
-        out = forward()
-        grad = np.ones_like(out)
-
-        def forward_backward():
-            forward()
-            ops.roi_align_backward(grad, rois, None, None, feature.shape, scale, sr, "avg", True)
-
-        theirs_fwd = theirs_fb = None
-        if tv is not None:
-            torch, torchvision = tv
-            t_feature = torch.from_numpy(feature)
-            t_rois = torch.from_numpy(rois)
-
-            def theirs_forward():
-                with torch.no_grad():
-                    torchvision.ops.roi_align(t_feature, t_rois, size, scale, sr, True)
-
-            def theirs_forward_backward():
-                x = t_feature.clone().requires_grad_(True)
-                torchvision.ops.roi_align(x, t_rois, size, scale, sr, True).sum().backward()
-
-            theirs_fwd, theirs_fb = theirs_forward, theirs_forward_backward
-        label = f"roi_align sampling_ratio={sr}"
-        yield f"{label} forward", forward, theirs_fwd
-        yield f"{label} forward+backward", forward_backward, theirs_fb
-
-
-def nms_case(cfg, tv):
-    boxes, scores = nms_workload(cfg["nms_boxes"])
-    theirs = None
-    if tv is not None:
-        torch, torchvision = tv
-        t_boxes, t_scores = torch.from_numpy(boxes), torch.from_numpy(scores)
-
-        def theirs():
-            torchvision.ops.nms(t_boxes, t_scores, 0.5)
-    return f"nms {cfg['nms_boxes']} boxes, IoU 0.5", lambda: ops.nms(boxes, scores, 0.5), theirs
-
-
 def call_cost_cases(tv):
     """Per-call costs on a tiny input (1x1x4x4, one roi, 1x1 output)."""
     x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
@@ -247,6 +209,155 @@ def call_cost_cases(tv):
     yield "np.add, 1-element arrays", lambda: np.add(one, one), None
 
 
+def cuda_runtime():
+    """(cupy module, None) where mmdispatch's CUDA kernels can run, else
+    (None, why not)."""
+    status = next((d for d in mmdispatch.devices() if d["device"] == "cuda"), None)
+    if status is None:
+        return None, "this build has no CUDA kernels"
+    if not status["available"]:
+        return None, f"CUDA kernels unusable here: {status['status']}"
+    try:
+        import cupy
+    except ImportError:
+        return None, "CuPy is not installed"
+    return cupy, None
+
+
+def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
+    """(name, ours, theirs) for the roi_align and nms workloads on a device:
+    arrays moved there by to_device, every timed call followed by sync() (the
+    device finishing its work); theirs runs torchvision on torch device
+    `theirs_device` ("cpu", "cuda"; None: no comparison). With numpy and a
+    no-op sync these are the CPU benchmarks."""
+    feature, rois = roi_workload(cfg)
+    boxes, scores = nms_workload(cfg["nms_boxes"])
+    d_feature, d_rois = to_device(feature), to_device(rois)
+    d_boxes, d_scores = to_device(boxes), to_device(scores)
+    scale, size = cfg["spatial_scale"], cfg["output"]
+    torch = torchvision = None
+    if tv is not None and theirs_device is not None:
+        torch, torchvision = tv
+        t_feature = torch.from_numpy(feature).to(theirs_device)
+        t_rois = torch.from_numpy(rois).to(theirs_device)
+        t_boxes = torch.from_numpy(boxes).to(theirs_device)
+        t_scores = torch.from_numpy(scores).to(theirs_device)
+
+        def theirs_sync():
+            if theirs_device != "cpu":
+                torch.cuda.synchronize()
+
+    for sr in (2, 0):
+        def forward(sr=sr):
+            ops.roi_align_forward(d_feature, d_rois, size, scale, sr, "avg", True)
+            sync()
+
+        grad = to_device(np.ones((len(rois), feature.shape[1], size, size), np.float32))
+
+        def forward_backward(sr=sr):
+            ops.roi_align_forward(d_feature, d_rois, size, scale, sr, "avg", True)
+            ops.roi_align_backward(grad, d_rois, None, None, feature.shape, scale, sr, "avg",
+                                   True)
+            sync()
+
+        theirs_fwd = theirs_fb = None
+        if torch is not None:
+            def theirs_fwd(sr=sr):
+                with torch.no_grad():
+                    torchvision.ops.roi_align(t_feature, t_rois, size, scale, sr, True)
+                theirs_sync()
+
+            def theirs_fb(sr=sr):
+                x = t_feature.detach().requires_grad_(True)
+                torchvision.ops.roi_align(x, t_rois, size, scale, sr, True).sum().backward()
+                theirs_sync()
+
+        yield f"roi_align sampling_ratio={sr} forward", forward, theirs_fwd
+        yield f"roi_align sampling_ratio={sr} forward+backward", forward_backward, theirs_fb
+
+    def nms():
+        ops.nms(d_boxes, d_scores, 0.5)
+        sync()
+
+    theirs_nms = None
+    if torch is not None:
+        def theirs_nms():
+            torchvision.ops.nms(t_boxes, t_scores, 0.5)
+            theirs_sync()
+
+    yield f"nms {cfg['nms_boxes']} boxes, IoU 0.5", nms, theirs_nms
+
+
+def device_call_costs(to_device, sync, device, number=2000):
+    """Host-side cost per call on a device, over `number` calls and one
+    sync(): roi_align_forward_impl dispatching to a no-op C kernel
+    registered for `device` (the dispatcher's host work: intake of the 5
+    arrays, device check, lookup; no device work), and a whole tiny
+    ops.roi_align call (launches included). {name: seconds per call}."""
+    x = to_device(np.zeros((1, 1, 4, 4), np.float32))
+    rois = to_device(np.array([[0, 0, 0, 3, 3]], np.float32))
+    out = to_device(np.empty((1, 1, 1, 1), np.float32))
+    empty = to_device(np.empty((0,), np.float32))
+    args = (x, rois, out, empty, empty, 1, 1, 1.0, 2, 1, True)
+    impl = _core.roi_align_forward_impl
+
+    def batch(fn):
+        def run_batch():
+            for _ in range(number):
+                fn()
+            sync()
+        return run_batch
+
+    def per_call(fn, repeat=7):
+        run_batch = batch(fn)
+        run_batch()
+        return statistics.median(_once(run_batch) for _ in range(repeat)) / number
+
+    noop = _benchkit.noop_roi_align_forward_kernel()
+    with mmdispatch.register_impl("roi_align_forward_impl", device, noop, override=True):
+        dispatch = per_call(lambda: impl(*args))
+    tiny = per_call(lambda: ops.roi_align(x, rois, 1, 1.0, 2))
+    return {"no-op kernel through roi_align_forward_impl (host)": dispatch,
+            "roi_align call, tiny input (host, launches included)": tiny}
+
+
+def result_row(name, unit, ours, theirs=None):
+    return {"benchmark": name, "unit": unit, "mmdispatch": ours, "torchvision": theirs,
+            "ratio": (theirs / ours) if theirs is not None else None}
+
+
+def timed_rows(cases, repeat, prefix=""):
+    """Result rows of (name, ours, theirs) cases: median seconds of each side
+    (theirs None: no comparison) and their ratio."""
+    rows = []
+    for name, fn, theirs_fn in cases:
+        progress(f"bench: {prefix}{name} ...")
+        theirs = median_time(theirs_fn, repeat) if theirs_fn else None
+        rows.append(result_row(prefix + name, "s", median_time(fn, repeat), theirs))
+    return rows
+
+
+def run_cuda(quick, repeat, tv):
+    """The GPU benchmarks, or (None, reason) when they cannot run here."""
+    cupy, reason = cuda_runtime()
+    if cupy is None:
+        return None, reason
+    cfg = QUICK if quick else STANDARD
+    theirs_device = None
+    if tv is not None and tv[0].cuda.is_available():
+        theirs_device = "cuda"
+
+    def sync():
+        cupy.cuda.Device().synchronize()
+
+    rows = timed_rows(device_cases(cfg, cupy.asarray, sync, theirs_device, tv), repeat,
+                      "CUDA ")
+    progress("bench: CUDA host-side cost per call ...")
+    for name, seconds in device_call_costs(cupy.asarray, sync, "cuda").items():
+        rows.append(result_row(f"CUDA {name}", "s/call", seconds))
+    return rows, None
+
+
 def run(quick=False, repeat=None):
     cfg = QUICK if quick else STANDARD
     repeat = repeat or (3 if quick else 5)
@@ -254,18 +365,10 @@ def run(quick=False, repeat=None):
     rows = []
 
     def record(name, ours, theirs, unit):
-        rows.append({"benchmark": name, "unit": unit, "mmdispatch": ours,
-                     "torchvision": theirs,
-                     "ratio": (theirs / ours) if theirs is not None else None})
+        rows.append(result_row(name, unit, ours, theirs))
 
-    for name, fn, theirs_fn in roi_align_cases(cfg, tv):
-        progress(f"bench: {name} ...")
-        theirs = median_time(theirs_fn, repeat) if theirs_fn else None
-        record(name, median_time(fn, repeat), theirs, "s")
-    name, fn, theirs_fn = nms_case(cfg, tv)
-    progress(f"bench: {name} ...")
-    theirs = median_time(theirs_fn, repeat) if theirs_fn else None
-    record(name, median_time(fn, repeat), theirs, "s")
+    rows += timed_rows(device_cases(cfg, np.asarray, lambda: None,
+                                    "cpu" if tv is not None else None, tv), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None
@@ -277,6 +380,8 @@ def run(quick=False, repeat=None):
     record("dispatch overhead (difference)", overhead_ns * 1e-9, None, "s/call")
     progress("bench: overhead fraction sweep ...")
     sweep = overhead_sweep(overhead_ns, quick, repeat)
+    cuda_rows, cuda_skipped = run_cuda(quick, repeat, tv)
+    rows += cuda_rows or []
     progress("bench: peak memory of a forward call ...")
     feature, rois = roi_workload(cfg)
     out_bytes = rois.shape[0] * feature.shape[1] * cfg["output"] ** 2 * feature.itemsize
@@ -294,6 +399,7 @@ def run(quick=False, repeat=None):
                     "cpu_status": next(d["status"] for d in mmdispatch.devices()
                                        if d["device"] == "cpu")},
         "torchvision": None if tv is None else tv[1].__version__,
+        "cuda_skipped": cuda_skipped,
         "results": rows,
         "overhead": {"overhead_ns": overhead_ns, "sweep": sweep},
     }
@@ -313,6 +419,8 @@ def table(report):
     lines = [f"workload: {report['workload']}, median of {report['repeat']} runs; "
              f"torchvision: {report['torchvision'] or 'not installed'}",
              f"machine: {report['machine']['platform']}; CPU {report['machine']['cpu_status']}",
+             *([f"CUDA benchmarks skipped: {report['cuda_skipped']}"]
+               if report.get("cuda_skipped") else []),
              "",
              "| benchmark | mmdispatch | torchvision | torchvision / mmdispatch |",
              "|---|---|---|---|"]

@@ -37,3 +37,9 @@ def test_bench_quick_writes_a_result_for_every_benchmark(tmp_path):
     assert any(name.startswith("nms") for name in names)
     assert all(row["mmdispatch"] > 0 for row in report["results"])
     assert "| benchmark | mmdispatch |" in result.stdout
+    cuda_rows = [name for name in names if name.startswith("CUDA ")]
+    if report["cuda_skipped"]:   # no usable GPU or no CuPy: said so, and no CUDA rows
+        assert not cuda_rows
+        assert f"CUDA benchmarks skipped: {report['cuda_skipped']}" in result.stdout
+    else:                        # a GPU: every device benchmark and both host costs
+        assert len(cuda_rows) == 7, cuda_rows
