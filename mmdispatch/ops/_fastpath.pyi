@@ -18,3 +18,8 @@ def nms_outputs(
     boxes: object, scores: object
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
     """``(keep, num_kept)`` for the common call of nms, else None."""
+
+def box_pairs_output(
+    bboxes1: object, bboxes2: object, aligned: object
+) -> np.ndarray[Any, Any] | None:
+    """The ious output for the common call of bbox_overlaps, else None."""

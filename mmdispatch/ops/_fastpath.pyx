@@ -112,3 +112,30 @@ def nms_outputs(boxes, scores):
     except MemoryError:
         return None
     return keep, num_kept
+
+
+def box_pairs_output(bboxes1, bboxes2, aligned):
+    """The ious output for the common call of bbox_overlaps, else None.
+
+    The common call: ``bboxes1`` (N, 4) and ``bboxes2`` (M, 4) exact numpy
+    arrays, C-contiguous, aligned and native-endian, both float32 or both
+    float64; ``aligned`` True or False. The output is a new, uninitialised
+    array of their dtype, (N, M), or (N,) when aligned (then M must be N).
+    Where it cannot be allocated the answer is None too."""
+    cdef cnp.npy_intp dims[2]
+    cdef int type_num
+    if not (_plain(bboxes1, 2) and _plain(bboxes2, 2)) or (aligned is not True
+                                                             and aligned is not False):
+        return None
+    type_num = cnp.PyArray_TYPE(<cnp.ndarray>bboxes1)
+    dims[0] = cnp.PyArray_DIM(<cnp.ndarray>bboxes1, 0)
+    dims[1] = cnp.PyArray_DIM(<cnp.ndarray>bboxes2, 0)
+    if (not _float_type(type_num) or cnp.PyArray_TYPE(<cnp.ndarray>bboxes2) != type_num
+            or cnp.PyArray_DIM(<cnp.ndarray>bboxes1, 1) != 4
+            or cnp.PyArray_DIM(<cnp.ndarray>bboxes2, 1) != 4
+            or (aligned is True and dims[0] != dims[1])):
+        return None
+    try:
+        return cnp.PyArray_EMPTY(1 if aligned is True else 2, dims, type_num, 0)
+    except (MemoryError, ValueError):
+        return None

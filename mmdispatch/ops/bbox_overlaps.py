@@ -13,12 +13,24 @@ import numpy as np
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
                                     native)
+from mmdispatch.ops._fastpath import box_pairs_output
 
 _MODES = {"iou": 0, "iof": 1}
 
 
+_impl = _core.bbox_overlaps_impl
+
+
 def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     """Overlaps of (N, 4) bboxes1 with (M, 4) bboxes2, in their dtype."""
+    # The common call (what box_pairs_output takes: plain float numpy boxes,
+    # aligned a bool) without the general path's conversions.
+    mode_code = _MODES.get(mode) if type(mode) is str else None
+    if mode_code is not None:
+        ious = box_pairs_output(bboxes1, bboxes2, aligned)
+        if ious is not None:
+            _impl(bboxes1, bboxes2, ious, mode_code, aligned, offset)
+            return ious
     op = "bbox_overlaps"
     mode_code = choice(op, "mode", mode, _MODES)
     original = bboxes1

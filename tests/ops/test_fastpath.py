@@ -4,7 +4,7 @@ general path."""
 import numpy as np
 import pytest
 
-from mmdispatch.ops._fastpath import index_like, nms_outputs, pooled_output
+from mmdispatch.ops._fastpath import box_pairs_output, index_like, nms_outputs, pooled_output
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -119,3 +119,31 @@ def test_nms_outputs_allocates_keep_and_a_zero_count(dtype, n):
 ])
 def test_nms_outputs_leaves_every_other_call(boxes, scores):
     assert nms_outputs(boxes, scores) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n, m", [(0, 0), (3, 5), (4, 4), (0, 2)])
+def test_box_pairs_output_allocates_n_by_m_or_n_when_aligned(dtype, n, m):
+    b1, b2 = np.zeros((n, 4), dtype), np.zeros((m, 4), dtype)
+    ious = box_pairs_output(b1, b2, False)
+    assert ious.shape == (n, m) and ious.dtype == dtype and ious.flags.owndata
+    if n == m:
+        aligned = box_pairs_output(b1, b2, True)
+        assert aligned.shape == (n,) and aligned.dtype == dtype
+
+
+@pytest.mark.parametrize("b1, b2, aligned", [
+    (np.zeros((3, 4), np.float32), np.zeros((2, 4), np.float32), True),    # aligned, N != M
+    (np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32), 1),       # not a bool
+    (np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32), np.bool_(True)),
+    (np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float64), False),   # dtypes differ
+    (np.zeros((3, 4), np.float16), np.zeros((3, 4), np.float16), False),
+    (np.zeros((3, 5), np.float32), np.zeros((3, 4), np.float32), False),   # not (N, 4)
+    (np.zeros((3, 4), np.float32), np.zeros((3, 3), np.float32), False),
+    (np.zeros(4, np.float32), np.zeros((3, 4), np.float32), False),
+    (np.zeros((4, 3), np.float32).T, np.zeros((3, 4), np.float32), False),  # F-order
+    (np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32).tolist(), False),
+])
+def test_box_pairs_output_leaves_every_other_call(b1, b2, aligned):
+    assert box_pairs_output(b1, b2, aligned) is None
+
