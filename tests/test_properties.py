@@ -308,12 +308,20 @@ def rois_for(draw, k, batch, height, width, scale, aligned, dtype):
 
 
 @st.composite
-def roi_align_forward_case(draw, dtype):
+def roi_problem_sizes(draw):
+    """(n, c, h, w) of the feature map, k rois (none without an image), the
+    out_h x out_w output and the spatial scale of a roi op's case."""
     n, c = draw(st.integers(0, 2)), draw(st.integers(0, 3))
     h, w = draw(st.integers(0, 5)), draw(st.integers(0, 5))
     k = draw(st.integers(0, 3)) if n else 0
     out_h, out_w = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     scale = draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+    return n, c, h, w, k, out_h, out_w, scale
+
+
+@st.composite
+def roi_align_forward_case(draw, dtype):
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
     sampling_ratio = draw(st.integers(-1, 3))
     mode, aligned = draw(st.sampled_from([0, 1])), draw(st.booleans())
     x = draw(float_arrays((n, c, h, w), dtype))
@@ -339,11 +347,7 @@ def roi_align_forward_case(draw, dtype):
 
 @st.composite
 def roi_align_backward_case(draw, dtype):
-    n, c = draw(st.integers(0, 2)), draw(st.integers(0, 3))
-    h, w = draw(st.integers(0, 5)), draw(st.integers(0, 5))
-    k = draw(st.integers(0, 3)) if n else 0
-    out_h, out_w = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    scale = draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
     sampling_ratio = draw(st.integers(-1, 3))
     mode, aligned = draw(st.sampled_from([0, 1])), draw(st.booleans())
     rois = draw(rois_for(k, n, h, w, scale, aligned, dtype))
@@ -369,11 +373,7 @@ def roi_align_backward_case(draw, dtype):
 
 @st.composite
 def roi_pool_forward_case(draw, dtype):
-    n, c = draw(st.integers(0, 2)), draw(st.integers(0, 3))
-    h, w = draw(st.integers(0, 5)), draw(st.integers(0, 5))
-    k = draw(st.integers(0, 3)) if n else 0
-    out_h, out_w = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    scale = draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
     x = draw(float_arrays((n, c, h, w), dtype))
     rois = draw(rois_for(k, n, h, w, scale, False, dtype))
     pooled = (k, c, out_h, out_w)
@@ -390,11 +390,7 @@ def roi_pool_forward_case(draw, dtype):
 
 @st.composite
 def roi_pool_backward_case(draw, dtype):
-    n, c = draw(st.integers(0, 2)), draw(st.integers(0, 3))
-    h, w = draw(st.integers(0, 5)), draw(st.integers(0, 5))
-    k = draw(st.integers(0, 3)) if n else 0
-    out_h, out_w = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    scale = draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
     rois = draw(rois_for(k, n, h, w, scale, False, dtype))
     pooled = (k, c, out_h, out_w)
     grad_out = draw(float_arrays(pooled, dtype))
