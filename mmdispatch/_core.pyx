@@ -56,9 +56,12 @@ MAX_DEVICE_TYPES = MMD_MAX_DEVICE_TYPES
 _backend_names = ["default", "reference", "deterministic"]
 _registry_lock = threading.RLock()
 _ops = {}
-# device type -> (available, status message, module name), from each device
-# module's registration at import.
+# device type -> (available, status message, module name), from the device
+# module's registration, which runs the first time the device type is needed
+# (_probe_device): importing mmdispatch asks no driver anything, so a process
+# that forks after the import can still use CUDA in the child.
 _device_status = {}
+cdef bint _device_probed[MMD_MAX_DEVICE_TYPES]
 # device type -> callable(device_id) -> (stream pointer, __dlpack__ stream
 # argument); installed by device modules such as mmdispatch._cuda.
 cdef list _context_providers = [None] * MMD_MAX_DEVICE_TYPES
@@ -146,7 +149,9 @@ def _set_context_provider(int device_type, provider):
 
 def devices():
     """Device modules compiled into this build and whether they are usable
-    now: a list of dicts with ``device``, ``available`` and ``status``."""
+    now: a list of dicts with ``device``, ``available`` and ``status``. The
+    first call asks each device's driver (CUDA: its runtime) what is there."""
+    _probe_all_devices()
     return [
         {"device": DEVICE_TYPES.get(code, str(code)), "code": code,
          "available": available, "status": status}
@@ -236,6 +241,7 @@ def register_impl(op_name, device, fn, *, backend="default", bint override=False
     cdef int code = parse_device_type(device)
     cdef int slot
     cdef KernelHandle handle
+    _probe_device(code)  # its built-in kernels, if any, fill their slots first
     with _registry_lock:
         slot = code * MMD_MAX_BACKENDS + _backend_index(backend, create=True)
         existing = op.runtime_stacks.get(slot)
@@ -280,6 +286,7 @@ def registry_table():
     cdef KernelHandle handle
     cdef int slot
     rows = []
+    _probe_all_devices()
     with _registry_lock:
         for name in sorted(_ops):
             op = _ops[name]
@@ -526,7 +533,7 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
     if st.kernel == NULL:
         st.kernel = op.c_table[slot]
     if st.kernel == NULL:
-        raise op.not_found(device_type, device_id, backend)
+        st.kernel = _kernel_after_probe(op, slot, device_type, device_id, backend)
     st.ctx.device_id = device_id
     st.ctx.stream = NULL
     return None
@@ -614,15 +621,49 @@ cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
 include "_dispatch_gen.pxi"
 
 
-cdef void _init_devices():
+cdef bint _probe_device(int device_type) except -1:
+    """Registers the built-in kernels of `device_type`'s module the first
+    time that device type is needed (the CUDA module asks the driver for
+    devices then, not at import). True when the registration ran now."""
     cdef int count, i
     cdef char status[1024]
+    cdef const mmd_device_module *modules
+    if not 0 <= device_type < MMD_MAX_DEVICE_TYPES or _device_probed[device_type]:
+        return False
+    with _registry_lock:
+        if _device_probed[device_type]:
+            return False
+        modules = mmd_get_device_modules(&count)
+        for i in range(count):
+            if modules[i].device_type == device_type:
+                status[0] = 0
+                rc = modules[i].register_fn(status, sizeof(status))
+                _device_status[device_type] = (
+                    rc == 0, status.decode("utf-8", "replace"), modules[i].name.decode())
+        _device_probed[device_type] = True
+    return True
+
+
+cdef int _probe_all_devices() except -1:
+    cdef int count, i
     cdef const mmd_device_module *modules = mmd_get_device_modules(&count)
     for i in range(count):
-        status[0] = 0
-        rc = modules[i].register_fn(status, sizeof(status))
-        _device_status[modules[i].device_type] = (
-            rc == 0, status.decode("utf-8", "replace"), modules[i].name.decode())
+        _probe_device(modules[i].device_type)
+    return 0
 
 
-_init_devices()
+cdef void *_kernel_after_probe(OpRegistry op, int slot, int device_type, int device_id,
+                               int backend) except NULL:
+    """An empty slot on the first call for a device type: the device module
+    registers now, and the slot is read again; else KernelNotFoundError."""
+    cdef void *kernel = NULL
+    if _probe_device(device_type):
+        kernel = op.runtime_c_kernels[slot]
+        if kernel == NULL:
+            kernel = op.c_table[slot]
+    if kernel == NULL:
+        raise op.not_found(device_type, device_id, backend)
+    return kernel
+
+
+_probe_device(MMD_DEVICE_CPU)

@@ -42,11 +42,7 @@ def pointer_device(pointer):
     return cupy.cuda.runtime.pointerGetAttributes(pointer).device
 
 
-def _install():
-    available = _core._device_status.get(_CUDA, (False, None, None))[0]
-    if available:
-        _core._set_context_provider(_CUDA, stream_for)
-        _core._set_cai_device_resolver(pointer_device)
-
-
-_install()
+# Installed whatever the build: neither touches CUDA until a CUDA array is
+# dispatched (importing mmdispatch initialises no CUDA state).
+_core._set_context_provider(_CUDA, stream_for)
+_core._set_cai_device_resolver(pointer_device)

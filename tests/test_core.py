@@ -563,6 +563,78 @@ def test_devices_and_build_info_describe_this_build():
         "roi_align_forward_impl(Tensor input, Tensor rois, Tensor! output")
 
 
+def run_in_fresh_process(code, tmp_path):
+    """Runs `code` in a new interpreter outside the source tree (whose
+    mmdispatch/ would shadow the installed package); returns its stdout."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_and_cpu_calls_ask_no_device_driver(tmp_path):
+    """Importing mmdispatch and running CPU ops leaves every other device
+    module unregistered: no CUDA runtime call, no driver library mapped (so a
+    process may fork after the import and use CUDA in the child). devices()
+    then asks."""
+    out = run_in_fresh_process(r"""
+import numpy as np
+import mmdispatch
+from mmdispatch import _core
+x = np.ones((1, 1, 4, 4), np.float32); rois = np.array([[0, 0, 0, 2, 2]], np.float32)
+mmdispatch.ops.roi_align(x, rois, 2)
+mmdispatch.ops.nms(np.zeros((2, 4), np.float32), np.zeros(2, np.float32), 0.5)
+print(sorted(_core._device_status))
+print("libcuda.so" in open("/proc/self/maps").read())
+mmdispatch.devices()
+print(sorted(_core._device_status))
+""", tmp_path)
+    before, mapped, after = out.split("\n")[:3]
+    assert before == "[1]" and mapped == "False"
+    assert after == "[1, 2]"   # every build has a cuda module, built or not
+
+
+def test_first_dispatch_to_a_device_registers_its_module(tmp_path):
+    """The first call with arrays of a device type registers that device's
+    built-in kernels, so the call finds them (or says why there are none)."""
+    out = run_in_fresh_process(r"""
+import mmdispatch
+from mmdispatch import _core
+class Fake:
+    def __dlpack_device__(self): return (2, 0)
+try:
+    mmdispatch.roi_align_forward_impl(*[Fake()] * 5, 1, 1, 1.0, 1, 1, True)
+except mmdispatch.KernelNotFoundError as exc:
+    print("not found:", "cuda slots are empty" in str(exc))
+except Exception as exc:
+    print("called:", type(exc).__name__)
+print(sorted(_core._device_status))
+""", tmp_path)
+    first, status = out.strip().split("\n")
+    assert status == "[1, 2]"
+    # without a usable GPU the slot stays empty and the error says why; with
+    # one, the CUDA kernel was found (and then refused the stand-in's export)
+    assert first == ("called: TypeError" if cuda_usable() else "not found: True")
+
+
+def test_a_child_forked_after_import_can_use_cuda(cupy, tmp_path):
+    out = run_in_fresh_process(r"""
+import os
+import numpy as np
+import mmdispatch
+pid = os.fork()
+if pid == 0:
+    import cupy
+    boxes = cupy.asarray(np.array([[0, 0, 2, 2], [1, 1, 3, 3]], np.float32))
+    ious = mmdispatch.ops.bbox_overlaps(boxes, boxes)
+    os._exit(0 if abs(float(ious[0, 1]) - 1 / 7) < 1e-6 else 3)
+print(os.waitpid(pid, 0)[1])
+""", tmp_path)
+    assert out.strip() == "0"
+
+
 def test_plain_numpy_intake_and_general_intake_agree_on_overlaps():
     """The inline intake of plain numpy calls must accept exactly what the
     general path accepts: random slices of one buffer, empty ones included,
@@ -605,8 +677,6 @@ def test_first_backend_selection_in_a_process_takes_effect_at_once(tmp_path):
     """Until a thread selects a backend other than "default", dispatch skips
     the thread-local table; the first selection in a fresh process must still
     route the very next call, in that thread only."""
-    import subprocess
-    import sys
     code = r"""
 import threading
 import numpy as np
@@ -628,7 +698,4 @@ with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: "mine"
     assert call() is None
 print("ok")
 """
-    # cwd: not the source tree, whose mmdispatch/ would shadow the installed one
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert run_in_fresh_process(code, tmp_path).strip() == "ok"
