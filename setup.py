@@ -185,26 +185,30 @@ class BuildExt(build_ext):
     def _compile_cuda(self):
         flags, _ = gencode_flags(CUDA_ARCH_SPEC)
         CUDA_OBJ_DIR.mkdir(parents=True, exist_ok=True)
+        # -fmad=false: no fused multiply-adds, so kernels that share their
+        # math with the CPU (IoU in nms) round the same way and agree exactly.
+        options = ["-O3", "-std=c++17", "-fmad=false", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                   "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags]
         headers = list((ROOT / "include").rglob("*")) + list(GEN_DIR.glob("*.h"))
         newest_header = max(p.stat().st_mtime for p in headers if p.is_file())
         stamp = CUDA_OBJ_DIR / "flags.txt"
-        flag_text = " ".join(flags)
-        flags_changed = not stamp.exists() or stamp.read_text() != flag_text
+        stamp_text = " ".join([str(NVCC), *options, "relative-sources"])
+        options_changed = not stamp.exists() or stamp.read_text() != stamp_text
         objects = []
         for src in CUDA_SOURCES:
             obj = CUDA_OBJ_DIR / (src.stem + ".o")
             objects.append(str(obj))
-            if (not flags_changed and obj.exists()
+            if (not options_changed and obj.exists()
                     and obj.stat().st_mtime > max(src.stat().st_mtime, newest_header)):
                 continue
-            # -fmad=false: no fused multiply-adds, so kernels that share their
-            # math with the CPU (IoU in nms) round the same way and agree exactly.
-            cmd = [str(NVCC), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17", "-fmad=false",
-                   "-Xcompiler", "-fPIC,-fvisibility=hidden", f"--threads={os.cpu_count() or 1}",
-                   "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags]
+            # The source path relative to the tree, as gcc gets its sources:
+            # it is the kernels' registry origin (__FILE__), which must not
+            # record the build machine's directories.
+            cmd = [str(NVCC), "-c", rel(src), "-o", str(obj), *options,
+                   f"--threads={os.cpu_count() or 1}"]
             print("mmdispatch: nvcc", src.name, flush=True)
-            subprocess.run(cmd, check=True)
-        stamp.write_text(flag_text)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+        stamp.write_text(stamp_text)
         return objects
 
     def _write_build_info(self):

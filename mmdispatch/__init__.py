@@ -7,6 +7,7 @@ and call the kernel registered for it; user-facing ops live in
 """
 from mmdispatch import _core
 from mmdispatch._core import (
+    DeferredKernelError,
     DeviceMismatchError,
     KernelHandle,
     KernelNotFoundError,
@@ -14,14 +15,17 @@ from mmdispatch._core import (
     device_name,
     devices,
     get_backend,
+    is_strict,
     kernel_capsule_name,
     op_signatures,
     register_impl,
     registry_table,
+    strict,
+    synchronize,
     use_backend,
 )
 from mmdispatch._version import __version__
-from mmdispatch import _cuda  # installs the CUDA stream provider when CUDA is usable
+from mmdispatch import _cuda  # resolves __cuda_array_interface__ pointers' devices
 
 # Every dispatch entry point, generated from signatures.txt.
 globals().update({name: getattr(_core, name) for name in _core.op_signatures()})
@@ -37,6 +41,7 @@ def build_info():
 
 
 __all__ = [
+    "DeferredKernelError",
     "DeviceMismatchError",
     "KernelHandle",
     "KernelNotFoundError",
@@ -45,11 +50,14 @@ __all__ = [
     "device_name",
     "devices",
     "get_backend",
+    "is_strict",
     "kernel_capsule_name",
     "op_signatures",
     "ops",
     "register_impl",
     "registry_table",
+    "strict",
+    "synchronize",
     "use_backend",
     "__version__",
     *_core.op_signatures(),

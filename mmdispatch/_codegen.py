@@ -115,9 +115,14 @@ def generate_header(ops) -> str:
         "typedef struct {",
         "    const char *name;",
         "    int device_type;",
-        "    /* Fills the device's slots; returns 0, or nonzero with `status`",
-        "       saying why the device is unavailable. */",
-        "    int (*register_fn)(char *status, size_t size);",
+        "    /* Fills the device's slots and sets how many devices of its type",
+        "       exist; returns 0, or nonzero with `status` saying why the device",
+        "       type is unavailable. */",
+        "    int (*register_fn)(char *status, size_t size, int *device_count);",
+        "    /* Waits for the kernels queued on device `device_id` (every device",
+        "       used, when negative) and returns the status of a deferred error",
+        "       they left (mmdispatch/deferred.h); NULL when not built. */",
+        "    int (*synchronize_fn)(int device_id);",
         "} mmd_device_module;",
         "const mmd_device_module *mmd_get_device_modules(int *count);",
         "",
@@ -151,22 +156,28 @@ def generate_source(ops, devices) -> str:
         if dev.unbuilt_reason is not None:
             reason = dev.unbuilt_reason.replace("\\", "\\\\").replace('"', '\\"')
             out += [
-                f"static int mmd_register_{dev.name}(char *status, size_t size) {{",
+                f"static int mmd_register_{dev.name}(char *status, size_t size, "
+                "int *device_count) {",
+                "    *device_count = 0;",
                 f'    snprintf(status, size, "%s", "{reason}");',
                 "    return 1;",
                 "}",
             ]
             continue
-        out.append(f"int mmd_{dev.name}_init(char *status, size_t size);")
+        out.append(f"int mmd_{dev.name}_init(char *status, size_t size, int *device_count);")
+        out.append(f"int mmd_{dev.name}_synchronize(int device_id);")
         out += [f"void mmd_register_{dev.name}__{stem}(void);" for stem in dev.files]
         out += [
-            f"static int mmd_register_{dev.name}(char *status, size_t size) {{",
-            f"    if (mmd_{dev.name}_init(status, size) != 0) return 1;",
+            f"static int mmd_register_{dev.name}(char *status, size_t size, "
+            "int *device_count) {",
+            f"    if (mmd_{dev.name}_init(status, size, device_count) != 0) return 1;",
         ]
         out += [f"    mmd_register_{dev.name}__{stem}();" for stem in dev.files]
         out += ["    return 0;", "}"]
     out += ["", "static const mmd_device_module mmd_device_modules[] = {"]
-    out += [f'    {{"{d.name}", {d.device_type}, mmd_register_{d.name}}},' for d in devices]
+    out += [f'    {{"{d.name}", {d.device_type}, mmd_register_{d.name}, '
+            f'{"NULL" if d.unbuilt_reason is not None else f"mmd_{d.name}_synchronize"}}},'
+            for d in devices]
     out += [
         "};",
         "",
@@ -319,6 +330,7 @@ _Device: TypeAlias = str | SupportsIndex
 
 class DeviceMismatchError(RuntimeError): ...
 class KernelNotFoundError(NotImplementedError): ...
+class DeferredKernelError(ValueError): ...
 
 DEVICE_TYPES: dict[int, str]
 MAX_BACKENDS: int
@@ -343,6 +355,9 @@ def parse_device_type(device: _Device) -> int: ...
 def backends() -> list[str]: ...
 def get_backend(device: _Device) -> str: ...
 def use_backend(device: _Device, name: str) -> AbstractContextManager[None]: ...
+def is_strict() -> bool: ...
+def strict(enabled: bool = True) -> AbstractContextManager[None]: ...
+def synchronize(device: _Device | None = None) -> None: ...
 def devices() -> list[_DeviceStatus]: ...
 
 class KernelHandle:
@@ -389,9 +404,6 @@ def registry_table() -> list[_RegistryRow]: ...
 # Used by mmdispatch._cuda.
 _device_status: dict[int, tuple[bool, str, str]]
 
-def _set_context_provider(
-    device_type: int, provider: Callable[[int], tuple[int, int]] | None
-) -> None: ...
 def _set_cai_device_resolver(resolver: Callable[[int], int] | None) -> None: ...
 def _op_registry(op_name: str) -> OpRegistry: ...
 
@@ -405,6 +417,7 @@ _PACKAGE_STUB_HEAD = '''\
 from typing import Any
 
 from mmdispatch import ops as ops
+from mmdispatch._core import DeferredKernelError as DeferredKernelError
 from mmdispatch._core import DeviceMismatchError as DeviceMismatchError
 from mmdispatch._core import KernelHandle as KernelHandle
 from mmdispatch._core import KernelNotFoundError as KernelNotFoundError
@@ -412,17 +425,21 @@ from mmdispatch._core import backends as backends
 from mmdispatch._core import device_name as device_name
 from mmdispatch._core import devices as devices
 from mmdispatch._core import get_backend as get_backend
+from mmdispatch._core import is_strict as is_strict
 from mmdispatch._core import kernel_capsule_name as kernel_capsule_name
 from mmdispatch._core import op_signatures as op_signatures
 from mmdispatch._core import register_impl as register_impl
 from mmdispatch._core import registry_table as registry_table
+from mmdispatch._core import strict as strict
+from mmdispatch._core import synchronize as synchronize
 from mmdispatch._core import use_backend as use_backend
 from mmdispatch._version import __version__ as __version__
 '''
 _PACKAGE_STUB_ALL = (
-    "DeviceMismatchError", "KernelHandle", "KernelNotFoundError", "backends", "build_info",
-    "device_name", "devices", "get_backend", "kernel_capsule_name", "op_signatures", "ops",
-    "register_impl", "registry_table", "use_backend", "__version__",
+    "DeferredKernelError", "DeviceMismatchError", "KernelHandle", "KernelNotFoundError",
+    "backends", "build_info", "device_name", "devices", "get_backend", "is_strict",
+    "kernel_capsule_name", "op_signatures", "ops", "register_impl", "registry_table", "strict",
+    "synchronize", "use_backend", "__version__",
 )
 
 

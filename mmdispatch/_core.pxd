@@ -14,6 +14,8 @@ cdef extern from "mmdispatch/tensor.h" nogil:
         MMD_ERR_TYPE
         MMD_ERR_RUNTIME
         MMD_ERR_MEMORY
+        MMD_ERR_DEFERRED
+        MMD_CONTEXT_STRICT
     ctypedef enum mmd_dtype:
         MMD_DTYPE_UNKNOWN
         MMD_BOOL
@@ -41,6 +43,8 @@ cdef extern from "mmdispatch/tensor.h" nogil:
     ctypedef struct mmd_context:
         void *stream
         int32_t device_id
+        uint32_t flags
+        const char *op
     const char *mmd_last_error()
     const char *mmd_dtype_name(int dtype)
     size_t mmd_dtype_size(int dtype)
@@ -51,12 +55,18 @@ cdef extern from "mmdispatch/registry.h" nogil:
         MMD_MAX_BACKENDS
         MMD_TABLE_SIZE
     unsigned char *mmd_thread_backends()
+    enum:
+        MMD_STRICT_UNSET
+        MMD_STRICT_OFF
+        MMD_STRICT_ON
+    unsigned char *mmd_thread_strict()
 
 cdef extern from "mmdispatch_generated.h" nogil:
     ctypedef struct mmd_device_module:
         const char *name
         int device_type
-        int (*register_fn)(char *status, size_t size) noexcept nogil
+        int (*register_fn)(char *status, size_t size, int *device_count) noexcept nogil
+        int (*synchronize_fn)(int device_id) noexcept nogil
     const mmd_device_module *mmd_get_device_modules(int *count)
 
 # DLPack ABI (dlpack.h: DLManagedTensor, and DLManagedTensorVersioned of
@@ -125,6 +135,8 @@ cdef struct CallState:
 
 cdef class OpRegistry:
     cdef readonly str name
+    cdef bytes name_bytes        # keeps c_name alive
+    cdef const char *c_name      # mmd_context.op
     cdef readonly str signature
     cdef readonly tuple param_names
     cdef readonly tuple array_names
@@ -145,6 +157,7 @@ cdef class OpRegistry:
                              int device_id)
     cdef int check_outputs(self, CallState *st) except -1
     cdef void activate(self, int slot)
+    cdef object no_such_device(self, int ref, int device_type, int device_id)
     cdef object not_found(self, int device_type, int device_id, int backend)
     cdef int raise_kernel_error(self, int status) except -1
 

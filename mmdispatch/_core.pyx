@@ -17,10 +17,11 @@ cimport cython
 cimport numpy as cnp
 from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer,
                                 PyCapsule_IsValid)
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uint32_t, uintptr_t
 
 import contextlib
 import operator
+import os
 import sys
 import threading
 
@@ -38,6 +39,15 @@ class DeviceMismatchError(RuntimeError):
 
 class KernelNotFoundError(NotImplementedError):
     """No kernel is registered for the arrays' device and the selected backend."""
+
+
+class DeferredKernelError(ValueError):
+    """Bad input found by the kernel of an earlier call after that call had
+    returned (a CUDA kernel runs after its call returns, and mmdispatch does
+    not wait for it): raised by the next mmdispatch call on that device,
+    which then does not run, or by synchronize(). The message names the op
+    of the call that caused it and the bad item. strict() raises such
+    errors at the call instead."""
 
 
 # DLPack device type codes -> names; devices print as "cpu", "cuda:0".
@@ -62,9 +72,12 @@ _ops = {}
 # that forks after the import can still use CUDA in the child.
 _device_status = {}
 cdef bint _device_probed[MMD_MAX_DEVICE_TYPES]
-# device type -> callable(device_id) -> (stream pointer, __dlpack__ stream
-# argument); installed by device modules such as mmdispatch._cuda.
-cdef list _context_providers = [None] * MMD_MAX_DEVICE_TYPES
+# How many devices of each type exist, from its module's registration; -1
+# where unknown (no module in this build, not registered yet, or unusable:
+# kernels registered from Python may serve devices the module cannot see).
+cdef int _device_count[MMD_MAX_DEVICE_TYPES]
+for _code in range(MMD_MAX_DEVICE_TYPES):
+    _device_count[_code] = -1
 
 
 def device_name(int device_type, int device_id=0):
@@ -142,9 +155,80 @@ def use_backend(device, name):
         mmd_thread_backends()[code] = previous
 
 
-def _set_context_provider(int device_type, provider):
-    """Used by device modules: provider(device_id) -> (stream_ptr, dlpack_stream)."""
-    _context_providers[device_type] = provider
+# Strict mode's process default (MMDISPATCH_STRICT=1), and whether strict
+# mode may be on in some thread: until it may, dispatch does not read the
+# thread-local setting. Read and written with the GIL held.
+cdef bint _strict_default = os.environ.get("MMDISPATCH_STRICT", "").strip().lower() in (
+    "1", "true", "yes", "on")
+cdef bint _strict_possible = _strict_default
+
+
+cdef inline uint32_t _context_flags() noexcept:
+    cdef unsigned char state
+    if not _strict_possible:
+        return 0
+    state = mmd_thread_strict()[0]
+    if state == MMD_STRICT_ON or (state == MMD_STRICT_UNSET and _strict_default):
+        return MMD_CONTEXT_STRICT
+    return 0
+
+
+def is_strict():
+    """Whether calls in this thread run in strict mode (see strict())."""
+    return _context_flags() != 0
+
+
+@contextlib.contextmanager
+def strict(bint enabled=True):
+    """Strict mode for this thread during the ``with`` block (the default for
+    every thread is the environment variable MMDISPATCH_STRICT=1): a call
+    whose CUDA kernel checks its data (rois, argmax entries, class targets)
+    checks it before writing anything and waits for the device, so a bad
+    item is raised by that call, as on the CPU, and a failed kernel is
+    reported by the call that launched it. Slower (a synchronisation per
+    call): for debugging, like CUDA_LAUNCH_BLOCKING. Outside strict mode
+    such errors are deferred (see DeferredKernelError)."""
+    cdef unsigned char *state = mmd_thread_strict()
+    cdef unsigned char previous = state[0]
+    global _strict_possible
+    if enabled:
+        _strict_possible = True
+    state[0] = MMD_STRICT_ON if enabled else MMD_STRICT_OFF
+    try:
+        yield
+    finally:
+        mmd_thread_strict()[0] = previous
+
+
+def synchronize(device=None):
+    """Waits until the kernels mmdispatch queued on ``device`` have finished
+    and raises the deferred error one of them left (DeferredKernelError),
+    if any. ``device``: a device type (``"cuda"``: every device of that type
+    mmdispatch ran on), one device (``"cuda:1"``), or None for every device
+    type. CPU kernels finish before their call returns."""
+    cdef int count, i, status, device_id = -1, code = -1
+    cdef const mmd_device_module *modules
+    if device is not None:
+        name = device if isinstance(device, str) else None
+        if name is not None and ":" in name:
+            name, _, index = name.partition(":")
+            try:
+                device_id = operator.index(int(index))
+            except ValueError:
+                raise ValueError(f"synchronize: bad device {device!r}") from None
+            if device_id < 0:
+                raise ValueError(f"synchronize: bad device {device!r}")
+        code = parse_device_type(device if name is None else name)
+    modules = mmd_get_device_modules(&count)
+    for i in range(count):
+        if ((code >= 0 and modules[i].device_type != code)
+                or modules[i].synchronize_fn == NULL
+                or not _device_status.get(modules[i].device_type, (False,))[0]):
+            continue   # not this device, or nothing can have been queued on it
+        with nogil:
+            status = modules[i].synchronize_fn(device_id)
+        if status != 0:
+            _raise_status("synchronize", status)
 
 
 def devices():
@@ -394,6 +478,8 @@ cdef class OpRegistry:
                                      mmd_thread_backends()[device_type])
         if st.python_kernel:
             return python_kernel
+        if _device_count[device_type] >= 0 and not 0 <= device_id < _device_count[device_type]:
+            raise self.no_such_device(ref, device_type, device_id)
         held = None
         if pending:  # arrays other than plain contiguous numpy ones
             held = self.view_pending(st, pending, device_type, device_id)
@@ -408,10 +494,8 @@ cdef class OpRegistry:
         cdef mmd_tensor *t
         held = None
         dlpack_stream = None
-        provider = _context_providers[device_type]
-        if provider is not None:
-            stream_ptr, dlpack_stream = provider(device_id)
-            st.ctx.stream = <void *><uintptr_t>stream_ptr
+        if device_type == MMD_DEVICE_CUDA:
+            dlpack_stream = _cuda_launch_stream(st, self.n_arrays, device_id)
         for i in range(self.n_arrays):
             if not pending & (1u << i):
                 continue
@@ -461,6 +545,16 @@ cdef class OpRegistry:
         self.python_kernels[slot] = top.fn if top is not None and top.c_kernel == NULL else None
         self.runtime_c_kernels[slot] = top.c_kernel if top is not None else NULL
 
+    cdef object no_such_device(self, int ref, int device_type, int device_id):
+        """The arrays claim a device index its module does not know (a
+        stand-in array, or one from another machine)."""
+        type_name = DEVICE_TYPES.get(device_type, f"device{device_type}")
+        count = _device_count[device_type]
+        existing = ", ".join(f"{type_name}:{d}" for d in range(count)) or "none"
+        return ValueError(f"{self.where(ref)}, the arrays are on {type_name}:{device_id}, "
+                          f"which does not exist: this machine has {count} {type_name} "
+                          f"device(s) ({existing})")
+
     cdef object not_found(self, int device_type, int device_id, int backend):
         device = device_name(device_type, device_id)
         type_name = DEVICE_TYPES.get(device_type, f"device{device_type}")
@@ -485,15 +579,24 @@ cdef class OpRegistry:
         return KernelNotFoundError(" ".join(lines))
 
     cdef int raise_kernel_error(self, int status) except -1:
-        """The one place where kernel status codes become exceptions."""
-        message = f"{self.name}: {mmd_last_error().decode('utf-8', 'replace')}"
-        if status == MMD_ERR_VALUE:
-            raise ValueError(message)
-        if status == MMD_ERR_TYPE:
-            raise TypeError(message)
-        if status == MMD_ERR_MEMORY:
-            raise MemoryError(message)
-        raise RuntimeError(message)
+        return _raise_status(self.name, status)
+
+
+cdef int _raise_status(str prefix, int status) except -1:
+    """The one place where kernel status codes become exceptions; the
+    message is the calling thread's mmd_error, after `prefix` (the op). A
+    deferred error's message names its own op."""
+    detail = mmd_last_error().decode('utf-8', 'replace')
+    if status == MMD_ERR_DEFERRED:
+        raise DeferredKernelError(detail)
+    message = f"{prefix}: {detail}"
+    if status == MMD_ERR_VALUE:
+        raise ValueError(message)
+    if status == MMD_ERR_TYPE:
+        raise TypeError(message)
+    if status == MMD_ERR_MEMORY:
+        raise MemoryError(message)
+    raise RuntimeError(message)
 
 
 cdef OpRegistry _define_op(str name, str signature, void **c_table, const char **c_origin,
@@ -501,6 +604,8 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
     cdef OpRegistry op = OpRegistry.__new__(OpRegistry)
     cdef int i
     op.name = name
+    op.name_bytes = name.encode()
+    op.c_name = op.name_bytes
     op.signature = signature
     op.param_names = param_names
     op.array_names = tuple(param_names[p] for p in positions)
@@ -536,6 +641,8 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
         st.kernel = _kernel_after_probe(op, slot, device_type, device_id, backend)
     st.ctx.device_id = device_id
     st.ctx.stream = NULL
+    st.ctx.flags = _context_flags()
+    st.ctx.op = op.c_name
     return None
 
 
@@ -625,7 +732,7 @@ cdef bint _probe_device(int device_type) except -1:
     """Registers the built-in kernels of `device_type`'s module the first
     time that device type is needed (the CUDA module asks the driver for
     devices then, not at import). True when the registration ran now."""
-    cdef int count, i
+    cdef int count, i, found
     cdef char status[1024]
     cdef const mmd_device_module *modules
     if not 0 <= device_type < MMD_MAX_DEVICE_TYPES or _device_probed[device_type]:
@@ -637,7 +744,9 @@ cdef bint _probe_device(int device_type) except -1:
         for i in range(count):
             if modules[i].device_type == device_type:
                 status[0] = 0
-                rc = modules[i].register_fn(status, sizeof(status))
+                found = 0
+                rc = modules[i].register_fn(status, sizeof(status), &found)
+                _device_count[device_type] = found if rc == 0 else -1
                 _device_status[device_type] = (
                     rc == 0, status.decode("utf-8", "replace"), modules[i].name.decode())
         _device_probed[device_type] = True

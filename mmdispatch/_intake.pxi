@@ -5,8 +5,13 @@
 # type is looked up only once the user has imported it.
 
 cdef object _cupy_ndarray_type = None
+# cupy.cuda.get_current_stream(device_id), looked up with the ndarray type
+cdef object _cupy_current_stream = None
 # callable(pointer) -> CUDA device index, installed by mmdispatch._cuda
 cdef object _cai_device_resolver = None
+
+# DLPack's __dlpack__(stream=...) value for CUDA's legacy default stream.
+cdef int _DLPACK_LEGACY_DEFAULT_STREAM = 1
 
 
 def _set_cai_device_resolver(resolver):
@@ -15,13 +20,34 @@ def _set_cai_device_resolver(resolver):
 
 
 cdef inline bint _is_cupy_array(object obj):
-    global _cupy_ndarray_type
+    """Whether obj is a CuPy array. CuPy is not imported for this: an array
+    of CuPy's exists only once CuPy is."""
+    global _cupy_ndarray_type, _cupy_current_stream
     if _cupy_ndarray_type is None:
         cupy = sys.modules.get("cupy")
         if cupy is None:
             return False
+        _cupy_current_stream = cupy.cuda.get_current_stream
         _cupy_ndarray_type = cupy.ndarray
     return type(obj) is _cupy_ndarray_type
+
+
+cdef object _cuda_launch_stream(CallState *st, int n, int device_id):
+    """Sets st.ctx.stream for a launch on CUDA device `device_id` and returns
+    the stream to ask DLPack producers for: CuPy's current stream on that
+    device when a CuPy array is among the arguments (where CuPy itself
+    launches), else the legacy default stream, on which a DLPack producer
+    (torch, JAX, ...) makes its data ready before handing it over. One C-level
+    call into CuPy, no Python frame."""
+    cdef int i
+    cdef uintptr_t ptr
+    for i in range(n):
+        if st.kinds[i] == KIND_CUPY:
+            ptr = _cupy_current_stream(device_id).ptr
+            st.ctx.stream = <void *>ptr
+            return ptr if ptr else _DLPACK_LEGACY_DEFAULT_STREAM
+    st.ctx.stream = NULL
+    return _DLPACK_LEGACY_DEFAULT_STREAM
 
 
 cdef extern from *:
@@ -164,6 +190,12 @@ cdef extern from *:
     }
     """
     int _dtype_code "mmd_dtype_code"(char kind, Py_ssize_t itemsize) noexcept nogil
+    enum:
+        MMD_NPY_TYPES
+    ctypedef struct mmd_numpy_type:
+        unsigned char dtype
+        unsigned char itemsize
+    mmd_numpy_type mmd_type_by_typenum[]
     bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
                                    uintptr_t *hi) noexcept nogil
     int mmd_init_dtype_table() except -1
@@ -250,12 +282,31 @@ cdef int _intake_layout(OpRegistry op, int i, object shape, object strides,
     return 0
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
 cdef int _intake_cupy(OpRegistry op, int i, object arr, mmd_tensor *t) except -1:
-    dtype = arr.dtype
-    t.dtype = _dtype_code(<char>ord(dtype.kind), dtype.itemsize)
-    if t.dtype == MMD_DTYPE_UNKNOWN or not dtype.isnative:
-        raise TypeError(f"{op.where(i)}, unsupported dtype {dtype.str}")
-    _intake_layout(op, i, arr.shape, arr.strides, dtype.itemsize, t)
+    """A CuPy array: its dtype's numpy type number (CuPy arrays are always
+    native-endian) through the numpy type table, and its shape and byte
+    strides from their tuples, read in C."""
+    cdef int num = arr.dtype.num
+    cdef tuple shape = arr.shape
+    cdef tuple strides = arr.strides
+    cdef int d, nd = len(shape)
+    cdef int64_t itemsize, stride
+    if not 0 <= num < MMD_NPY_TYPES or mmd_type_by_typenum[num].dtype == MMD_DTYPE_UNKNOWN:
+        raise TypeError(f"{op.where(i)}, unsupported dtype {arr.dtype.str}")
+    t.dtype = mmd_type_by_typenum[num].dtype
+    itemsize = mmd_type_by_typenum[num].itemsize
+    if nd > MMD_MAX_NDIM:
+        raise ValueError(f"{op.where(i)}, {nd} dimensions; at most {MMD_MAX_NDIM} are supported")
+    t.ndim = nd
+    for d in range(nd):
+        t.shape[d] = <int64_t>shape[d]
+        stride = <int64_t>strides[d]
+        if stride % itemsize:
+            raise ValueError(f"{op.where(i)}, strides {strides!r} are not multiples of the "
+                             f"item size {itemsize}")
+        t.strides[d] = stride // itemsize
     t.data = <void *><uintptr_t>arr.data.ptr
     t.writable = 1
     return _check_alignment(op, i, t)
@@ -349,13 +400,23 @@ cdef object _intake_dlpack(OpRegistry op, int i, object obj, object stream, mmd_
 
 
 cdef int _cai_device(str where, object cai) except -1:
+    """The CUDA device of a __cuda_array_interface__'s data pointer; a
+    pointer that is not an address, or that CUDA does not know, is a
+    TypeError naming the op and the parameter."""
     try:
-        pointer = cai["data"][0]
-    except Exception:
-        raise TypeError(f"{where}, malformed __cuda_array_interface__ {cai!r}") from None
+        pointer = operator.index(cai["data"][0])
+        if not 0 <= pointer < 2 ** 64:
+            raise OverflowError(f"{pointer:#x} is not a 64-bit address")
+    except Exception as exc:
+        raise TypeError(f"{where}, malformed __cuda_array_interface__ {cai!r:.200}: "
+                        f"{exc}") from None
     if _cai_device_resolver is None or not pointer:
         return 0
-    return _cai_device_resolver(pointer)
+    try:
+        return _cai_device_resolver(pointer)
+    except Exception as exc:
+        raise TypeError(f"{where}, __cuda_array_interface__ data pointer {pointer:#x} is not "
+                        f"memory CUDA knows ({type(exc).__name__}: {exc})") from exc
 
 
 cdef int _intake_cai(OpRegistry op, int i, object obj, mmd_tensor *t) except -1:

@@ -25,12 +25,15 @@ if settings is not None:
 
 @pytest.fixture
 def cupy():
-    """CuPy with a usable GPU and CUDA kernels, else the test is skipped."""
+    """CuPy with a usable GPU and CUDA kernels, else the test is skipped.
+    Afterwards the test's kernels are waited for, and a deferred error one of
+    them left fails that test instead of a later one."""
     if not any(d["device"] == "cuda" and d["available"] for d in mmdispatch.devices()):
         status = [d["status"] for d in mmdispatch.devices() if d["device"] == "cuda"]
         pytest.skip(f"CUDA kernels unusable here: {status[0] if status else 'not built'}")
     cp = pytest.importorskip("cupy", reason="CuPy is not installed")
-    return cp
+    yield cp
+    mmdispatch.synchronize("cuda")
 
 
 class FakeDeviceArray:

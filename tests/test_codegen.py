@@ -48,7 +48,8 @@ def test_device_modules_are_generated_with_reasons_for_unbuilt_ones():
     assert "mmd_register_cpu__toy();" in source
     assert "mmd_register_cuda__toy" not in source
     assert 'built \\"without\\" nvcc' in source
-    assert '{"cuda", 2, mmd_register_cuda},' in source
+    assert '{"cuda", 2, mmd_register_cuda, NULL},' in source   # nothing to synchronize
+    assert '{"cpu", 1, mmd_register_cpu, mmd_cpu_synchronize},' in source
 
 
 def test_shipped_signatures_parse():

@@ -123,3 +123,17 @@ def test_extension_exports_only_its_module_init(module, helpers):
 def test_version_matches_the_installed_distribution():
     assert mmdispatch.__version__ == importlib.metadata.version("mmdispatch")
     assert mmdispatch.build_info()["version"] == mmdispatch.__version__
+
+
+def test_kernel_origins_name_sources_relative_to_the_tree():
+    """Every built-in kernel's registry origin is `src/<device>/<file>:<fn>`,
+    the CUDA ones too (nvcc's __FILE__ is the path it was given), so no
+    build machine's directories are recorded in the extension."""
+    import re
+    data = open(mmdispatch._core.__file__, "rb").read()
+    origins = re.findall(rb"[\x20-\x7e]*src/(?:cpu|cuda)/\w+\.cu?:\w+", data)
+    assert origins
+    assert all(origin.startswith((b"src/cpu/", b"src/cuda/")) for origin in origins), [
+        o for o in origins if not o.startswith(b"src/")]
+    if mmdispatch.build_info()["cuda"]:
+        assert any(origin.startswith(b"src/cuda/") for origin in origins)

@@ -64,9 +64,12 @@ def child_main(args):
     from mmdispatch._codegen import parse_signature
 
     if "asan" not in os.environ.get("LD_PRELOAD", ""):
-        # a huge allocation must be a MemoryError here, not the OOM killer
+        # A huge allocation must be a MemoryError here, not the OOM killer.
+        # RLIMIT_DATA (private writable memory), not RLIMIT_AS: the CUDA
+        # driver, CuPy and torch reserve far more address space than they
+        # use (PROT_NONE ranges), which an address-space limit refuses.
         limit = 8 << 30
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
     allowed = (TypeError, ValueError, mmdispatch.KernelNotFoundError,
                mmdispatch.DeviceMismatchError, MemoryError)

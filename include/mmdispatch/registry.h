@@ -50,6 +50,11 @@ enum {
 /* Thread-local backend selection, one entry per device type. */
 unsigned char *mmd_thread_backends(void);
 
+/* Thread-local strict mode (mmdispatch.strict()): MMD_STRICT_UNSET follows
+ * the process default (MMDISPATCH_STRICT), the others override it. */
+enum { MMD_STRICT_UNSET = 0, MMD_STRICT_OFF = 1, MMD_STRICT_ON = 2 };
+unsigned char *mmd_thread_strict(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -73,7 +73,14 @@ typedef struct {
 typedef struct {
     void *stream;      /* cudaStream_t for CUDA, NULL elsewhere */
     int32_t device_id;
+    uint32_t flags;    /* MMD_CONTEXT_* */
+    const char *op;    /* the entry point called, e.g. "roi_align_forward_impl" */
 } mmd_context;
+
+/* ctx->flags: strict mode (mmdispatch.strict()): a kernel that would check
+ * its data asynchronously checks it before writing anything and waits for
+ * the device, so every error is raised by the call that caused it. */
+#define MMD_CONTEXT_STRICT 1u
 
 /* Kernel status codes; the dispatcher turns them into Python exceptions in
  * one place (check_status in _core.pyx). */
@@ -82,7 +89,9 @@ enum {
     MMD_ERR_VALUE = 1,    /* ValueError */
     MMD_ERR_TYPE = 2,     /* TypeError */
     MMD_ERR_RUNTIME = 3,  /* RuntimeError, e.g. a CUDA launch failure */
-    MMD_ERR_MEMORY = 4    /* MemoryError */
+    MMD_ERR_MEMORY = 4,   /* MemoryError */
+    MMD_ERR_DEFERRED = 5  /* mmdispatch.DeferredKernelError (a ValueError) found by an earlier
+                             call's kernel; the message names that call's op itself */
 };
 
 /* Records a message for the calling thread and returns `status`, so kernels

@@ -12,11 +12,26 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 
 def _cupy():
+    """CuPy if it is imported: an array of CuPy's exists only then."""
     return sys.modules.get("cupy")
 
 
+def _import_cupy():
+    """CuPy, imported if it is installed (to allocate like a CUDA array of
+    another library), else None. What the ops do never depends on whether
+    the caller imported CuPy first."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
 def native(op, name, x):
-    """numpy or CuPy view of array argument `name` (no copy)."""
+    """numpy or CuPy view of array argument `name` (no copy). A CUDA array
+    of another library (torch, JAX, ...) stays as it is: the dispatcher
+    views it through DLPack, after checking that every argument is on one
+    device, so nothing exports an array on the wrong device."""
     if isinstance(x, np.ndarray):
         return x
     cupy = _cupy()
@@ -29,11 +44,12 @@ def native(op, name, x):
             device_type = operator.index(x.__dlpack_device__()[0])
             if device_type == _CPU:
                 return np.from_dlpack(x)
-            if device_type == _CUDA and cupy is not None:
-                return cupy.from_dlpack(x)
-            return x  # left to the dispatcher (Python kernels, or its error)
-        if getattr(x, "__cuda_array_interface__", None) is not None and cupy is not None:
-            return cupy.asarray(x)
+            return x  # viewed by the dispatcher (or left to Python kernels, or its error)
+        if getattr(x, "__cuda_array_interface__", None) is not None:
+            cupy = _import_cupy()
+            if cupy is not None:
+                return cupy.asarray(x)   # reads the interface, not the memory
+            return x
     except Exception as exc:
         raise TypeError(f"{op}: {name} could not be viewed through its array protocol "
                         f"({type(x).__name__}): {type(exc).__name__}: {exc}") from exc
@@ -43,16 +59,29 @@ def native(op, name, x):
 
 def namespace(op, x):
     """(array module, context manager selecting x's device) for allocating
-    the outputs of `op` like x."""
+    the outputs of `op` like x: numpy, or CuPy for CUDA arrays (CuPy's own,
+    and other libraries' when CuPy is installed)."""
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return cupy, x.device
     if isinstance(x, np.ndarray):
         return np, contextlib.nullcontext()
     try:
-        device = getattr(type(x), "__dlpack_device__", None) and tuple(x.__dlpack_device__())
+        device = getattr(type(x), "__dlpack_device__", None) and tuple(
+            operator.index(v) for v in x.__dlpack_device__())
     except Exception:
         device = None
+    if device and len(device) == 2 and device[0] == _CUDA:
+        cupy = _import_cupy()
+        try:
+            count = cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
+        except Exception:   # CuPy installed, but no driver or no GPU
+            count = 0
+        if count:
+            if not 0 <= device[1] < count:
+                raise ValueError(f"{op}: the arrays are on cuda:{device[1]}, which does not "
+                                 f"exist: this machine has {count} CUDA device(s)")
+            return cupy, cupy.cuda.Device(device[1])
     where = f" on DLPack device {device}" if device else ""
     raise TypeError(f"{op}: cannot allocate outputs like a {type(x).__name__}{where}: the op "
                     f"functions allocate with numpy (CPU) or CuPy (CUDA, when installed); for "

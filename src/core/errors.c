@@ -1,4 +1,5 @@
-/* Thread-local error message and backend selection, plus dtype metadata. */
+/* Thread-local error message, backend selection and strict mode, plus dtype
+ * metadata. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -8,6 +9,7 @@
 
 static _Thread_local char mmd_error_message[1024];
 static _Thread_local unsigned char mmd_backends[MMD_MAX_DEVICE_TYPES];
+static _Thread_local unsigned char mmd_strict;
 
 int mmd_error(int status, const char *fmt, ...) {
     va_list args;
@@ -20,6 +22,8 @@ int mmd_error(int status, const char *fmt, ...) {
 const char *mmd_last_error(void) { return mmd_error_message; }
 
 unsigned char *mmd_thread_backends(void) { return mmd_backends; }
+
+unsigned char *mmd_thread_strict(void) { return &mmd_strict; }
 
 static const struct {
     const char *name;

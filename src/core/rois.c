@@ -1,4 +1,5 @@
 /* Messages for rois rejected by any roi op (see mmdispatch/ops/rois.h). */
+#include "mmdispatch/deferred.h"
 #include "mmdispatch/ops/rois.h"
 #include "mmdispatch/tensor.h"
 
@@ -25,4 +26,8 @@ int mmd_roi_error(int code, int64_t roi_index, int64_t batch_size) {
         return mmd_error(MMD_ERR_RUNTIME, "rois[%lld]: unknown roi error %d",
                          (long long)roi_index, code);
     }
+}
+
+int mmd_roi_deferred_error(const mmd_deferred_call *call, int64_t roi_index, int code) {
+    return mmd_roi_error(code, roi_index, call->args[0]);
 }

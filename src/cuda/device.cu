@@ -1,12 +1,23 @@
 /* The CUDA device module: the CUDA slots are filled only when the runtime
- * finds a driver and at least one device. The runtime is linked statically,
- * so a machine without a GPU or toolkit still imports the extension. */
+ * finds a driver and at least one device (asked the first time CUDA is
+ * needed, never at import). The runtime is linked statically, so a machine
+ * without a GPU or toolkit still imports the extension.
+ *
+ * Also each device's deferred-error state (mmdispatch/deferred.h): an error
+ * word in device memory, which kernels fold the keys of bad items into,
+ * and a flag in mapped host memory, which they set, so that every call can
+ * test for a pending error with one host load and no synchronisation. */
 #include <cuda_runtime.h>
 #include <stdio.h>
 
-extern "C" int mmd_cuda_init(char *status, size_t size) {
+#include <mutex>
+
+#include "mmdispatch/cuda/common.cuh"
+
+extern "C" int mmd_cuda_init(char *status, size_t size, int *device_count) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
+    *device_count = err == cudaSuccess ? count : 0;
     if (err == cudaErrorInsufficientDriver) {
         snprintf(status, size,
                  "no usable CUDA driver was found (install an NVIDIA driver supporting CUDA "
@@ -37,4 +48,114 @@ extern "C" int mmd_cuda_init(char *status, size_t size) {
                                  prop.name, prop.major, prop.minor);
     }
     return 0;
+}
+
+namespace mmd_cuda {
+
+std::atomic<int *> g_error_flags[kMaxDevices];
+std::atomic<bool> g_device_used[kMaxDevices];
+
+namespace {
+
+struct DeviceErrors {
+    std::once_flag once;
+    cudaError_t init_error = cudaSuccess;
+    unsigned long long *word = nullptr;    /* device memory; MMD_DEFERRED_NONE when clear */
+    unsigned long long *taken = nullptr;   /* mapped host memory: take_kernel's answer */
+    unsigned long long *taken_dev = nullptr;
+    int *flag = nullptr;                   /* mapped host memory, right after `taken` */
+    int *flag_dev = nullptr;
+    std::mutex take_lock;
+};
+
+DeviceErrors g_errors[kMaxDevices];
+
+__global__ void take_kernel(unsigned long long *word, unsigned long long *out) {
+    *out = atomicExch(word, (unsigned long long)MMD_DEFERRED_NONE);
+}
+
+cudaError_t allocate_state(int device, DeviceErrors &e) {
+    void *host = nullptr, *mapped = nullptr;
+    cudaError_t err = cudaMalloc((void **)&e.word, sizeof *e.word);
+    if (err == cudaSuccess) err = cudaMemset(e.word, 0xff, sizeof *e.word);
+    if (err == cudaSuccess) err = cudaHostAlloc(&host, 2 * sizeof *e.taken, cudaHostAllocMapped);
+    if (err == cudaSuccess) err = cudaHostGetDevicePointer(&mapped, host, 0);
+    /* the word must be clear before any stream, non-blocking ones too, uses it */
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return err;
+    }
+    e.taken = (unsigned long long *)host;
+    e.taken_dev = (unsigned long long *)mapped;
+    e.flag = (int *)(e.taken + 1);
+    e.flag_dev = (int *)(e.taken_dev + 1);
+    *(volatile int *)e.flag = 0;
+    g_error_flags[device].store(e.flag, std::memory_order_release);
+    return cudaSuccess;
+}
+
+}  // namespace
+
+int error_sink(int device, uint32_t seq, ErrorSink *sink) {
+    if (device < 0 || device >= kMaxDevices)
+        return mmd_error(MMD_ERR_RUNTIME, "cuda:%d: mmdispatch supports CUDA devices 0 to %d",
+                         device, kMaxDevices - 1);
+    DeviceErrors &e = g_errors[device];
+    std::call_once(e.once, [&] { e.init_error = allocate_state(device, e); });
+    if (e.init_error != cudaSuccess)
+        return cuda_error(e.init_error, "allocating the device's deferred-error word");
+    *sink = ErrorSink{e.word, e.flag_dev, seq};
+    return MMD_OK;
+}
+
+int take_pending(int device, cudaStream_t stream, const char *raised_by) {
+    DeviceErrors &e = g_errors[device];
+    if (g_error_flags[device].load(std::memory_order_acquire) == nullptr) return MMD_OK;
+    std::lock_guard<std::mutex> lock(e.take_lock);
+    if (*(volatile int *)e.flag == 0) return MMD_OK;   /* another thread took it */
+    /* Every kernel that may still report must finish first, so that the
+     * word holds the earliest call's lowest bad item. */
+    cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) return cuda_error(err, "waiting for the device's kernels");
+    *(volatile int *)e.flag = 0;   /* a report from now on sets it again */
+    take_kernel<<<1, 1, 0, stream>>>(e.word, e.taken_dev);
+    err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) return cuda_error(err, "reading the deferred-error word");
+    const unsigned long long key = *(volatile unsigned long long *)e.taken;
+    if (key == MMD_DEFERRED_NONE) return MMD_OK;
+    char name[32];
+    snprintf(name, sizeof name, "cuda:%d", device);
+    return mmd_deferred_raise(key, name, raised_by);
+}
+
+}  // namespace mmd_cuda
+
+/* mmdispatch.synchronize() on CUDA: waits for every kernel queued on
+ * `device_id` (every device mmdispatch has run on, when negative), then
+ * raises the deferred error any of them left. */
+extern "C" int mmd_cuda_synchronize(int device_id) {
+    using namespace mmd_cuda;
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return cuda_error(err, "cudaGetDeviceCount");
+    }
+    if (device_id >= count)
+        return mmd_error(MMD_ERR_VALUE, "cuda:%d does not exist: this machine has %d CUDA "
+                         "device(s)", device_id, count);
+    for (int d = device_id < 0 ? 0 : device_id; d < (device_id < 0 ? count : device_id + 1); ++d) {
+        if (device_id < 0 && (d >= kMaxDevices || !g_device_used[d].load())) continue;
+        DeviceGuard guard(d);
+        if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
+        err = cudaDeviceSynchronize();
+        if (err != cudaSuccess) return cuda_error(err, "cudaDeviceSynchronize");
+        if (d < kMaxDevices && g_error_flags[d].load() != nullptr) {
+            const int s = take_pending(d, 0, nullptr);
+            if (s) return s;
+        }
+    }
+    return MMD_OK;
 }

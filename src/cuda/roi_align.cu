@@ -1,9 +1,13 @@
 /* roi_align on CUDA (MMCV semantics, math shared with the CPU kernels via
  * mmdispatch/ops/roi_align.h). One thread per output bin; backward adds into
  * grad_input with atomics (the `default` backend). float16 inputs compute in
- * float32. Launches on ctx->stream, on ctx->device_id. Rois are validated on
- * the device before any output is written, so a bad roi is an exception,
- * never an out-of-bounds access. */
+ * float32. Launches on ctx->stream, on ctx->device_id.
+ *
+ * Bad rois never cause an out-of-bounds access. By default each thread
+ * validates its roi: a bad roi's bins are NaN (argmax -1) in forward and
+ * add nothing in backward, and the roi is reported as a deferred error
+ * (raised by the next call on the device). In strict mode a check kernel
+ * validates every roi first and the call raises, writing nothing. */
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/registry.h"
@@ -58,12 +62,12 @@ __device__ inline void load_roi(const T *rois, int64_t k, A roi[5]) {
     for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
 }
 
-/* Reports the first bad roi through report_error. */
+/* Strict mode: reports every bad roi before anything is written. */
 template <typename T>
 __global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch,
                                   typename Compute<T>::type scale, int64_t pooled_h,
                                   int64_t pooled_w, int64_t sampling_ratio, int aligned,
-                                  unsigned long long *first_error) {
+                                  ErrorSink sink) {
     typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(k, num_rois) {
         A roi[5];
@@ -71,7 +75,7 @@ __global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch
         typename Math<A>::Geometry g;
         int code = Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
                                      aligned, &g);
-        if (code != MMD_ROI_OK) report_error(first_error, k, code);
+        if (code != MMD_ROI_OK) sink.report(k, code);
     }
 }
 
@@ -85,20 +89,24 @@ __device__ inline A bilinear(const T *plane, int64_t width, const typename Math<
 }
 
 /* Which bin output element `index` is, and its roi's geometry; false for a
- * bad roi (unreachable: rois are checked before the launch). */
+ * bad roi, which the thread of the roi's first element reports. */
 template <typename T, typename A>
 __device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels,
                                   int64_t pooled_h, int64_t pooled_w, int64_t batch, A scale,
-                                  int64_t sampling_ratio, int aligned, int64_t *c, int64_t *ph,
-                                  int64_t *pw, typename Math<A>::Geometry *g) {
+                                  int64_t sampling_ratio, int aligned, const ErrorSink &sink,
+                                  int64_t *c, int64_t *ph, int64_t *pw,
+                                  typename Math<A>::Geometry *g) {
     *pw = index % pooled_w;
     *ph = (index / pooled_w) % pooled_h;
     *c = (index / pooled_w / pooled_h) % channels;
     const int64_t k = index / pooled_w / pooled_h / channels;
     A roi[5];
     load_roi(rois, k, roi);
-    return Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g) ==
-           MMD_ROI_OK;
+    const int code =
+        Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
+    if (code == MMD_ROI_OK) return true;
+    if (index % (channels * pooled_h * pooled_w) == 0) sink.report(k, code);
+    return false;
 }
 
 template <typename T>
@@ -106,15 +114,19 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
                                T *argmax_x, int64_t total, int64_t channels, int64_t height,
                                int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
                                typename Compute<T>::type scale, int64_t sampling_ratio,
-                               int64_t pool_mode, int aligned) {
+                               int64_t pool_mode, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     typedef Math<A> M;
     MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
         typename M::Geometry g;
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
-                              sampling_ratio, aligned, &c, &ph, &pw, &g))
+                              sampling_ratio, aligned, sink, &c, &ph, &pw, &g)) {
+            output[index] = from_compute<T>((A)NAN);
+            if (pool_mode == MMD_POOL_MAX)
+                argmax_y[index] = argmax_x[index] = from_compute<T>((A)-1);
             continue;
+        }
         const T *plane = input + (g.batch * channels + c) * height * width;
         if (pool_mode == MMD_POOL_AVG) {
             A sum = 0;
@@ -167,15 +179,15 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
                                 int64_t channels, int64_t height, int64_t width,
                                 int64_t pooled_h, int64_t pooled_w, int64_t batch,
                                 typename Compute<T>::type scale, int64_t sampling_ratio,
-                                int64_t pool_mode, int aligned) {
+                                int64_t pool_mode, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     typedef Math<A> M;
     MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
         typename M::Geometry g;
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
-                              sampling_ratio, aligned, &c, &ph, &pw, &g))
-            continue;
+                              sampling_ratio, aligned, sink, &c, &ph, &pw, &g))
+            continue;   /* a bad roi adds nothing */
         T *plane = grad_input + (g.batch * channels + c) * height * width;
         const A grad = to_compute(grad_output[index]);
         if (pool_mode == MMD_POOL_MAX) {
@@ -202,61 +214,78 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
     }
 }
 
-/* Validates every roi on the device before anything is written. */
+/* Validates the rois: in strict mode every roi on the device before
+ * anything is written (one sync); then records the call and fills `sink`
+ * for the kernels' own reports. With nothing to compute (`work` false), a
+ * check kernel reports into the sink instead, so bad rois are an error
+ * whatever the output's size, as on the CPU. */
 template <typename T>
-int check_rois(const mmd_tensor *rois, int64_t batch, typename Compute<T>::type scale,
-               int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio, int aligned,
-               cudaStream_t stream) {
+int check_rois(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
+               typename Compute<T>::type scale, int64_t pooled_h, int64_t pooled_w,
+               int64_t sampling_ratio, int aligned, cudaStream_t stream, bool work,
+               ErrorSink *sink) {
     const int64_t num_rois = rois->shape[0];
-    if (num_rois == 0) return MMD_OK;
-    return check_on_device(
-        stream, "roi_align roi check",
-        [&](unsigned long long *flag) {
-            check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
-                (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w,
-                sampling_ratio, aligned, flag);
-        },
-        [&](int64_t index, int code) { return mmd_roi_error(code, index, batch); });
+    auto launch_check = [&](ErrorSink check) {
+        check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
+            (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio,
+            aligned, check);
+    };
+    int s = MMD_OK;
+    if (strict(ctx) && num_rois > 0)
+        s = check_on_device(stream, "roi_align roi check", launch_check,
+                            [&](int64_t index, int code) {
+                                return mmd_roi_error(code, index, batch);
+                            });
+    if (!s) s = begin_deferred(ctx, mmd_roi_deferred_error, batch, 0, 0, sink);
+    if (!s && !work && !strict(ctx) && num_rois > 0) {
+        launch_check(*sink);
+        s = launch_status("roi_align roi check");
+    }
+    return s;
 }
 
 template <typename T>
-int forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
-            const mmd_tensor *argmax_y, const mmd_tensor *argmax_x, int64_t pooled_h,
-            int64_t pooled_w, double spatial_scale, int64_t sampling_ratio, int64_t pool_mode,
-            int aligned, cudaStream_t stream) {
+int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *rois,
+            const mmd_tensor *output, const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+            int64_t pooled_h, int64_t pooled_w, double spatial_scale, int64_t sampling_ratio,
+            int64_t pool_mode, int aligned, cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t batch = input->shape[0];
-    int s = check_rois<T>(rois, batch, (A)spatial_scale, pooled_h, pooled_w, sampling_ratio,
-                          aligned, stream);
     const int64_t total = mmd_numel(output);
+    ErrorSink sink;
+    int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_h, pooled_w,
+                          sampling_ratio, aligned, stream, total > 0, &sink);
     if (s || total == 0) return s;
     const bool max_mode = pool_mode == MMD_POOL_MAX;
     forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
         (const T *)input->data, (const T *)rois->data, (T *)output->data,
         max_mode ? (T *)argmax_y->data : nullptr, max_mode ? (T *)argmax_x->data : nullptr,
         total, input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
-        (A)spatial_scale, sampling_ratio, pool_mode, aligned);
+        (A)spatial_scale, sampling_ratio, pool_mode, aligned, sink);
     return launch_status("roi_align forward launch");
 }
 
 template <typename T>
-int backward(const mmd_tensor *grad_output, const mmd_tensor *rois, const mmd_tensor *argmax_y,
-             const mmd_tensor *argmax_x, const mmd_tensor *grad_input, int64_t pooled_h,
-             int64_t pooled_w, double spatial_scale, int64_t sampling_ratio, int64_t pool_mode,
-             int aligned, cudaStream_t stream) {
+int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_tensor *rois,
+             const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+             const mmd_tensor *grad_input, int64_t pooled_h, int64_t pooled_w,
+             double spatial_scale, int64_t sampling_ratio, int64_t pool_mode, int aligned,
+             cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t batch = grad_input->shape[0];
-    int s = check_rois<T>(rois, batch, (A)spatial_scale, pooled_h, pooled_w, sampling_ratio,
-                          aligned, stream);
     const int64_t total = mmd_numel(grad_output);
-    if (s || total == 0 || mmd_numel(grad_input) == 0) return s;
+    const bool work = total > 0 && mmd_numel(grad_input) > 0;
+    ErrorSink sink;
+    int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_h, pooled_w,
+                          sampling_ratio, aligned, stream, work, &sink);
+    if (s || !work) return s;
     const bool max_mode = pool_mode == MMD_POOL_MAX;
     backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
         (const T *)grad_output->data, (const T *)rois->data,
         max_mode ? (const T *)argmax_y->data : nullptr,
         max_mode ? (const T *)argmax_x->data : nullptr, (T *)grad_input->data, total,
         grad_input->shape[1], grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w,
-        batch, (A)spatial_scale, sampling_ratio, pool_mode, aligned);
+        batch, (A)spatial_scale, sampling_ratio, pool_mode, aligned, sink);
     return launch_status("roi_align backward launch");
 }
 
@@ -271,7 +300,7 @@ int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
     if (s) return s;
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(input->dtype, [&](auto tag) {
-            return forward<decltype(tag)>(input, rois, output, argmax_y, argmax_x,
+            return forward<decltype(tag)>(ctx, input, rois, output, argmax_y, argmax_x,
                                           aligned_height, aligned_width, spatial_scale,
                                           sampling_ratio, pool_mode, aligned, stream);
         });
@@ -289,9 +318,10 @@ int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *roi
     if (s) return s;
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(grad_input->dtype, [&](auto tag) {
-            return backward<decltype(tag)>(grad_output, rois, argmax_y, argmax_x, grad_input,
-                                           aligned_height, aligned_width, spatial_scale,
-                                           sampling_ratio, pool_mode, aligned, stream);
+            return backward<decltype(tag)>(ctx, grad_output, rois, argmax_y, argmax_x,
+                                           grad_input, aligned_height, aligned_width,
+                                           spatial_scale, sampling_ratio, pool_mode, aligned,
+                                           stream);
         });
     });
 }

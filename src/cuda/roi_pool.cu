@@ -1,8 +1,14 @@
 /* roi_pool on CUDA (math shared with the CPU kernels through
  * mmdispatch/ops/roi_pool.h). Forward: one thread per output bin. Backward:
  * one thread per grad_output element, adding into grad_input with atomics.
- * Rois (and, for backward, argmax entries) are validated on the device
- * before anything is written. Launches on ctx->stream, on ctx->device_id. */
+ * Launches on ctx->stream, on ctx->device_id.
+ *
+ * Bad rois and argmax entries never cause an out-of-bounds access. By
+ * default the kernels validate what they read: a bad roi's bins are NaN
+ * with argmax -1 in forward and add nothing in backward, an argmax entry
+ * outside [-1, H * W) adds nothing, and the first bad item is reported as a
+ * deferred error. In strict mode a check kernel validates everything first
+ * and the call raises, writing nothing. */
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/roi_pool.h"
 #include "mmdispatch/registry.h"
@@ -30,55 +36,84 @@ __device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, T sc
 template <typename T>
 __global__ void check_kernel(const T *rois, int64_t num_rois, int64_t batch, T scale,
                              int64_t pooled_h, int64_t pooled_w, const int64_t *argmax,
-                             int64_t num_argmax, int64_t plane_size,
-                             unsigned long long *first_error) {
+                             int64_t num_argmax, int64_t plane_size, ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(item, num_rois + num_argmax) {
         if (item < num_rois) {
             typename mmd_pool_geometry<T>::type g;
             int code = roi_geometry(rois, item, batch, scale, pooled_h, pooled_w, &g);
-            if (code != MMD_ROI_OK) report_error(first_error, item, code);
+            if (code != MMD_ROI_OK) sink.report(item, code);
         } else {
             const int64_t a = argmax[item - num_rois];
-            if (a < -1 || a >= plane_size) report_error(first_error, item, kBadArgmax);
+            if (a < -1 || a >= plane_size) sink.report(item, kBadArgmax);
         }
     }
 }
 
+/* Deferred messages; the call's args are (batch size, number of rois, H * W). */
+int format_error(const mmd_deferred_call *call, int64_t item, int code) {
+    if (code != kBadArgmax) return mmd_roi_error(code, item, call->args[0]);
+    return mmd_error(MMD_ERR_VALUE,
+                     "argmax holds a value outside [-1, %lld) at flat index %lld; entries must "
+                     "be -1 or in [0, %lld) (H * W of grad_input)",
+                     (long long)call->args[2], (long long)(item - call->args[1]),
+                     (long long)call->args[2]);
+}
+
+/* In strict mode, validates the rois (and argmax entries) on the device
+ * before anything is written (one sync); then records the call and fills
+ * `sink` for the kernels' own reports. With nothing to compute (`work`
+ * false), the check kernel reports into the sink instead, so bad input is
+ * an error whatever the output's size, as on the CPU. */
 template <typename T>
-int check_inputs(const mmd_tensor *rois, int64_t batch, T scale, int64_t pooled_h,
-                 int64_t pooled_w, const int64_t *argmax, int64_t num_argmax,
-                 int64_t plane_size, cudaStream_t stream) {
+int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch, T scale,
+                 int64_t pooled_h, int64_t pooled_w, const int64_t *argmax, int64_t num_argmax,
+                 int64_t plane_size, cudaStream_t stream, bool work, ErrorSink *sink) {
     const int64_t num_rois = rois->shape[0];
-    if (num_rois + num_argmax == 0) return MMD_OK;
-    return check_on_device(
-        stream, "roi_pool input check",
-        [&](unsigned long long *flag) {
-            check_kernel<T><<<blocks_for(num_rois + num_argmax), kThreads, 0, stream>>>(
-                (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, argmax,
-                num_argmax, plane_size, flag);
-        },
-        [&](int64_t item, int code) {
-            if (code != kBadArgmax) return mmd_roi_error(code, item, batch);
-            const int64_t index = item - num_rois;
-            int64_t value = 0;
-            cudaError_t err = cudaMemcpy(&value, argmax + index, sizeof value,
-                                         cudaMemcpyDeviceToHost);
-            if (err != cudaSuccess) return cuda_error(err, "roi_pool argmax read");
-            return mmd_roi_pool_argmax_error(index, value, plane_size);
-        });
+    auto launch_check = [&](ErrorSink check) {
+        check_kernel<T><<<blocks_for(num_rois + num_argmax), kThreads, 0, stream>>>(
+            (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, argmax,
+            num_argmax, plane_size, check);
+    };
+    int s = MMD_OK;
+    if (strict(ctx) && num_rois + num_argmax > 0)
+        s = check_on_device(stream, "roi_pool input check", launch_check,
+                            [&](int64_t item, int code) {
+                                if (code != kBadArgmax) return mmd_roi_error(code, item, batch);
+                                const int64_t index = item - num_rois;
+                                int64_t value = 0;
+                                cudaError_t err = cudaMemcpy(&value, argmax + index,
+                                                             sizeof value,
+                                                             cudaMemcpyDeviceToHost);
+                                if (err != cudaSuccess)
+                                    return cuda_error(err, "roi_pool argmax read");
+                                return mmd_roi_pool_argmax_error(index, value, plane_size);
+                            });
+    if (!s) s = begin_deferred(ctx, format_error, batch, num_rois, plane_size, sink);
+    if (!s && !work && !strict(ctx) && num_rois + num_argmax > 0) {
+        launch_check(*sink);
+        s = launch_status("roi_pool input check");
+    }
+    return s;
 }
 
 template <typename T>
 __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t *argmax,
                                int64_t total, int64_t channels, int64_t height, int64_t width,
-                               int64_t pooled_h, int64_t pooled_w, int64_t batch, T scale) {
+                               int64_t pooled_h, int64_t pooled_w, int64_t batch, T scale,
+                               ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(index, total) {
         const int64_t pw = index % pooled_w;
         const int64_t ph = (index / pooled_w) % pooled_h;
         const int64_t c = (index / pooled_w / pooled_h) % channels;
         const int64_t k = index / pooled_w / pooled_h / channels;
         typename mmd_pool_geometry<T>::type g;
-        if (roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g) != MMD_ROI_OK) continue;
+        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
+        if (code != MMD_ROI_OK) {
+            if (index % (channels * pooled_h * pooled_w) == 0) sink.report(k, code);
+            output[index] = (T)NAN;
+            argmax[index] = -1;
+            continue;
+        }
         int64_t h0, h1, w0, w1;
         mmd_roi_pool_bin(g.start_h, g.bin_h, ph, height, &h0, &h1);
         mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);
@@ -104,14 +139,26 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
 template <typename T>
 __global__ void backward_kernel(const T *grad_output, const T *rois, const int64_t *argmax,
                                 T *grad_input, int64_t total, int64_t channels,
-                                int64_t plane_size, int64_t pooled_h, int64_t pooled_w) {
+                                int64_t plane_size, int64_t pooled_h, int64_t pooled_w,
+                                int64_t batch, T scale, ErrorSink sink) {
+    const int64_t per_roi = channels * pooled_h * pooled_w;
+    const int64_t num_rois = total / per_roi;
     MMD_GRID_STRIDE_LOOP(index, total) {
-        const int64_t a = argmax[index];
-        if (a < 0) continue;
         const int64_t c = (index / pooled_w / pooled_h) % channels;
-        const int64_t k = index / pooled_w / pooled_h / channels;
-        const int64_t b = (int64_t)rois[5 * k];
-        atomicAdd(grad_input + (b * channels + c) * plane_size + a, grad_output[index]);
+        const int64_t k = index / per_roi;
+        typename mmd_pool_geometry<T>::type g;
+        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
+        if (code != MMD_ROI_OK) {
+            if (index % per_roi == 0) sink.report(k, code);
+            continue;
+        }
+        const int64_t a = argmax[index];
+        if (a < -1 || a >= plane_size) {
+            sink.report(num_rois + index, kBadArgmax);
+            continue;
+        }
+        if (a < 0) continue;
+        atomicAdd(grad_input + (g.batch * channels + c) * plane_size + a, grad_output[index]);
     }
 }
 
@@ -126,13 +173,14 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype<false>(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
-            int s = check_inputs<T>(rois, batch, (T)spatial_scale, pooled_height, pooled_width,
-                                    nullptr, 0, 0, stream);
+            ErrorSink sink;
+            int s = check_inputs<T>(ctx, rois, batch, (T)spatial_scale, pooled_height,
+                                    pooled_width, nullptr, 0, 0, stream, total > 0, &sink);
             if (s || total == 0) return s;
             forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 (const T *)input->data, (const T *)rois->data, (T *)output->data,
                 (int64_t *)argmax->data, total, input->shape[1], input->shape[2],
-                input->shape[3], pooled_height, pooled_width, batch, (T)spatial_scale);
+                input->shape[3], pooled_height, pooled_width, batch, (T)spatial_scale, sink);
             return launch_status("roi_pool forward launch");
         });
     });
@@ -147,16 +195,19 @@ int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois
     if (s) return s;
     const int64_t batch = grad_input->shape[0], total = mmd_numel(grad_output);
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
+    const bool work = total > 0 && mmd_numel(grad_input) > 0;
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype<false>(grad_input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             const int64_t *am = (const int64_t *)argmax->data;
-            int s = check_inputs<T>(rois, batch, (T)spatial_scale, pooled_height, pooled_width,
-                                    am, total, plane_size, stream);
-            if (s || total == 0 || mmd_numel(grad_input) == 0) return s;
+            ErrorSink sink;
+            int s = check_inputs<T>(ctx, rois, batch, (T)spatial_scale, pooled_height,
+                                    pooled_width, am, total, plane_size, stream, work, &sink);
+            if (s || !work) return s;
             backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 (const T *)grad_output->data, (const T *)rois->data, am, (T *)grad_input->data,
-                total, grad_input->shape[1], plane_size, pooled_height, pooled_width);
+                total, grad_input->shape[1], plane_size, pooled_height, pooled_width, batch,
+                (T)spatial_scale, sink);
             return launch_status("roi_pool backward launch");
         });
     });

@@ -1,7 +1,9 @@
 /* sigmoid_focal_loss on CUDA: one thread per element, the math shared with
- * the CPU kernels (mmdispatch/ops/sigmoid_focal_loss.h). Targets are
- * validated on the device before anything is written. Launches on
- * ctx->stream, on ctx->device_id. */
+ * the CPU kernels (mmdispatch/ops/sigmoid_focal_loss.h). Launches on
+ * ctx->stream, on ctx->device_id. A target outside [0, C] is never used to
+ * index: by default its row is NaN and the first such row is reported as a
+ * deferred error; in strict mode targets are checked before anything is
+ * written and the call raises. */
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/sigmoid_focal_loss.h"
 #include "mmdispatch/registry.h"
@@ -14,18 +16,31 @@ using namespace mmd_cuda;
 enum { kBadTarget = 1 };
 
 __global__ void check_targets_kernel(const int64_t *target, int64_t rows, int64_t classes,
-                                     unsigned long long *first_error) {
+                                     ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(i, rows) {
-        if (target[i] < 0 || target[i] > classes) report_error(first_error, i, kBadTarget);
+        if (target[i] < 0 || target[i] > classes) sink.report(i, kBadTarget);
     }
+}
+
+/* Deferred messages; args[0] is the number of classes. */
+int format_error(const mmd_deferred_call *call, int64_t row, int) {
+    return mmd_error(MMD_ERR_VALUE,
+                     "target[%lld] is not a class index in [0, %lld] (%lld = background)",
+                     (long long)row, (long long)call->args[0], (long long)call->args[0]);
 }
 
 template <typename T>
 __global__ void focal_loss_kernel(int backward, const T *input, const int64_t *target,
                                   const T *weight, T *output, int64_t total, int64_t classes,
-                                  T gamma, T alpha) {
+                                  T gamma, T alpha, ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(index, total) {
-        const int64_t t = target[index / classes];
+        const int64_t row = index / classes;
+        const int64_t t = target[row];
+        if (t < 0 || t > classes) {
+            if (index % classes == 0) sink.report(row, kBadTarget);
+            output[index] = (T)NAN;
+            continue;
+        }
         const int positive = (index % classes) == t;
         const T x = input[index];
         const T value = backward ? mmd_focal_loss_grad(x, positive, gamma, alpha)
@@ -43,27 +58,37 @@ int focal_loss_run(int backward, const mmd_tensor *input, const mmd_tensor *targ
     if (s) return s;
     const int64_t rows = input->shape[0], classes = input->shape[1];
     const int64_t total = mmd_numel(input);
-    return on_device(ctx, [&](cudaStream_t stream) {
+    return on_device(ctx, [&](cudaStream_t stream) -> int {
         const int64_t *t = (const int64_t *)target->data;
-        int s = rows == 0 ? MMD_OK : check_on_device(
-            stream, "sigmoid_focal_loss target check",
-            [&](unsigned long long *flag) {
-                check_targets_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(t, rows, classes,
-                                                                                flag);
-            },
-            [&](int64_t row, int) {
-                int64_t value = 0;
-                cudaError_t err = cudaMemcpy(&value, t + row, sizeof value,
-                                             cudaMemcpyDeviceToHost);
-                if (err != cudaSuccess) return cuda_error(err, "sigmoid_focal_loss target read");
-                return mmd_sigmoid_focal_loss_target_error(row, value, classes);
-            });
-        if (s || total == 0) return s;
+        auto launch_check = [&](ErrorSink check) {
+            check_targets_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(t, rows, classes,
+                                                                            check);
+        };
+        int s = MMD_OK;
+        if (strict(ctx) && rows > 0)
+            s = check_on_device(stream, "sigmoid_focal_loss target check", launch_check,
+                                [&](int64_t row, int) {
+                                    int64_t value = 0;
+                                    cudaError_t err = cudaMemcpy(&value, t + row, sizeof value,
+                                                                 cudaMemcpyDeviceToHost);
+                                    if (err != cudaSuccess)
+                                        return cuda_error(err, "sigmoid_focal_loss target read");
+                                    return mmd_sigmoid_focal_loss_target_error(row, value,
+                                                                               classes);
+                                });
+        ErrorSink sink;
+        if (!s) s = begin_deferred(ctx, format_error, classes, 0, 0, &sink);
+        if (s) return s;
+        if (total == 0) {   /* targets of (N, 0) logits are still checked, as on the CPU */
+            if (strict(ctx) || rows == 0) return MMD_OK;
+            launch_check(sink);
+            return launch_status("sigmoid_focal_loss target check");
+        }
         return by_dtype<false>(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             focal_loss_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 backward, (const T *)input->data, t, weight ? (const T *)weight->data : nullptr,
-                (T *)output->data, total, classes, (T)gamma, (T)alpha);
+                (T *)output->data, total, classes, (T)gamma, (T)alpha, sink);
             return launch_status("sigmoid_focal_loss launch");
         });
     });

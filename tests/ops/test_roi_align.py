@@ -477,10 +477,18 @@ def test_cuda_published_values_and_nonfinite_rois(cupy):
     bad[0, 2] = np.nan
     output = cupy.full((1, 1, 2, 2), 7.0)
     empty = cupy.empty(0)
-    with pytest.raises(ValueError, match=re.escape("rois[0] contains NaN or inf")):
-        mmdispatch.roi_align_forward_impl(cupy.asarray(MMCV_INPUT), cupy.asarray(bad), output,
-                                          empty, empty.copy(), 2, 2, 1.0, 2, 1, True)
+    with mmdispatch.strict():   # raised by the call itself, nothing written
+        with pytest.raises(ValueError, match=re.escape("rois[0] contains NaN or inf")):
+            mmdispatch.roi_align_forward_impl(cupy.asarray(MMCV_INPUT), cupy.asarray(bad),
+                                              output, empty, empty.copy(), 2, 2, 1.0, 2, 1, True)
     assert bool((output == 7.0).all())
+    # by default: the bad roi's bins are NaN, and the error is deferred
+    mmdispatch.roi_align_forward_impl(cupy.asarray(MMCV_INPUT), cupy.asarray(bad), output, empty,
+                                      empty.copy(), 2, 2, 1.0, 2, 1, True)
+    with pytest.raises(mmdispatch.DeferredKernelError, match=re.escape(
+            "roi_align_forward_impl: rois[0] contains NaN or inf")):
+        mmdispatch.synchronize()
+    assert bool(cupy.isnan(output).all())
 
 
 def test_cuda_and_cpu_arrays_cannot_be_mixed(cupy):

@@ -739,7 +739,7 @@ def test_cuda_matches_mmcv_published_values_and_nan_handling(cupy, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_bad_rois_and_argmax_raise_and_write_nothing(cupy, dtype):
+def test_cuda_bad_rois_and_argmax_raise_and_write_nothing_in_strict_mode(cupy, dtype):
     x, rois = good_call(dtype)
     x, bad = cupy.asarray(x), rois.copy()
     for roi, message in [([0, np.nan, 0, 2, 2], "rois[1] contains NaN or inf"),
@@ -748,16 +748,26 @@ def test_cuda_bad_rois_and_argmax_raise_and_write_nothing(cupy, dtype):
         bad[1] = roi
         output = cupy.full((2, 3, 2, 2), 7, dtype=dtype)
         argmax = cupy.full((2, 3, 2, 2), 7, dtype=np.int64)
-        with pytest.raises(ValueError, match=re.escape("roi_pool_forward_impl: " + message)):
-            mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0)
+        with mmdispatch.strict():
+            with pytest.raises(ValueError, match=re.escape("roi_pool_forward_impl: " + message)):
+                mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0)
         assert bool((output == 7).all()) and bool((argmax == 7).all())
+        # by default the bad roi's bins are NaN with argmax -1, the others
+        # computed, and the error deferred
+        mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0)
+        with pytest.raises(mmdispatch.DeferredKernelError, match=re.escape(
+                "roi_pool_forward_impl: " + message)):
+            mmdispatch.synchronize()
+        assert bool(cupy.isnan(output[1]).all()) and bool((argmax[1] == -1).all())
+        assert bool((argmax[0] >= 0).all())
     argmax = cupy.zeros((2, 3, 2, 2), dtype=np.int64)
     argmax[1, 0, 0, 1] = 25
     grad_input = cupy.full(x.shape, 7, dtype=dtype)
-    with pytest.raises(ValueError, match=re.escape(
-            "roi_pool_backward_impl: argmax holds 25 at flat index 13")):
-        mmdispatch.roi_pool_backward_impl(cupy.ones((2, 3, 2, 2), dtype=dtype),
-                                          cupy.asarray(rois), argmax, grad_input, 2, 2, 1.0)
+    with mmdispatch.strict():
+        with pytest.raises(ValueError, match=re.escape(
+                "roi_pool_backward_impl: argmax holds 25 at flat index 13")):
+            mmdispatch.roi_pool_backward_impl(cupy.ones((2, 3, 2, 2), dtype=dtype),
+                                              cupy.asarray(rois), argmax, grad_input, 2, 2, 1.0)
     assert bool((grad_input == 7).all())
 
 

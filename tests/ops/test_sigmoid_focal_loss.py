@@ -530,15 +530,23 @@ def test_cuda_matches_mmcv_published_value(cupy):
 
 @pytest.mark.parametrize("op", sorted(NAMES))
 @pytest.mark.parametrize("bad", [-1, 6])
-def test_cuda_bad_target_raises_and_writes_nothing(cupy, op, bad):
+def test_cuda_bad_target_raises_and_writes_nothing_in_strict_mode(cupy, op, bad):
     target = np.array([0, 5, 4, 1])
     target[2] = bad
     out = cupy.full((4, 5), 7.0)
-    with pytest.raises(ValueError, match=re.escape(
-            f"{op}: target[2] = {bad} is not a class index in [0, 5] (5 = background)")):
-        getattr(mmdispatch, op)(cupy.zeros((4, 5)), cupy.asarray(target), cupy.ones(5), out,
-                                2.0, 0.25)
+    with mmdispatch.strict():
+        with pytest.raises(ValueError, match=re.escape(
+                f"{op}: target[2] = {bad} is not a class index in [0, 5] (5 = background)")):
+            getattr(mmdispatch, op)(cupy.zeros((4, 5)), cupy.asarray(target), cupy.ones(5), out,
+                                    2.0, 0.25)
     assert bool((out == 7.0).all())
+    # by default the row is NaN, the others computed, and the error deferred
+    getattr(mmdispatch, op)(cupy.zeros((4, 5)), cupy.asarray(target), cupy.ones(5), out, 2.0,
+                            0.25)
+    with pytest.raises(mmdispatch.DeferredKernelError, match=re.escape(
+            f"{op}: target[2] is not a class index in [0, 5] (5 = background)")):
+        mmdispatch.synchronize()
+    assert bool(cupy.isnan(out[2]).all()) and bool(cupy.isfinite(out[[0, 1, 3]]).all())
 
 
 def test_cuda_and_cpu_arrays_cannot_be_mixed(cupy):

@@ -1,17 +1,28 @@
 /* Helpers shared by the CUDA kernel files (src/cuda/*.cu): CUDA error
  * messages, making the array's device current, launch sizing, the dtype
- * switch, storage -> compute types, and the "validate on the device, then
- * one sync" step that data-dependent checks (rois, class targets, argmax
- * indices) run before any output is written. */
+ * switch, storage -> compute types, and the two ways data-dependent checks
+ * (rois, class targets, argmax indices) run:
+ *   - by default, inside the op's own kernel, which makes a bad item
+ *     harmless and reports it through an ErrorSink as a deferred error
+ *     (mmdispatch/deferred.h): no host-device synchronisation;
+ *   - in strict mode (MMD_CONTEXT_STRICT), before the op's kernel, by a
+ *     check kernel and one synchronisation (check_on_device), so the call
+ *     itself raises and writes nothing. */
 #ifndef MMDISPATCH_CUDA_COMMON_CUH
 #define MMDISPATCH_CUDA_COMMON_CUH
+
+#include <atomic>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "mmdispatch/deferred.h"
 #include "mmdispatch/tensor.h"
 
 namespace mmd_cuda {
+
+/* Devices with deferred-error state (src/cuda/device.cu). */
+constexpr int kMaxDevices = 128;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65535;
@@ -62,11 +73,74 @@ template <bool kWithHalf = true, typename F> int by_dtype(int dtype, F f) {
     return dtype == MMD_FLOAT32 ? f(float()) : f(double());
 }
 
-/* Runs f on ctx's device (current device switched for the call). */
+/* Where a kernel reports the bad items it meets (deferred errors): the
+ * device's error word, which keeps the smallest key, and a flag in mapped
+ * host memory that lets the host see, without synchronising, that the word
+ * holds something. Passed to kernels by value. */
+struct ErrorSink {
+    unsigned long long *word;
+    int *flag;
+    uint32_t seq;
+
+    __device__ void report(int64_t index, int code) const {
+        atomicMin(word, (unsigned long long)mmd_deferred_key(seq, index, code));
+        *(volatile int *)flag = 1;
+    }
+};
+
+/* Per device (src/cuda/device.cu): the host address of its flag once its
+ * error word exists, else null; which devices calls have run on. */
+extern std::atomic<int *> g_error_flags[kMaxDevices];
+extern std::atomic<bool> g_device_used[kMaxDevices];
+
+/* A sink for a call recorded with mmd_deferred_begin(seq); the device's
+ * error word is allocated on its first use (the current device must be
+ * `device`). */
+int error_sink(int device, uint32_t seq, ErrorSink *sink);
+/* Waits for the device, takes its error word and returns the deferred
+ * error it holds (MMD_ERR_DEFERRED), or MMD_OK. `raised_by`: the entry
+ * point whose call found it pending, or null for synchronize. */
+int take_pending(int device, cudaStream_t stream, const char *raised_by);
+
+/* The per-call test for a pending deferred error: one load of a host flag. */
+inline int raise_pending(int device, cudaStream_t stream, const char *raised_by) {
+    if ((unsigned)device >= (unsigned)kMaxDevices) return MMD_OK;
+    const int *flag = g_error_flags[device].load(std::memory_order_acquire);
+    if (flag == nullptr || *(const volatile int *)flag == 0) return MMD_OK;
+    return take_pending(device, stream, raised_by);
+}
+
+inline bool strict(const mmd_context *ctx) { return (ctx->flags & MMD_CONTEXT_STRICT) != 0; }
+
+/* Records a call whose kernel may report bad items (mmd_deferred_begin)
+ * and fills its sink. */
+inline int begin_deferred(const mmd_context *ctx, mmd_deferred_format format, int64_t arg0,
+                          int64_t arg1, int64_t arg2, ErrorSink *sink) {
+    const uint32_t seq = mmd_deferred_begin(ctx->op ? ctx->op : "mmdispatch", format, arg0,
+                                            arg1, arg2);
+    return error_sink(ctx->device_id, seq, sink);
+}
+
+/* Runs f(stream) on ctx's device (current device switched for the call),
+ * after raising a deferred error an earlier call left on that device. In
+ * strict mode it then waits for the stream, so that a failed kernel is
+ * reported by this call. */
 template <typename F> int on_device(const mmd_context *ctx, F f) {
     DeviceGuard guard(ctx->device_id);
     if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
-    return f((cudaStream_t)ctx->stream);
+    const int device = ctx->device_id;
+    if ((unsigned)device < (unsigned)kMaxDevices &&
+        !g_device_used[device].load(std::memory_order_relaxed))
+        g_device_used[device].store(true, std::memory_order_relaxed);
+    const cudaStream_t stream = (cudaStream_t)ctx->stream;
+    int s = raise_pending(device, stream, ctx->op ? ctx->op : "an mmdispatch call");
+    if (s) return s;
+    s = f(stream);
+    if (s == MMD_OK && strict(ctx)) {
+        const cudaError_t err = cudaStreamSynchronize(stream);
+        if (err != cudaSuccess) s = cuda_error(err, ctx->op ? ctx->op : "kernel");
+    }
+    return s;
 }
 
 /* Storage type -> compute type: half computes in float. */
@@ -81,35 +155,30 @@ template <> __device__ inline __half from_compute<__half>(float v) { return __fl
 template <> __device__ inline float from_compute<float>(float v) { return v; }
 template <typename T> __device__ inline T from_compute(double v) { return v; }
 
-/* A failed device-side check is recorded as (index << 8 | code); the lowest
- * index wins, so the message names the first bad item. */
-constexpr unsigned long long kNoError = ~0ull;
-
-__device__ inline void report_error(unsigned long long *flag, int64_t index, int code) {
-    atomicMin(flag, ((unsigned long long)index << 8) | (unsigned long long)(code & 0xff));
-}
-
-/* launch(flag) enqueues a check kernel on `stream` that calls report_error;
- * then waits for its verdict (one small sync) and returns MMD_OK, or
- * on_error(index, code) for the first bad item. */
+/* Strict mode's check: launch(sink) enqueues a check kernel on `stream`
+ * that reports bad items into a sink of its own (a fresh word, a null
+ * flag); then waits for its verdict (one small sync) and returns MMD_OK,
+ * or on_error(index, code) for the first bad item. */
 template <typename Launch, typename OnError>
 int check_on_device(cudaStream_t stream, const char *what, Launch launch, OnError on_error) {
-    unsigned long long *flag = nullptr, result = kNoError;
-    cudaError_t err = cudaMallocAsync((void **)&flag, sizeof *flag, stream);
+    unsigned long long *word = nullptr, result = MMD_DEFERRED_NONE;
+    cudaError_t err = cudaMallocAsync((void **)&word, 2 * sizeof *word, stream);
     if (err != cudaSuccess) return cuda_error(err, what);
-    err = cudaMemsetAsync(flag, 0xff, sizeof *flag, stream);
+    err = cudaMemsetAsync(word, 0xff, sizeof *word, stream);
     if (err == cudaSuccess) {
-        launch(flag);
+        /* the sink's flag: device memory the host never reads */
+        launch(ErrorSink{word, (int *)(word + 1), 0});
         err = cudaGetLastError();
     }
     if (err == cudaSuccess)
-        err = cudaMemcpyAsync(&result, flag, sizeof result, cudaMemcpyDeviceToHost, stream);
-    cudaError_t free_err = cudaFreeAsync(flag, stream);
+        err = cudaMemcpyAsync(&result, word, sizeof result, cudaMemcpyDeviceToHost, stream);
+    cudaError_t free_err = cudaFreeAsync(word, stream);
     if (err == cudaSuccess) err = free_err;
     if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) return cuda_error(err, what);
-    if (result == kNoError) return MMD_OK;
-    return on_error((int64_t)(result >> 8), (int)(result & 0xff));
+    if (result == MMD_DEFERRED_NONE) return MMD_OK;
+    return on_error((int64_t)((result >> 8) & (uint64_t)MMD_DEFERRED_MAX_INDEX),
+                    (int)(result & 0xff));
 }
 
 /* Temporary device memory, allocated and freed in stream order. */

@@ -28,6 +28,11 @@ enum {
  * returns MMD_ERR_VALUE (src/core/rois.c). */
 int mmd_roi_error(int code, int64_t roi_index, int64_t batch_size);
 
+/* The same for a roi reported as a deferred error (an mmd_deferred_format,
+ * mmdispatch/deferred.h) by a call recorded with the batch size as args[0]. */
+struct mmd_deferred_call;
+int mmd_roi_deferred_error(const struct mmd_deferred_call *call, int64_t roi_index, int code);
+
 #ifdef __cplusplus
 }
 #endif

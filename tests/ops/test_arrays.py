@@ -1,0 +1,81 @@
+"""The ops' array plumbing (mmdispatch/ops/_arrays.py): what an op does with
+another library's arrays must not depend on whether the caller happened to
+import CuPy first."""
+import subprocess
+import sys
+import textwrap
+
+FAKE_CUPY = '''
+"""A stand-in CuPy: installed, but no GPU; records what the ops ask of it."""
+import types
+calls = []
+class ndarray:
+    pass
+def from_dlpack(x):
+    calls.append("from_dlpack")
+    raise AssertionError("exported a foreign-device array")
+def asarray(x):
+    calls.append("asarray")
+    raise RuntimeError("no GPU")
+def _no_gpu(*args):
+    calls.append("runtime")
+    raise RuntimeError("cudaErrorNoDevice")
+cuda = types.SimpleNamespace(get_current_stream=_no_gpu,
+                             runtime=types.SimpleNamespace(getDeviceCount=_no_gpu))
+'''
+
+CALLS = '''
+import numpy as np
+import mmdispatch
+from mmdispatch.ops import batched_nms, nms, roi_align
+
+class StandIn:
+    """An array on cuda:0, seen only through __dlpack_device__ (plus shape)."""
+    def __init__(self, shape, dtype=np.float32):
+        self.shape, self.ndim, self.dtype = shape, len(shape), np.dtype(dtype)
+        self.exported = False
+    def __dlpack_device__(self):
+        return (2, 0)
+    def __dlpack__(self, **kwargs):
+        self.exported = True
+        raise AssertionError("exported")
+
+boxes = np.zeros((3, 4), np.float32)
+scores = np.zeros(3, np.float32)
+outcomes = []
+for call in [lambda: nms(boxes, StandIn((3,)), 0.5),
+             lambda: nms(StandIn((3, 4)), scores, 0.5),
+             lambda: batched_nms(boxes, scores, StandIn((3,), np.int64), 0.5),
+             lambda: roi_align(np.zeros((1, 1, 4, 4), np.float32), StandIn((1, 5)), 2)]:
+    try:
+        call()
+        outcomes.append("no error")
+    except Exception as exc:
+        outcomes.append(f"{type(exc).__name__}: {exc}")
+print(repr(outcomes))
+'''
+
+
+def outcomes(tmp_path, import_cupy_first):
+    (tmp_path / "cupy.py").write_text(FAKE_CUPY)
+    code = ("import cupy\n" if import_cupy_first else "") + textwrap.dedent(CALLS)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_foreign_cuda_arrays_get_the_same_errors_whether_or_not_cupy_was_imported(tmp_path):
+    first = outcomes(tmp_path, import_cupy_first=True)
+    assert first == outcomes(tmp_path, import_cupy_first=False)
+    results = eval(first)
+    # the dispatcher's device check, before anything is exported
+    assert results[0] == ("DeviceMismatchError: nms_impl: at param 1 (scores), inconsistent "
+                          "device: cuda:0 vs cpu")
+    assert results[2] == ("DeviceMismatchError: nms_impl: at param 2 (idxs), inconsistent "
+                          "device: cuda:0 vs cpu")
+    assert results[3] == ("DeviceMismatchError: roi_align_forward_impl: at param 1 (rois), "
+                          "inconsistent device: cuda:0 vs cpu")
+    # outputs like a CUDA array need CuPy and a GPU; neither works here
+    assert results[1].startswith("TypeError: nms: cannot allocate outputs like a StandIn on "
+                                 "DLPack device (2, 0)")
