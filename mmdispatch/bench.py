@@ -18,10 +18,15 @@ growing size (the --plot figure, when matplotlib is installed).
 On a machine where mmdispatch's CUDA kernels run and CuPy is installed, the
 same workload also runs on the GPU (CuPy arrays), each timed call waiting for
 the device, side by side with torchvision's CUDA kernels when torch sees the
-GPU; and the host-side cost of a call with CuPy arrays is measured: the
-dispatch of a no-op kernel (no device work) and a whole tiny ops.roi_align
-call, both per call over a batch of calls with one wait at the end.
-Elsewhere the report says why the GPU part was skipped.
+GPU, with each kernel's achieved memory bandwidth (the least traffic its
+work needs over its time) against the device's peak; the host-side cost of
+a call with CuPy arrays is measured: the dispatch of a no-op kernel (no
+device work) and a whole tiny ops.roi_align call (beside torchvision's on
+CUDA tensors), per call over a batch of calls with one wait at the end; and
+a row says whether a roi_align forward+backward returns while a long kernel
+queued before it still runs (no host-device synchronisation). Elsewhere the
+report says why the GPU part was skipped. Import time (fresh interpreters,
+beside numpy's) is measured everywhere.
 """
 import argparse
 import json
@@ -225,23 +230,24 @@ def cuda_runtime():
 
 
 def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
-    """(name, ours, theirs) for the roi_align and nms workloads on a device:
-    arrays moved there by to_device, every timed call followed by sync() (the
-    device finishing its work); theirs runs torchvision on torch device
-    `theirs_device` ("cpu", "cuda"; None: no comparison). With numpy and a
-    no-op sync these are the CPU benchmarks."""
+    """(name, ours, theirs, bytes) for the roi_align, roi_pool and nms
+    workloads on a device: arrays moved there by to_device, every timed call
+    followed by sync() (the device finishing its work); theirs runs
+    torchvision on torch device `theirs_device` ("cpu", "cuda"; None: no
+    comparison); bytes is the least memory traffic the work needs (each
+    array read or written once, the whole map read), from which the GPU
+    part reports achieved bandwidth. With numpy and a no-op sync these are
+    the CPU benchmarks."""
     feature, rois = roi_workload(cfg)
-    boxes, scores = nms_workload(cfg["nms_boxes"])
     d_feature, d_rois = to_device(feature), to_device(rois)
-    d_boxes, d_scores = to_device(boxes), to_device(scores)
     scale, size = cfg["spatial_scale"], cfg["output"]
+    pooled = (len(rois), feature.shape[1], size, size)
+    map_bytes, pooled_bytes = feature.nbytes, 4 * int(np.prod(pooled))
     torch = torchvision = None
     if tv is not None and theirs_device is not None:
         torch, torchvision = tv
         t_feature = torch.from_numpy(feature).to(theirs_device)
         t_rois = torch.from_numpy(rois).to(theirs_device)
-        t_boxes = torch.from_numpy(boxes).to(theirs_device)
-        t_scores = torch.from_numpy(scores).to(theirs_device)
 
         def theirs_sync():
             if theirs_device != "cpu":
@@ -272,28 +278,61 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
                 torchvision.ops.roi_align(x, t_rois, size, scale, sr, True).sum().backward()
                 theirs_sync()
 
-        yield f"roi_align sampling_ratio={sr} forward", forward, theirs_fwd
-        yield f"roi_align sampling_ratio={sr} forward+backward", forward_backward, theirs_fb
+        # forward: read the map, write the output; backward: read the
+        # gradient, zero and write grad_input
+        yield (f"roi_align sampling_ratio={sr} forward", forward, theirs_fwd,
+               map_bytes + pooled_bytes)
+        yield (f"roi_align sampling_ratio={sr} forward+backward", forward_backward, theirs_fb,
+               3 * map_bytes + 2 * pooled_bytes)
 
-    def nms():
-        ops.nms(d_boxes, d_scores, 0.5)
+    grad = to_device(np.ones(pooled, np.float32))
+
+    def pool_forward_backward():
+        output, argmax = ops.roi_pool_forward(d_feature, d_rois, size, scale)
+        ops.roi_pool_backward(grad, d_rois, argmax, feature.shape, scale)
         sync()
 
-    theirs_nms = None
+    theirs_pool = None
     if torch is not None:
-        def theirs_nms():
-            torchvision.ops.nms(t_boxes, t_scores, 0.5)
+        def theirs_pool():
+            x = t_feature.detach().requires_grad_(True)
+            torchvision.ops.roi_pool(x, t_rois, size, scale).sum().backward()
             theirs_sync()
 
-    yield f"nms {cfg['nms_boxes']} boxes, IoU 0.5", nms, theirs_nms
+    # + the int64 argmax, written then read
+    yield ("roi_pool forward+backward", pool_forward_backward, theirs_pool,
+           3 * map_bytes + 2 * pooled_bytes + 4 * pooled_bytes)
+
+    for n in sorted({2000, cfg["nms_boxes"]}):
+        boxes, scores = nms_workload(n)
+        d_boxes, d_scores = to_device(boxes), to_device(scores)
+
+        def nms(d_boxes=d_boxes, d_scores=d_scores):
+            ops.nms(d_boxes, d_scores, 0.5)
+            sync()
+
+        theirs_nms = None
+        if torch is not None:
+            t_boxes = torch.from_numpy(boxes).to(theirs_device)
+            t_scores = torch.from_numpy(scores).to(theirs_device)
+
+            def theirs_nms(t_boxes=t_boxes, t_scores=t_scores):
+                torchvision.ops.nms(t_boxes, t_scores, 0.5)
+                theirs_sync()
+
+        # boxes and scores read; the n x n/64 suppression mask written and read
+        yield (f"nms {n} boxes, IoU 0.5", nms, theirs_nms,
+               boxes.nbytes + scores.nbytes + 2 * n * ((n + 63) // 64) * 8)
 
 
-def device_call_costs(to_device, sync, device, number=2000):
+def device_call_costs(to_device, sync, device, number=2000, theirs=None):
     """Host-side cost per call on a device, over `number` calls and one
     sync(): roi_align_forward_impl dispatching to a no-op C kernel
     registered for `device` (the dispatcher's host work: intake of the 5
     arrays, device check, lookup; no device work), and a whole tiny
-    ops.roi_align call (launches included). {name: seconds per call}."""
+    ops.roi_align call (launches included), beside `theirs` (a callable
+    making torchvision's tiny call, None: no comparison). {name: (seconds
+    per call, theirs or None)}."""
     x = to_device(np.zeros((1, 1, 4, 4), np.float32))
     rois = to_device(np.array([[0, 0, 0, 3, 3]], np.float32))
     out = to_device(np.empty((1, 1, 1, 1), np.float32))
@@ -317,23 +356,77 @@ def device_call_costs(to_device, sync, device, number=2000):
     with mmdispatch.register_impl("roi_align_forward_impl", device, noop, override=True):
         dispatch = per_call(lambda: impl(*args))
     tiny = per_call(lambda: ops.roi_align(x, rois, 1, 1.0, 2))
-    return {"no-op kernel through roi_align_forward_impl (host)": dispatch,
-            "roi_align call, tiny input (host, launches included)": tiny}
+    return {"no-op kernel through roi_align_forward_impl (host)": (dispatch, None),
+            "roi_align call, tiny input (host, launches included)":
+                (tiny, per_call(theirs) if theirs is not None else None)}
 
 
-def result_row(name, unit, ours, theirs=None):
+def returns_before_queued_work(cupy):
+    """Whether ops.roi_align (and its backward) return while a kernel queued
+    before them on the stream is still running: no host-device
+    synchronisation on the default path. (returned early, host seconds of
+    the two calls)."""
+    spin = cupy.RawKernel(r"""
+    extern "C" __global__ void spin(long long cycles) {
+        const long long start = clock64();
+        while (clock64() - start < cycles) {}
+    }""", "spin")
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((2, 16, 32, 32), np.float32))
+    rois = cupy.asarray(np.array([[0, 0, 0, 20, 20], [1, 4, 4, 30, 12]], np.float32))
+    stream = cupy.cuda.get_current_stream()
+    out = ops.roi_align(x, rois, 7, 1.0, 2)     # warm (the error word is allocated once)
+    stream.synchronize()
+    spin((1,), (1,), (np.int64(1_000_000_000),))   # about half a second
+    start = time.perf_counter()
+    out = ops.roi_align(x, rois, 7, 1.0, 2)
+    ops.roi_align_backward(out, rois, None, None, x.shape, 1.0, 2)
+    seconds = time.perf_counter() - start
+    early = not stream.done
+    stream.synchronize()
+    return early, seconds
+
+
+def peak_bandwidth(cupy):
+    """The current GPU's peak memory bandwidth in bytes/s, from its memory
+    clock and bus width (double data rate), or None where CUDA does not say."""
+    try:
+        attributes = cupy.cuda.Device().attributes
+        clock_khz = attributes["MemoryClockRate"]
+        bus_bits = attributes["GlobalMemoryBusWidth"]
+    except Exception:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def import_seconds(repeat):
+    """Median wall time of `import mmdispatch` in a fresh interpreter, and of
+    `import numpy` for reference (the same interpreter start-up in both)."""
+    import subprocess
+
+    def timed(statement):
+        code = ("import time; t = time.perf_counter(); " + statement +
+                "; print(time.perf_counter() - t)")
+        return statistics.median(
+            float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True).stdout) for _ in range(repeat))
+
+    return timed("import mmdispatch"), timed("import numpy")
+
+
+def result_row(name, unit, ours, theirs=None, traffic=None):
     return {"benchmark": name, "unit": unit, "mmdispatch": ours, "torchvision": theirs,
-            "ratio": (theirs / ours) if theirs is not None else None}
+            "ratio": (theirs / ours) if theirs is not None and ours else None,
+            "bytes": traffic}
 
 
 def timed_rows(cases, repeat, prefix=""):
-    """Result rows of (name, ours, theirs) cases: median seconds of each side
-    (theirs None: no comparison) and their ratio."""
+    """Result rows of (name, ours, theirs, bytes) cases: median seconds of
+    each side (theirs None: no comparison), their ratio, the traffic."""
     rows = []
-    for name, fn, theirs_fn in cases:
+    for name, fn, theirs_fn, traffic in cases:
         progress(f"bench: {prefix}{name} ...")
         theirs = median_time(theirs_fn, repeat) if theirs_fn else None
-        rows.append(result_row(prefix + name, "s", median_time(fn, repeat), theirs))
+        rows.append(result_row(prefix + name, "s", median_time(fn, repeat), theirs, traffic))
     return rows
 
 
@@ -352,9 +445,26 @@ def run_cuda(quick, repeat, tv):
 
     rows = timed_rows(device_cases(cfg, cupy.asarray, sync, theirs_device, tv), repeat,
                       "CUDA ")
+    peak = peak_bandwidth(cupy)
+    for row in rows:
+        row["peak_bandwidth"] = peak
     progress("bench: CUDA host-side cost per call ...")
-    for name, seconds in device_call_costs(cupy.asarray, sync, "cuda").items():
-        rows.append(result_row(f"CUDA {name}", "s/call", seconds))
+    theirs = None
+    if theirs_device is not None:
+        torch, torchvision = tv
+        t_x = torch.zeros((1, 1, 4, 4), device="cuda")
+        t_rois = torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32, device="cuda")
+
+        def theirs():
+            torchvision.ops.roi_align(t_x, t_rois, 1, 1.0, 2, True)
+
+    costs = device_call_costs(cupy.asarray, sync, "cuda", theirs=theirs)
+    for name, (seconds, their_seconds) in costs.items():
+        rows.append(result_row(f"CUDA {name}", "s/call", seconds, their_seconds))
+    progress("bench: CUDA call behind a long kernel ...")
+    early, seconds = returns_before_queued_work(cupy)
+    rows.append(result_row("CUDA roi_align forward+backward behind a long kernel: returned "
+                           f"before it finished: {'yes' if early else 'NO'}", "s/call", seconds))
     return rows, None
 
 
@@ -380,6 +490,10 @@ def run(quick=False, repeat=None):
     record("dispatch overhead (difference)", overhead_ns * 1e-9, None, "s/call")
     progress("bench: overhead fraction sweep ...")
     sweep = overhead_sweep(overhead_ns, quick, repeat)
+    progress("bench: import time ...")
+    ours_import, numpy_import = import_seconds(max(repeat, 5))
+    record("import mmdispatch (fresh interpreter)", ours_import, None, "s")
+    record("import numpy (fresh interpreter, reference point)", numpy_import, None, "s")
     cuda_rows, cuda_skipped = run_cuda(quick, repeat, tv)
     rows += cuda_rows or []
     progress("bench: peak memory of a forward call ...")
@@ -428,6 +542,22 @@ def table(report):
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
         lines.append(f"| {row['benchmark']} | {format_value(row['mmdispatch'], row['unit'])} | "
                      f"{format_value(row['torchvision'], row['unit'])} | {ratio} |")
+    gpu = [row for row in report["results"] if "peak_bandwidth" in row]
+    if gpu:
+        peak = gpu[0]["peak_bandwidth"]
+        lines += ["", f"CUDA achieved memory bandwidth (least traffic / time; device peak "
+                      f"{peak / 1e9:.0f} GB/s)" if peak else
+                  "CUDA achieved memory bandwidth (least traffic / time; peak unknown)",
+                  "", "| kernel | traffic | mmdispatch | of peak | torchvision | of peak |",
+                  "|---|---|---|---|---|---|"]
+        for row in gpu:
+            cells = []
+            for seconds in (row["mmdispatch"], row["torchvision"]):
+                rate = row["bytes"] / seconds if seconds else None
+                cells += [f"{rate / 1e9:.0f} GB/s" if rate else "-",
+                          f"{rate / peak * 100:.1f} %" if rate and peak else "-"]
+            lines.append(f"| {row['benchmark']} | {row['bytes'] / 2**20:.0f} MiB | "
+                         + " | ".join(cells) + " |")
     lines += ["", "| roi_align_forward_impl call (N, C, H, W; rois; 7x7) | time | "
               "dispatch overhead share |", "|---|---|---|"]
     for p in report["overhead"]["sweep"]:

@@ -36,6 +36,20 @@ def cupy():
     mmdispatch.synchronize("cuda")
 
 
+@pytest.fixture
+def torch_cuda():
+    """torch with a usable GPU and mmdispatch's CUDA kernels, else skipped:
+    for dtypes only torch has on the GPU (bfloat16), handed over through
+    DLPack. Afterwards the test's kernels are waited for, as with `cupy`."""
+    if not any(d["device"] == "cuda" and d["available"] for d in mmdispatch.devices()):
+        pytest.skip("CUDA kernels unusable here")
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    yield torch
+    mmdispatch.synchronize("cuda")
+
+
 class FakeDeviceArray:
     """Stand-in for an array on another device: reports its device through
     __dlpack_device__ and fails the test if anything tries to read it."""

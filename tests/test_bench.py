@@ -19,25 +19,33 @@ def test_device_cases_run_roi_align_and_nms_and_wait_for_the_device_each_call():
         return np.asarray(a)
 
     cases = list(bench.device_cases(TINY, to_device, lambda: waits.append(1)))
-    assert [name for name, _, _ in cases] == [
+    assert [name for name, _, _, _ in cases] == [
         "roi_align sampling_ratio=2 forward", "roi_align sampling_ratio=2 forward+backward",
         "roi_align sampling_ratio=0 forward", "roi_align sampling_ratio=0 forward+backward",
-        "nms 40 boxes, IoU 0.5"]
+        "roi_pool forward+backward", "nms 40 boxes, IoU 0.5", "nms 2000 boxes, IoU 0.5"]
     assert (1, 2, 16, 24) in moved and (6, 5) in moved and (40, 4) in moved
-    for _, ours, theirs in cases:
+    map_bytes, pooled_bytes = 4 * 2 * 16 * 24, 4 * 6 * 2 * 3 * 3
+    assert cases[0][3] == map_bytes + pooled_bytes   # the map read, the output written
+    assert cases[5][3] == 40 * 16 + 40 * 4 + 2 * 40 * 8   # boxes, scores, mask twice
+    for _, ours, theirs, traffic in cases:
         before = len(waits)
         ours()
         assert len(waits) == before + 1
         assert theirs is None   # no torch device given
+        assert traffic > 0
 
 
 def test_device_call_costs_time_both_host_costs_and_restore_the_registry():
     waits = []
     before = mmdispatch.registry_table()
-    costs = bench.device_call_costs(np.asarray, lambda: waits.append(1), "cpu", number=20)
+    theirs = []
+    costs = bench.device_call_costs(np.asarray, lambda: waits.append(1), "cpu", number=20,
+                                    theirs=lambda: theirs.append(1))
     assert set(costs) == {"no-op kernel through roi_align_forward_impl (host)",
                           "roi_align call, tiny input (host, launches included)"}
-    assert all(seconds > 0 for seconds in costs.values())
+    assert all(ours > 0 for ours, _ in costs.values())
+    assert costs["no-op kernel through roi_align_forward_impl (host)"][1] is None
+    assert costs["roi_align call, tiny input (host, launches included)"][1] > 0 and theirs
     assert waits   # one wait per batch of calls
     assert mmdispatch.registry_table() == before   # the no-op kernel is gone again
 
@@ -49,3 +57,19 @@ def test_cuda_part_says_why_it_is_skipped_where_it_cannot_run():
     rows, skipped = bench.run_cuda(True, 1, None)
     assert rows is None and skipped == reason
     assert "CUDA" in reason or "CuPy" in reason
+
+
+def test_import_time_is_measured_in_fresh_interpreters():
+    ours, numpy_only = bench.import_seconds(1)
+    assert ours > 0 and numpy_only > 0
+
+
+def test_bandwidth_table_lists_gpu_rows_with_their_share_of_the_peak():
+    row = bench.result_row("CUDA x", "s", 0.001, 0.002, traffic=3e9)
+    row["peak_bandwidth"] = 6e12
+    report = {"workload": "quick", "repeat": 1, "torchvision": "0", "cuda_skipped": None,
+              "machine": {"platform": "p", "cpu_status": "c"}, "results": [row],
+              "overhead": {"sweep": []}}
+    text = bench.table(report)
+    assert "device peak 6000 GB/s" in text
+    assert "| CUDA x | 2861 MiB | 3000 GB/s | 50.0 % | 1500 GB/s | 25.0 % |" in text

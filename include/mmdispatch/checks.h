@@ -13,6 +13,8 @@ extern "C" {
 #define MMD_DTYPE_BIT(d) (1u << (d))
 #define MMD_FLOAT32_64 (MMD_DTYPE_BIT(MMD_FLOAT32) | MMD_DTYPE_BIT(MMD_FLOAT64))
 #define MMD_FLOAT16_32_64 (MMD_FLOAT32_64 | MMD_DTYPE_BIT(MMD_FLOAT16))
+/* CUDA's 16-bit float kernels take bfloat16 as well (computed in float32) */
+#define MMD_FLOAT16_BF16_32_64 (MMD_FLOAT16_32_64 | MMD_DTYPE_BIT(MMD_BFLOAT16))
 
 /* Wildcard for one dimension in mmd_check_shape. */
 #define MMD_ANY_DIM (-1)

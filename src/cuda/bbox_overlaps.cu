@@ -1,5 +1,6 @@
-/* bbox_overlaps on CUDA: one thread per output element; float16 boxes
- * compute in float32. Launches on ctx->stream, on ctx->device_id. */
+/* bbox_overlaps on CUDA: one thread per output element; float16 and
+ * bfloat16 boxes compute in float32. Launches on ctx->stream, on
+ * ctx->device_id. */
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/bbox_overlaps.h"
 #include "mmdispatch/registry.h"
@@ -34,7 +35,7 @@ int bbox_overlaps_cuda(const mmd_tensor *bboxes1, const mmd_tensor *bboxes2,
                        const mmd_tensor *ious, int64_t mode, int aligned, int64_t offset,
                        const mmd_context *ctx) {
     int s = mmd_bbox_overlaps_check(bboxes1, bboxes2, ious, mode, aligned, offset,
-                                    MMD_FLOAT16_32_64);
+                                    MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     const int64_t total = mmd_numel(ious);
     if (total == 0) return MMD_OK;

@@ -9,7 +9,7 @@
  *      with register shuffles, then all threads fold the kept boxes' masks
  *      into the later blocks' `removed` words.
  * The IoU math is the CPU kernel's, so both keep the same boxes. float16
- * boxes compute in float32. Memory: n * ceil(n / 64) * 8 bytes of mask. */
+ * and bfloat16 boxes compute in float32. Memory: n * ceil(n / 64) * 8 bytes of mask. */
 #include <cub/device/device_radix_sort.cuh>
 
 #include "mmdispatch/cuda/common.cuh"
@@ -196,7 +196,7 @@ int nms_cuda(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor
              const mmd_tensor *keep, const mmd_tensor *num_kept, double iou_threshold,
              int64_t offset, const mmd_context *ctx) {
     int s = mmd_nms_check(boxes, scores, idxs, keep, num_kept, iou_threshold, offset,
-                          MMD_FLOAT16_32_64);
+                          MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(boxes->dtype, [&](auto tag) {

@@ -1,7 +1,7 @@
 /* roi_align on CUDA (MMCV semantics, math shared with the CPU kernels via
  * mmdispatch/ops/roi_align.h). One thread per output bin; backward adds into
- * grad_input with atomics (the `default` backend). float16 inputs compute in
- * float32. Launches on ctx->stream, on ctx->device_id.
+ * grad_input with atomics (the `default` backend). float16 and bfloat16 inputs
+ * compute in float32. Launches on ctx->stream, on ctx->device_id.
  *
  * Bad rois never cause an out-of-bounds access. By default each thread
  * validates its roi: a bad roi's bins are NaN (argmax -1) in forward and
@@ -296,7 +296,7 @@ int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                            int64_t pool_mode, int aligned, const mmd_context *ctx) {
     int s = mmd_roi_align_forward_check(input, rois, output, argmax_y, argmax_x, aligned_height,
                                         aligned_width, spatial_scale, sampling_ratio, pool_mode,
-                                        MMD_FLOAT16_32_64);
+                                        MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(input->dtype, [&](auto tag) {
@@ -314,7 +314,7 @@ int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *roi
                             int64_t pool_mode, int aligned, const mmd_context *ctx) {
     int s = mmd_roi_align_backward_check(grad_output, rois, argmax_y, argmax_x, grad_input,
                                          aligned_height, aligned_width, spatial_scale,
-                                         sampling_ratio, pool_mode, MMD_FLOAT16_32_64);
+                                         sampling_ratio, pool_mode, MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(grad_input->dtype, [&](auto tag) {

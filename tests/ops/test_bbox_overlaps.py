@@ -513,6 +513,20 @@ def test_cuda_float16_computes_in_float32(cupy, mode):
                                atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["iou", "iof"])
+def test_cuda_bfloat16_computes_in_float32(torch_cuda, mode):
+    torch = torch_cuda
+    rng = np.random.default_rng(4)
+    b1 = torch.from_numpy(np.abs(random_boxes(rng, 200, 2)).astype(np.float32)).bfloat16()
+    b2 = torch.from_numpy(np.abs(random_boxes(rng, 150, 0)).astype(np.float32)).bfloat16()
+    expected = bbox_overlaps(b1.float().numpy(), b2.float().numpy(), mode, offset=1)
+    ious = torch.empty((200, 150), dtype=torch.bfloat16, device="cuda")
+    mmdispatch.bbox_overlaps_impl(b1.cuda(), b2.cuda(), ious, {"iou": 0, "iof": 1}[mode], False,
+                                  1)
+    # float32 math, then one rounding to bfloat16 (8 bits of mantissa)
+    np.testing.assert_allclose(ious.float().cpu().numpy(), expected, rtol=8e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [np.float16])
 def test_cuda_published_values_and_edge_cases(cupy, dtype):
     b1, b2 = cupy.asarray(MMCV_B1.astype(dtype)), cupy.asarray(MMCV_B2.astype(dtype))

@@ -776,6 +776,26 @@ def test_cuda_float16_matches_cpu_float32_on_the_same_values(cupy, seed):
             cupy.asnumpy(keep), nms(boxes16.astype(np.float32), scores16.astype(np.float32), thr))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_cuda_bfloat16_matches_cpu_float32_on_the_same_values(torch_cuda, seed):
+    """bfloat16 boxes and scores (torch tensors through DLPack): float32 math
+    on the bfloat16 values, so the CPU kernel on the upcast values keeps the
+    same boxes."""
+    torch = torch_cuda
+    rng = np.random.default_rng(seed)
+    n = 500
+    xy = rng.integers(0, 64, (n, 2)).astype(np.float32)
+    boxes = torch.from_numpy(np.concatenate([xy, xy + rng.integers(0, 32, (n, 2))],
+                                            axis=1).astype(np.float32)).bfloat16()
+    scores = torch.from_numpy((rng.integers(0, 50, n) / 7.0).astype(np.float32)).bfloat16()
+    for thr in (0.3, 0.5):
+        keep = torch.empty(n, dtype=torch.int64, device="cuda")
+        count = torch.zeros(1, dtype=torch.int64, device="cuda")
+        mmdispatch.nms_impl(boxes.cuda(), scores.cuda(), None, keep, count, thr, 0)
+        np.testing.assert_array_equal(keep[:int(count)].cpu().numpy(),
+                                      nms(boxes.float().numpy(), scores.float().numpy(), thr))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_published_values_edge_cases_and_empty_input(cupy, dtype):
     keep = nms(cupy.asarray(MMCV_BOXES.astype(dtype)), cupy.asarray(MMCV_SCORES.astype(dtype)),

@@ -470,6 +470,28 @@ def test_cuda_float16_computes_in_float32(cupy, rng):
                                atol=2e-2)
 
 
+def test_cuda_bfloat16_computes_in_float32(torch_cuda, rng):
+    """bfloat16 torch tensors (DLPack bfloat code) through the entry points,
+    forward and backward: float32 math on the bfloat16 values."""
+    torch = torch_cuda
+    x = torch.from_numpy(rng.standard_normal((1, 4, 16, 16)).astype(np.float32)).bfloat16()
+    rois = torch.from_numpy(random_rois(rng, 8, 1, 16, 16, 1.0).astype(np.float32)).bfloat16()
+    x32, rois32 = x.float().numpy(), rois.float().numpy()
+    expected = roi_align(x32, rois32, 3, 1.0, 2)
+    gx, grois = x.cuda(), rois.cuda()
+    out = torch.empty((8, 4, 3, 3), dtype=torch.bfloat16, device="cuda")
+    empty = torch.empty(0, dtype=torch.bfloat16, device="cuda")
+    mmdispatch.roi_align_forward_impl(gx, grois, out, empty, empty, 3, 3, 1.0, 2, 1, True)
+    np.testing.assert_allclose(out.float().cpu().numpy(), expected, rtol=2e-2, atol=2e-2)
+    grad_out = torch.ones_like(out)
+    grad = torch.zeros_like(gx)
+    mmdispatch.roi_align_backward_impl(grad_out, grois, empty, empty, grad, 3, 3, 1.0, 2, 1,
+                                       True)
+    expected_grad = roi_align_backward(np.ones((8, 4, 3, 3), np.float32), rois32, None, None,
+                                       x32.shape, 1.0, 2)
+    np.testing.assert_allclose(grad.float().cpu().numpy(), expected_grad, rtol=3e-2, atol=3e-2)
+
+
 def test_cuda_published_values_and_nonfinite_rois(cupy):
     out = roi_align(cupy.asarray(MMCV_INPUT), cupy.asarray(MMCV_ROIS), 2, 1.0, 2)
     np.testing.assert_allclose(cupy.asnumpy(out)[0, 0], [[1.9375, 4.75], [7.5625, 10.375]])

@@ -13,6 +13,7 @@
 
 #include <atomic>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -66,10 +67,12 @@ inline unsigned blocks_for(int64_t total) {
 
 /* Calls f with a value of the storage type matching `dtype`, which the
  * caller has already checked to be float32, float64 or (when kWithHalf)
- * float16; ops without float16 kernels instantiate no half code. */
+ * float16 or bfloat16; ops without 16-bit kernels instantiate no such code. */
 template <bool kWithHalf = true, typename F> int by_dtype(int dtype, F f) {
-    if constexpr (kWithHalf)
+    if constexpr (kWithHalf) {
         if (dtype == MMD_FLOAT16) return f(__half());
+        if (dtype == MMD_BFLOAT16) return f(__nv_bfloat16());
+    }
     return dtype == MMD_FLOAT32 ? f(float()) : f(double());
 }
 
@@ -143,15 +146,20 @@ template <typename F> int on_device(const mmd_context *ctx, F f) {
     return s;
 }
 
-/* Storage type -> compute type: half computes in float. */
+/* Storage type -> compute type: float16 and bfloat16 compute in float. */
 template <typename T> struct Compute { typedef T type; };
 template <> struct Compute<__half> { typedef float type; };
+template <> struct Compute<__nv_bfloat16> { typedef float type; };
 
 __device__ inline float to_compute(__half v) { return __half2float(v); }
+__device__ inline float to_compute(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ inline float to_compute(float v) { return v; }
 __device__ inline double to_compute(double v) { return v; }
 template <typename T> __device__ inline T from_compute(float v);
 template <> __device__ inline __half from_compute<__half>(float v) { return __float2half(v); }
+template <> __device__ inline __nv_bfloat16 from_compute<__nv_bfloat16>(float v) {
+    return __float2bfloat16(v);
+}
 template <> __device__ inline float from_compute<float>(float v) { return v; }
 template <typename T> __device__ inline T from_compute(double v) { return v; }
 
