@@ -57,15 +57,20 @@ def native(op, name, x):
                     f"__cuda_array_interface__), got {type(x).__name__}")
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
 def namespace(op, x):
     """(array module, context manager selecting x's device) for allocating
     the outputs of `op` like x: numpy, or CuPy for CUDA arrays (CuPy's own,
     and other libraries' when CuPy is installed)."""
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
+        if x.data.device_id == cupy.cuda.runtime.getDevice():
+            return cupy, _NO_SWITCH   # already current: no device switch, twice, per call
         return cupy, x.device
     if isinstance(x, np.ndarray):
-        return np, contextlib.nullcontext()
+        return np, _NO_SWITCH
     try:
         device = getattr(type(x), "__dlpack_device__", None) and tuple(
             operator.index(v) for v in x.__dlpack_device__())
@@ -94,8 +99,24 @@ def contiguous(x):
         return np.ascontiguousarray(x)
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
-        return cupy.ascontiguousarray(x)
+        return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
     return x
+
+
+# (library, device, dtype) -> a zero-size array, for outputs a call leaves
+# unused (roi_align's argmax pair in avg mode): allocating one costs a CuPy
+# call several microseconds. Never handed to the caller.
+_UNUSED = {}
+
+
+def unused_output(xp, like):
+    """A shared zero-size array of `like`'s dtype, library and device."""
+    device = like.data.device_id if xp is not np else 0
+    key = (xp.__name__, device, like.dtype.str)
+    array = _UNUSED.get(key)
+    if array is None:
+        array = _UNUSED[key] = xp.empty((0,), dtype=like.dtype)
+    return array
 
 
 def like(original, result):

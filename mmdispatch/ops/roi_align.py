@@ -12,7 +12,7 @@ roi_align_forward_impl / roi_align_backward_impl.
 
 from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
-                                    native, pair, roi_forward_inputs, shape_arg)
+                                    native, pair, roi_forward_inputs, shape_arg, unused_output)
 from mmdispatch.ops._fastpath import pooled_output
 
 _POOL_MODES = {"avg": 1, "max": 0}
@@ -27,7 +27,12 @@ def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_rati
     """Returns (output, argmax_y, argmax_x); output is (K, C, *output_size)
     with the input's dtype, kind and device. In avg mode the argmax arrays
     are empty."""
-    op = "roi_align_forward"
+    return _forward("roi_align_forward", input, rois, output_size, spatial_scale,
+                    sampling_ratio, pool_mode, aligned, True)
+
+
+def _forward(op, input, rois, output_size, spatial_scale, sampling_ratio, pool_mode, aligned,
+             with_argmax):
     height, width = pair(op, "output_size", output_size)
     mode = _pool_mode(op, pool_mode)
     original = input
@@ -36,11 +41,16 @@ def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_rati
     with device:
         output = allocate(op, "output", xp, (rois.shape[0], input.shape[1], height, width),
                           input.dtype)
-        argmax_shape = output.shape if mode == _POOL_MODES["max"] else (0,)
-        argmax_y = allocate(op, "argmax_y", xp, argmax_shape, input.dtype)
-        argmax_x = allocate(op, "argmax_x", xp, argmax_shape, input.dtype)
+        if mode == _POOL_MODES["max"] or with_argmax:
+            argmax_shape = output.shape if mode == _POOL_MODES["max"] else (0,)
+            argmax_y = allocate(op, "argmax_y", xp, argmax_shape, input.dtype)
+            argmax_x = allocate(op, "argmax_x", xp, argmax_shape, input.dtype)
+        else:   # avg mode writes no argmax: one shared empty array serves both
+            argmax_y = argmax_x = unused_output(xp, input)
     _core.roi_align_forward_impl(input, rois, output, argmax_y, argmax_x, height, width,
                                  spatial_scale, sampling_ratio, mode, aligned)
+    if not with_argmax:
+        return like(original, output)
     return like(original, output), like(original, argmax_y), like(original, argmax_x)
 
 
@@ -59,9 +69,10 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
     xp, device = namespace(op, grad_output)
     with device:
         grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
-        empty = xp.empty((0,), dtype=grad_output.dtype)
-    argmax_y = empty if argmax_y is None else contiguous(native(op, "argmax_y", argmax_y))
-    argmax_x = empty if argmax_x is None else contiguous(native(op, "argmax_x", argmax_x))
+        if argmax_y is None or argmax_x is None:
+            unused = unused_output(xp, grad_output)
+    argmax_y = unused if argmax_y is None else contiguous(native(op, "argmax_y", argmax_y))
+    argmax_x = unused if argmax_x is None else contiguous(native(op, "argmax_x", argmax_x))
     _core.roi_align_backward_impl(grad_output, rois, argmax_y, argmax_x, grad_input,
                                   grad_output.shape[2], grad_output.shape[3], spatial_scale,
                                   sampling_ratio, mode, aligned)
@@ -88,5 +99,5 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
             _forward_impl(input, rois, output, unused, unused, h, w, spatial_scale,
                           sampling_ratio, _AVG, aligned)
             return output
-    return roi_align_forward(input, rois, output_size, spatial_scale, sampling_ratio,
-                             pool_mode, aligned)[0]
+    return _forward("roi_align_forward", input, rois, output_size, spatial_scale,
+                    sampling_ratio, pool_mode, aligned, False)

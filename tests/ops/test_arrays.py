@@ -79,3 +79,33 @@ def test_foreign_cuda_arrays_get_the_same_errors_whether_or_not_cupy_was_importe
     # outputs like a CUDA array need CuPy and a GPU; neither works here
     assert results[1].startswith("TypeError: nms: cannot allocate outputs like a StandIn on "
                                  "DLPack device (2, 0)")
+
+
+def test_avg_mode_allocates_only_the_outputs_it_returns(monkeypatch):
+    """roi_align (avg) allocates its output and nothing else, its backward
+    only grad_input: the argmax pair avg mode leaves unused is one shared
+    zero-size array per library, device and dtype (a CuPy allocation costs
+    microseconds). roi_align_forward still returns arrays of its own."""
+    import numpy as np
+
+    from mmdispatch.ops import _arrays, roi_align, roi_align_backward, roi_align_forward
+
+    allocated = []
+    real = _arrays.allocate
+
+    def counting(op, name, *args, **kwargs):
+        allocated.append(name)
+        return real(op, name, *args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["mmdispatch.ops.roi_align"], "allocate", counting)
+    x = np.ones((1, 2, 8, 8))[:, :, ::2]   # strided: the general path
+    rois = np.array([[0, 0, 0, 3, 3]], np.float64)
+    roi_align(x, rois, 2)
+    roi_align(x, rois, 2)
+    assert allocated == ["output", "output"]
+    allocated.clear()
+    roi_align_backward(np.ones((1, 2, 2, 2)), rois, None, None, (1, 2, 4, 8))
+    assert allocated == ["grad_input"]
+    allocated.clear()
+    _, argmax_y, argmax_x = roi_align_forward(x, rois, 2)
+    assert allocated == ["output", "argmax_y", "argmax_x"] and argmax_y is not argmax_x
