@@ -18,8 +18,9 @@ growing size (the --plot figure, when matplotlib is installed).
 On a machine where mmdispatch's CUDA kernels run and CuPy is installed, the
 same workload also runs on the GPU (CuPy arrays), each timed call waiting for
 the device, side by side with torchvision's CUDA kernels when torch sees the
-GPU, with each kernel's achieved memory bandwidth (the least traffic its
-work needs over its time) against the device's peak; the host-side cost of
+GPU, and the backward workloads once more with the `deterministic` CUDA
+backend, with each kernel's achieved memory bandwidth (the least traffic
+its work needs over its time) against the device's peak; the host-side cost of
 a call with CuPy arrays is measured: the dispatch of a no-op kernel (no
 device work) and a whole tiny ops.roi_align call (beside torchvision's on
 CUDA tensors), per call over a batch of calls with one wait at the end; and
@@ -445,6 +446,16 @@ def run_cuda(quick, repeat, tv):
 
     rows = timed_rows(device_cases(cfg, cupy.asarray, sync, theirs_device, tv), repeat,
                       "CUDA ")
+
+    def deterministic(fn):
+        def run_deterministic():
+            with mmdispatch.use_backend("cuda", "deterministic"):
+                fn()
+        return run_deterministic
+
+    rows += timed_rows([(f"{name}, deterministic backend", deterministic(fn), None, traffic)
+                        for name, fn, _, traffic in device_cases(cfg, cupy.asarray, sync)
+                        if name.endswith("backward")], repeat, "CUDA ")
     peak = peak_bandwidth(cupy)
     for row in rows:
         row["peak_bandwidth"] = peak

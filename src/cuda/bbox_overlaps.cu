@@ -55,4 +55,6 @@ int bbox_overlaps_cuda(const mmd_tensor *bboxes1, const mmd_tensor *bboxes2,
 
 MMD_REGISTRATIONS(cuda, bbox_overlaps) {
     MMD_REGISTER_DEVICE_IMPL(bbox_overlaps_impl, CUDA, DEFAULT, bbox_overlaps_cuda);
+    /* one thread per output element: deterministic as it is */
+    MMD_REGISTER_DEVICE_IMPL(bbox_overlaps_impl, CUDA, DETERMINISTIC, bbox_overlaps_cuda);
 }

@@ -208,4 +208,8 @@ int nms_cuda(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor
 
 }  // namespace
 
-MMD_REGISTRATIONS(cuda, nms) { MMD_REGISTER_DEVICE_IMPL(nms_impl, CUDA, DEFAULT, nms_cuda); }
+MMD_REGISTRATIONS(cuda, nms) {
+    MMD_REGISTER_DEVICE_IMPL(nms_impl, CUDA, DEFAULT, nms_cuda);
+    /* a stable sort and an ordered reduction: deterministic as it is */
+    MMD_REGISTER_DEVICE_IMPL(nms_impl, CUDA, DETERMINISTIC, nms_cuda);
+}

@@ -1,7 +1,10 @@
 /* roi_align on CUDA (MMCV semantics, math shared with the CPU kernels via
- * mmdispatch/ops/roi_align.h). One thread per output bin; backward adds into
- * grad_input with atomics (the `default` backend). float16 and bfloat16 inputs
- * compute in float32. Launches on ctx->stream, on ctx->device_id.
+ * mmdispatch/ops/roi_align.h). One thread per output bin; the `default`
+ * backward adds into grad_input with atomics, the `deterministic` one gives
+ * each (image, channel) plane of grad_input to one block, which adds the
+ * rois into it in order (the same sums in the same order on every run).
+ * float16 and bfloat16 inputs compute in float32. Launches on ctx->stream,
+ * on ctx->device_id.
  *
  * Bad rois never cause an out-of-bounds access. By default each thread
  * validates its roi: a bad roi's bins are NaN (argmax -1) in forward and
@@ -214,6 +217,204 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
     }
 }
 
+/* The deterministic backward. Block b owns plane b = (n, c) of grad_input:
+ * it visits every roi in order and adds the roi's gradient for channel c
+ * into the plane when the roi is on image n, each element by one thread,
+ * with a barrier between rois, so every element is a sum in a fixed order
+ * and no atomics are needed.
+ *
+ * avg: MMCV's bilinear weights are products of a row weight and a column
+ * weight, so roi k's gradient at (y, x) is
+ *     sum_ph Wy[ph][y] * sum_pw G[ph][pw] * Wx[pw][x]
+ * with G the bin gradients over the sample count, Wy[ph][y] the sum of the
+ * weights bin row ph's samples give row y (Wx likewise): a thread per bin
+ * row (column) sums its samples in order, then T = G Wx, then a thread per
+ * element of the roi's window. Its cost does not grow with the samples per
+ * bin. Where a bin gradient is not finite the product would spread 0 * inf
+ * = NaN over the whole window, so such a roi is added sample by sample
+ * instead (one thread, in order), as the atomic kernel adds it. */
+template <typename A> struct Window {
+    int64_t y0, y1, x0, x1;   /* rows and columns the roi's samples can touch */
+};
+
+template <typename A>
+__device__ inline int64_t window_edge(A start, A length, int64_t size, int64_t *hi) {
+    /* samples lie in [start, start + length]; interpolation reads floor(v)
+     * and floor(v) + 1, clamped to the map */
+    const A lo_v = floor(start), hi_v = floor(start + length) + 1;
+    const int64_t lo = lo_v < 0 ? 0 : (lo_v > (A)(size - 1) ? size - 1 : (int64_t)lo_v);
+    *hi = hi_v < 0 ? -1 : (hi_v > (A)(size - 1) ? size - 1 : (int64_t)hi_v);
+    return lo;
+}
+
+template <typename T>
+__global__ void deterministic_avg_backward_kernel(
+    const T *grad_output, const T *rois, T *grad_input, int64_t num_rois, int64_t channels,
+    int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
+    typename Compute<T>::type scale, int64_t sampling_ratio, int aligned, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    typedef Math<A> M;
+    extern __shared__ unsigned char shared_bytes[];
+    A *grad = (A *)shared_bytes;              /* pooled_h * pooled_w */
+    A *wy = grad + pooled_h * pooled_w;       /* pooled_h * height */
+    A *wx = wy + pooled_h * height;           /* pooled_w * width */
+    A *t = wx + pooled_w * width;             /* pooled_h * width */
+    const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
+    const int tid = threadIdx.x, threads = blockDim.x;
+    const int64_t bins = pooled_h * pooled_w;
+    T *plane = grad_input + (int64_t)blockIdx.x * height * width;
+    for (int64_t k = 0; k < num_rois; ++k) {
+        A roi[5];
+        load_roi(rois, k, roi);
+        typename M::Geometry g;
+        const int code = M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                     aligned, &g);
+        if (code != MMD_ROI_OK) {
+            if (blockIdx.x == 0 && tid == 0) sink.report(k, code);
+            continue;
+        }
+        if (g.batch != n) continue;   /* the same for every thread: the barriers below match */
+        Window<A> w;
+        w.y0 = window_edge(g.start_h, g.bin_h * (A)pooled_h, height, &w.y1);
+        w.x0 = window_edge(g.start_w, g.bin_w * (A)pooled_w, width, &w.x1);
+        if (w.y1 < w.y0 || w.x1 < w.x0) continue;
+        const int64_t rows = w.y1 - w.y0 + 1, cols = w.x1 - w.x0 + 1;
+        const int64_t count = g.grid_h * g.grid_w;
+        const A divisor = (A)(count > 1 ? count : 1);
+        const T *g_out = grad_output + (k * channels + c) * bins;
+        int nonfinite = 0;
+        for (int64_t i = tid; i < bins; i += threads) {
+            grad[i] = to_compute(g_out[i]) / divisor;
+            nonfinite |= !isfinite(grad[i]);
+        }
+        for (int64_t i = tid; i < pooled_h * rows; i += threads)
+            wy[(i / rows) * height + w.y0 + i % rows] = 0;
+        for (int64_t i = tid; i < pooled_w * cols; i += threads)
+            wx[(i / cols) * width + w.x0 + i % cols] = 0;
+        if (__syncthreads_or(nonfinite)) {
+            if (tid == 0)   /* sample by sample, in the atomic kernel's order */
+                for (int64_t b = 0; b < bins; ++b) {
+                    const int64_t ph = b / pooled_w, pw = b % pooled_w;
+                    for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+                        typename M::Axis ay;
+                        M::interp(M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+                        if (!ay.valid) continue;
+                        for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                            typename M::Axis ax;
+                            M::interp(M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+                            if (!ax.valid) continue;
+                            const int64_t at[4] = {ay.low * width + ax.low, ay.low * width + ax.high,
+                                                   ay.high * width + ax.low,
+                                                   ay.high * width + ax.high};
+                            const A weight[4] = {ay.w_low * ax.w_low, ay.w_low * ax.w_high,
+                                                 ay.w_high * ax.w_low, ay.w_high * ax.w_high};
+                            for (int q = 0; q < 4; ++q)
+                                plane[at[q]] =
+                                    from_compute<T>(to_compute(plane[at[q]]) + grad[b] * weight[q]);
+                        }
+                    }
+                }
+            __syncthreads();
+            continue;
+        }
+        /* row weights: a thread per bin row, its samples in order (then columns) */
+        for (int64_t r = tid; r < pooled_h + pooled_w; r += threads) {
+            const bool is_row = r < pooled_h;
+            const int64_t bin = is_row ? r : r - pooled_h;
+            const int64_t grid = is_row ? g.grid_h : g.grid_w;
+            A *weights = is_row ? wy + bin * height : wx + bin * width;
+            for (int64_t i = 0; i < grid; ++i) {
+                typename M::Axis a;
+                M::interp(is_row ? M::sample(g.start_h, g.bin_h, bin, i, grid)
+                                 : M::sample(g.start_w, g.bin_w, bin, i, grid),
+                          is_row ? height : width, &a);
+                if (!a.valid) continue;
+                weights[a.low] += a.w_low;
+                weights[a.high] += a.w_high;
+            }
+        }
+        __syncthreads();
+        for (int64_t i = tid; i < pooled_h * cols; i += threads) {
+            const int64_t ph = i / cols, x = w.x0 + i % cols;
+            A sum = 0;
+            for (int64_t pw = 0; pw < pooled_w; ++pw) sum += grad[ph * pooled_w + pw] * wx[pw * width + x];
+            t[ph * width + x] = sum;
+        }
+        __syncthreads();
+        for (int64_t i = tid; i < rows * cols; i += threads) {
+            const int64_t y = w.y0 + i / cols, x = w.x0 + i % cols;
+            A sum = 0;
+            for (int64_t ph = 0; ph < pooled_h; ++ph) sum += wy[ph * height + y] * t[ph * width + x];
+            if (sum != 0) plane[y * width + x] = from_compute<T>(to_compute(plane[y * width + x]) + sum);
+        }
+        __syncthreads();
+    }
+}
+
+/* Adds, for the 32 lanes of a warp, `value` at `element` of `plane` (-1: no
+ * element): lanes naming the same element are summed in lane order by the
+ * lowest of them, which alone writes. A fixed order whatever the timing. */
+template <typename T, typename A>
+__device__ inline void warp_ordered_add(T *plane, int64_t element, A value) {
+    const unsigned group = __match_any_sync(0xffffffffu, (unsigned long long)element);
+    A sum = 0;
+    for (int src = 0; src < 32; ++src) {
+        const A other = __shfl_sync(0xffffffffu, value, src);
+        if ((group >> src) & 1u) sum += other;
+    }
+    if (element >= 0 && (int)(threadIdx.x % 32) == __ffs(group) - 1)
+        plane[element] = from_compute<T>(to_compute(plane[element]) + sum);
+    __syncwarp();
+}
+
+/* max: a warp per plane; each roi's bins, 32 at a time, add their gradient
+ * at the 4 pixels around their argmax, conflicts summed in lane order. */
+template <typename T>
+__global__ void deterministic_max_backward_kernel(
+    const T *grad_output, const T *rois, const T *argmax_y, const T *argmax_x, T *grad_input,
+    int64_t num_rois, int64_t channels, int64_t height, int64_t width, int64_t pooled_h,
+    int64_t pooled_w, int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio,
+    int aligned, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    typedef Math<A> M;
+    const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
+    const int lane = threadIdx.x;
+    const int64_t bins = pooled_h * pooled_w;
+    T *plane = grad_input + (int64_t)blockIdx.x * height * width;
+    for (int64_t k = 0; k < num_rois; ++k) {
+        A roi[5];
+        load_roi(rois, k, roi);
+        typename M::Geometry g;
+        const int code = M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                     aligned, &g);
+        if (code != MMD_ROI_OK) {
+            if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
+            continue;
+        }
+        if (g.batch != n) continue;
+        const int64_t base = (k * channels + c) * bins;
+        for (int64_t b0 = 0; b0 < bins; b0 += 32) {
+            const int64_t b = b0 + lane;
+            typename M::Axis ay, ax;
+            ay.valid = ax.valid = 0;
+            A grad = 0;
+            if (b < bins) {
+                const A y = to_compute(argmax_y[base + b]);
+                if (y != (A)-1) {
+                    M::interp(y, height, &ay);
+                    M::interp(to_compute(argmax_x[base + b]), width, &ax);
+                }
+                grad = to_compute(grad_output[base + b]);
+            }
+            const bool valid = ay.valid && ax.valid;
+            warp_ordered_add(plane, valid ? ay.low * width + ax.low : -1, grad * ay.w_low * ax.w_low);
+            warp_ordered_add(plane, valid ? ay.low * width + ax.high : -1, grad * ay.w_low * ax.w_high);
+            warp_ordered_add(plane, valid ? ay.high * width + ax.low : -1, grad * ay.w_high * ax.w_low);
+            warp_ordered_add(plane, valid ? ay.high * width + ax.high : -1, grad * ay.w_high * ax.w_high);
+        }
+    }
+}
+
 /* Validates the rois: in strict mode every roi on the device before
  * anything is written (one sync); then records the call and fills `sink`
  * for the kernels' own reports. With nothing to compute (`work` false), a
@@ -270,7 +471,7 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
              const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
              const mmd_tensor *grad_input, int64_t pooled_h, int64_t pooled_w,
              double spatial_scale, int64_t sampling_ratio, int64_t pool_mode, int aligned,
-             cudaStream_t stream) {
+             bool deterministic, cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t batch = grad_input->shape[0];
     const int64_t total = mmd_numel(grad_output);
@@ -280,6 +481,41 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
                           sampling_ratio, aligned, stream, work, &sink);
     if (s || !work) return s;
     const bool max_mode = pool_mode == MMD_POOL_MAX;
+    if (deterministic) {
+        const int64_t planes = grad_input->shape[0] * grad_input->shape[1];
+        const int64_t height = grad_input->shape[2], width = grad_input->shape[3];
+        if (planes > INT32_MAX)
+            return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d "
+                             "(image, channel) planes, got %lld", INT32_MAX, (long long)planes);
+        if (max_mode) {
+            deterministic_max_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(
+                (const T *)grad_output->data, (const T *)rois->data, (const T *)argmax_y->data,
+                (const T *)argmax_x->data, (T *)grad_input->data, rois->shape[0],
+                grad_input->shape[1], height, width, pooled_h, pooled_w, batch, (A)spatial_scale,
+                sampling_ratio, aligned, sink);
+            return launch_status("roi_align deterministic backward launch");
+        }
+        const size_t shared = sizeof(A) * (size_t)(pooled_h * pooled_w + pooled_h * height +
+                                                   pooled_w * width + pooled_h * width);
+        int limit = 0;
+        cudaError_t err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                 ctx->device_id);
+        if (err != cudaSuccess) return cuda_error(err, "cudaDeviceGetAttribute");
+        if (shared > (size_t)limit)
+            return mmd_error(MMD_ERR_VALUE,
+                             "the deterministic backend needs %zu bytes of shared memory for a "
+                             "%lld x %lld map and %lld x %lld bins; this GPU has %d",
+                             shared, (long long)height, (long long)width, (long long)pooled_h,
+                             (long long)pooled_w, limit);
+        err = cudaFuncSetAttribute(deterministic_avg_backward_kernel<T>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared);
+        if (err != cudaSuccess) return cuda_error(err, "cudaFuncSetAttribute");
+        deterministic_avg_backward_kernel<T><<<(unsigned)planes, kThreads, shared, stream>>>(
+            (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
+            rois->shape[0], grad_input->shape[1], height, width, pooled_h, pooled_w, batch,
+            (A)spatial_scale, sampling_ratio, aligned, sink);
+        return launch_status("roi_align deterministic backward launch");
+    }
     backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
         (const T *)grad_output->data, (const T *)rois->data,
         max_mode ? (const T *)argmax_y->data : nullptr,
@@ -307,11 +543,11 @@ int roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
     });
 }
 
-int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
-                            const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
-                            const mmd_tensor *grad_input, int64_t aligned_height,
-                            int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,
-                            int64_t pool_mode, int aligned, const mmd_context *ctx) {
+int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                  const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+                  const mmd_tensor *grad_input, int64_t aligned_height, int64_t aligned_width,
+                  double spatial_scale, int64_t sampling_ratio, int64_t pool_mode, int aligned,
+                  bool deterministic, const mmd_context *ctx) {
     int s = mmd_roi_align_backward_check(grad_output, rois, argmax_y, argmax_x, grad_input,
                                          aligned_height, aligned_width, spatial_scale,
                                          sampling_ratio, pool_mode, MMD_FLOAT16_BF16_32_64);
@@ -321,9 +557,30 @@ int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *roi
             return backward<decltype(tag)>(ctx, grad_output, rois, argmax_y, argmax_x,
                                            grad_input, aligned_height, aligned_width,
                                            spatial_scale, sampling_ratio, pool_mode, aligned,
-                                           stream);
+                                           deterministic, stream);
         });
     });
+}
+
+int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                            const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+                            const mmd_tensor *grad_input, int64_t aligned_height,
+                            int64_t aligned_width, double spatial_scale, int64_t sampling_ratio,
+                            int64_t pool_mode, int aligned, const mmd_context *ctx) {
+    return backward_cuda(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height,
+                         aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned, false,
+                         ctx);
+}
+
+int roi_align_backward_cuda_deterministic(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                                          const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
+                                          const mmd_tensor *grad_input, int64_t aligned_height,
+                                          int64_t aligned_width, double spatial_scale,
+                                          int64_t sampling_ratio, int64_t pool_mode, int aligned,
+                                          const mmd_context *ctx) {
+    return backward_cuda(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height,
+                         aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned, true,
+                         ctx);
 }
 
 }  // namespace
@@ -331,4 +588,8 @@ int roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *roi
 MMD_REGISTRATIONS(cuda, roi_align) {
     MMD_REGISTER_DEVICE_IMPL(roi_align_forward_impl, CUDA, DEFAULT, roi_align_forward_cuda);
     MMD_REGISTER_DEVICE_IMPL(roi_align_backward_impl, CUDA, DEFAULT, roi_align_backward_cuda);
+    /* the forward is deterministic as it is (one thread per output element) */
+    MMD_REGISTER_DEVICE_IMPL(roi_align_forward_impl, CUDA, DETERMINISTIC, roi_align_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(roi_align_backward_impl, CUDA, DETERMINISTIC,
+                             roi_align_backward_cuda_deterministic);
 }

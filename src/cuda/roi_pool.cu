@@ -1,7 +1,9 @@
 /* roi_pool on CUDA (math shared with the CPU kernels through
- * mmdispatch/ops/roi_pool.h). Forward: one thread per output bin. Backward:
- * one thread per grad_output element, adding into grad_input with atomics.
- * Launches on ctx->stream, on ctx->device_id.
+ * mmdispatch/ops/roi_pool.h). Forward: one thread per output bin. Backward
+ * (`default`): one thread per grad_output element, adding into grad_input
+ * with atomics; (`deterministic`): a warp per (image, channel) plane of
+ * grad_input, adding the rois in order, so the sums are the same on every
+ * run. Launches on ctx->stream, on ctx->device_id.
  *
  * Bad rois and argmax entries never cause an out-of-bounds access. By
  * default the kernels validate what they read: a bad roi's bins are NaN
@@ -162,6 +164,55 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const int64
     }
 }
 
+/* The deterministic backward: warp b owns plane b = (n, c) of grad_input
+ * and visits the rois in order; a roi on image n adds its bins' gradients
+ * at their argmax, 32 bins at a time, bins naming the same element summed
+ * in bin order by the first of them (__match_any_sync), so every element is
+ * a sum in a fixed order. */
+template <typename T>
+__global__ void deterministic_backward_kernel(const T *grad_output, const T *rois,
+                                              const int64_t *argmax, T *grad_input,
+                                              int64_t num_rois, int64_t channels,
+                                              int64_t plane_size, int64_t pooled_h,
+                                              int64_t pooled_w, int64_t batch, T scale,
+                                              ErrorSink sink) {
+    const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
+    const int lane = threadIdx.x;
+    const int64_t bins = pooled_h * pooled_w;
+    T *plane = grad_input + (int64_t)blockIdx.x * plane_size;
+    for (int64_t k = 0; k < num_rois; ++k) {
+        typename mmd_pool_geometry<T>::type g;
+        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
+        if (code != MMD_ROI_OK) {
+            if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
+            continue;
+        }
+        if (g.batch != n) continue;
+        const int64_t base = (k * channels + c) * bins;
+        for (int64_t b0 = 0; b0 < bins; b0 += 32) {
+            const int64_t b = b0 + lane;
+            int64_t element = -1;
+            T grad = 0;
+            if (b < bins) {
+                const int64_t a = argmax[base + b];
+                if (a < -1 || a >= plane_size)
+                    sink.report(num_rois + base + b, kBadArgmax);
+                else
+                    element = a;
+                grad = grad_output[base + b];
+            }
+            const unsigned group = __match_any_sync(0xffffffffu, (unsigned long long)element);
+            T sum = 0;
+            for (int src = 0; src < 32; ++src) {
+                const T other = __shfl_sync(0xffffffffu, grad, src);
+                if ((group >> src) & 1u) sum += other;
+            }
+            if (element >= 0 && lane == __ffs(group) - 1) plane[element] += sum;
+            __syncwarp();
+        }
+    }
+}
+
 int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                           const mmd_tensor *output, const mmd_tensor *argmax,
                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
@@ -186,16 +237,20 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
     });
 }
 
-int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
-                           const mmd_tensor *argmax, const mmd_tensor *grad_input,
-                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
-                           const mmd_context *ctx) {
+int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                  const mmd_tensor *argmax, const mmd_tensor *grad_input, int64_t pooled_height,
+                  int64_t pooled_width, double spatial_scale, bool deterministic,
+                  const mmd_context *ctx) {
     int s = mmd_roi_pool_backward_check(grad_output, rois, argmax, grad_input, pooled_height,
                                         pooled_width, spatial_scale, MMD_FLOAT32_64);
     if (s) return s;
     const int64_t batch = grad_input->shape[0], total = mmd_numel(grad_output);
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
+    const int64_t planes = grad_input->shape[0] * grad_input->shape[1];
     const bool work = total > 0 && mmd_numel(grad_input) > 0;
+    if (deterministic && planes > INT32_MAX)
+        return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d (image, "
+                         "channel) planes, got %lld", INT32_MAX, (long long)planes);
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype<false>(grad_input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
@@ -204,13 +259,35 @@ int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois
             int s = check_inputs<T>(ctx, rois, batch, (T)spatial_scale, pooled_height,
                                     pooled_width, am, total, plane_size, stream, work, &sink);
             if (s || !work) return s;
-            backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
-                (const T *)grad_output->data, (const T *)rois->data, am, (T *)grad_input->data,
-                total, grad_input->shape[1], plane_size, pooled_height, pooled_width, batch,
-                (T)spatial_scale, sink);
+            if (deterministic)
+                deterministic_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(
+                    (const T *)grad_output->data, (const T *)rois->data, am,
+                    (T *)grad_input->data, rois->shape[0], grad_input->shape[1], plane_size,
+                    pooled_height, pooled_width, batch, (T)spatial_scale, sink);
+            else
+                backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                    (const T *)grad_output->data, (const T *)rois->data, am,
+                    (T *)grad_input->data, total, grad_input->shape[1], plane_size,
+                    pooled_height, pooled_width, batch, (T)spatial_scale, sink);
             return launch_status("roi_pool backward launch");
         });
     });
+}
+
+int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                           const mmd_tensor *argmax, const mmd_tensor *grad_input,
+                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
+                           const mmd_context *ctx) {
+    return backward_cuda(grad_output, rois, argmax, grad_input, pooled_height, pooled_width,
+                         spatial_scale, false, ctx);
+}
+
+int roi_pool_backward_cuda_deterministic(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                                         const mmd_tensor *argmax, const mmd_tensor *grad_input,
+                                         int64_t pooled_height, int64_t pooled_width,
+                                         double spatial_scale, const mmd_context *ctx) {
+    return backward_cuda(grad_output, rois, argmax, grad_input, pooled_height, pooled_width,
+                         spatial_scale, true, ctx);
 }
 
 }  // namespace
@@ -218,4 +295,8 @@ int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois
 MMD_REGISTRATIONS(cuda, roi_pool) {
     MMD_REGISTER_DEVICE_IMPL(roi_pool_forward_impl, CUDA, DEFAULT, roi_pool_forward_cuda);
     MMD_REGISTER_DEVICE_IMPL(roi_pool_backward_impl, CUDA, DEFAULT, roi_pool_backward_cuda);
+    /* the forward is deterministic as it is (one thread per output element) */
+    MMD_REGISTER_DEVICE_IMPL(roi_pool_forward_impl, CUDA, DETERMINISTIC, roi_pool_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(roi_pool_backward_impl, CUDA, DETERMINISTIC,
+                             roi_pool_backward_cuda_deterministic);
 }

@@ -113,4 +113,9 @@ MMD_REGISTRATIONS(cuda, sigmoid_focal_loss) {
                              sigmoid_focal_loss_forward_cuda);
     MMD_REGISTER_DEVICE_IMPL(sigmoid_focal_loss_backward_impl, CUDA, DEFAULT,
                              sigmoid_focal_loss_backward_cuda);
+    /* one thread per element, no atomics: deterministic as it is */
+    MMD_REGISTER_DEVICE_IMPL(sigmoid_focal_loss_forward_impl, CUDA, DETERMINISTIC,
+                             sigmoid_focal_loss_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(sigmoid_focal_loss_backward_impl, CUDA, DETERMINISTIC,
+                             sigmoid_focal_loss_backward_cuda);
 }

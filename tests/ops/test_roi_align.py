@@ -528,3 +528,88 @@ def test_cuda_runs_on_the_current_cupy_stream(cupy):
         out = roi_align(x, rois, 7)
     stream.synchronize()
     np.testing.assert_allclose(cupy.asnumpy(out), expected)
+
+
+# --- CUDA deterministic backend --------------------------------------------------------
+
+def crowded_rois(rng, count, batch, height, width):
+    """Many rois over the same few places, so that atomics add into the same
+    elements in whatever order the threads come."""
+    base = random_rois(rng, 4, batch, height, width, 1.0, outside=False)
+    rois = base[rng.integers(0, 4, count)].copy()
+    rois[:, 1:] += rng.uniform(-0.5, 0.5, (count, 4))
+    return rois
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("sampling_ratio", [2, 0])
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-4), (np.float64, 1e-10)])
+def test_cuda_deterministic_backward_matches_and_repeats_bit_for_bit(cupy, mode, sampling_ratio,
+                                                                     aligned, dtype, tol, rng):
+    x = rng.standard_normal((2, 6, 24, 20)).astype(dtype)
+    rois = np.concatenate([random_rois(rng, 40, 2, 24, 20, 0.5),
+                           crowded_rois(rng, 200, 2, 48, 40)]).astype(dtype)
+    out, ay, ax = roi_align_forward(x, rois, (3, 4), 0.5, sampling_ratio, mode, aligned)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    expected = roi_align_backward(grad_out, rois, ay, ax, x.shape, 0.5, sampling_ratio, mode,
+                                  aligned)
+    g_out, g_rois = cupy.asarray(grad_out), cupy.asarray(rois)
+    g_ay, g_ax = cupy.asarray(ay), cupy.asarray(ax)
+    runs = []
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True),
+                       cupy.cuda.Stream.null):
+            with stream:
+                runs.append(cupy.asnumpy(roi_align_backward(
+                    g_out, g_rois, g_ay if mode == "max" else None,
+                    g_ax if mode == "max" else None, x.shape, 0.5, sampling_ratio, mode,
+                    aligned)))
+            stream.synchronize()
+    for run in runs[1:]:
+        np.testing.assert_array_equal(run, runs[0])   # bit for bit, whatever the stream
+    np.testing.assert_allclose(runs[0], expected, rtol=tol * 10, atol=tol * 10)
+
+
+def test_cuda_deterministic_backward_handles_nonfinite_gradients_like_the_default(cupy, rng):
+    x = rng.standard_normal((1, 2, 12, 12))
+    rois = random_rois(rng, 20, 1, 12, 12, 1.0, outside=False)
+    grad_out = rng.standard_normal((20, 2, 2, 2))
+    grad_out[3, 1, 0, 1] = np.inf
+    grad_out[7, 0, 1, 1] = np.nan
+    expected = roi_align_backward(grad_out, rois, None, None, x.shape, 1.0, 2)
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        got = cupy.asnumpy(roi_align_backward(cupy.asarray(grad_out), cupy.asarray(rois), None,
+                                              None, x.shape, 1.0, 2))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(got[~finite], expected[~finite])
+
+
+def test_cuda_every_op_runs_under_the_deterministic_backend(cupy, rng):
+    x = cupy.asarray(rng.standard_normal((1, 2, 8, 8)).astype(np.float32))
+    rois = cupy.asarray(random_rois(rng, 5, 1, 8, 8, 1.0).astype(np.float32))
+    boxes = cupy.asarray(np.array([[0, 0, 2, 2], [1, 1, 3, 3]], np.float32))
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        out = roi_align(x, rois, 2)
+        roi_align_backward(out, rois, None, None, x.shape)
+        pooled, argmax = mmdispatch.ops.roi_pool_forward(x, rois, 2)
+        mmdispatch.ops.roi_pool_backward(pooled, rois, argmax, x.shape)
+        mmdispatch.ops.nms(boxes, boxes[:, 0], 0.5)
+        mmdispatch.ops.bbox_overlaps(boxes, boxes)
+        target = cupy.asarray(np.array([0, 1]))
+        mmdispatch.ops.sigmoid_focal_loss(cupy.zeros((2, 3), np.float32), target)
+        mmdispatch.ops.sigmoid_focal_loss_backward(cupy.zeros((2, 3), np.float32), target)
+
+
+def test_cuda_deterministic_backward_reports_bad_rois_as_deferred_errors(cupy):
+    x = np.zeros((2, 1, 4, 4), np.float32)
+    rois = np.array([[0, 0, 0, 2, 2], [3, 0, 0, 2, 2]], np.float32)
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        grad = roi_align_backward(cupy.ones((2, 1, 2, 2), np.float32), cupy.asarray(rois),
+                                  None, None, x.shape)
+    with pytest.raises(mmdispatch.DeferredKernelError, match=re.escape(
+            "roi_align_backward_impl: rois[1, 0] (batch index) must be an integer in [0, 2)")):
+        mmdispatch.synchronize()
+    assert float(grad.sum()) == pytest.approx(4.0)   # the good roi's gradient, all of it

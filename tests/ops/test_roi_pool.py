@@ -781,3 +781,25 @@ def test_cuda_and_cpu_arrays_cannot_be_mixed(cupy):
             "roi_pool_backward_impl: at param 2 (argmax), inconsistent device: cpu vs cuda:0")):
         roi_pool_backward(cupy.ones_like(out), cupy.asarray(rois), cupy.asnumpy(argmax),
                           x.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_deterministic_backward_matches_and_repeats_bit_for_bit(cupy, dtype):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 5, 16, 12)).astype(dtype)
+    one = random_rois(rng, 4, 2, 16, 12, 1.0)
+    rois = np.concatenate([random_rois(rng, 30, 2, 16, 12, 1.0),
+                           one[rng.integers(0, 4, 300)]]).astype(dtype)   # crowded
+    out, argmax = roi_pool_forward(x, rois, (3, 2))
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    expected = roi_pool_backward(grad_out, rois, argmax, x.shape)
+    runs = []
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)):
+            with stream:
+                runs.append(cupy.asnumpy(roi_pool_backward(
+                    cupy.asarray(grad_out), cupy.asarray(rois), cupy.asarray(argmax), x.shape)))
+            stream.synchronize()
+    np.testing.assert_array_equal(runs[1], runs[0])
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(runs[0], expected, rtol=tol, atol=tol)
