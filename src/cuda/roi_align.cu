@@ -233,7 +233,7 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
  * bin. Where a bin gradient is not finite the product would spread 0 * inf
  * = NaN over the whole window, so such a roi is added sample by sample
  * instead (one thread, in order), as the atomic kernel adds it. */
-template <typename A> struct Window {
+struct Window {
     int64_t y0, y1, x0, x1;   /* rows and columns the roi's samples can touch */
 };
 
@@ -245,6 +245,25 @@ __device__ inline int64_t window_edge(A start, A length, int64_t size, int64_t *
     const int64_t lo = lo_v < 0 ? 0 : (lo_v > (A)(size - 1) ? size - 1 : (int64_t)lo_v);
     *hi = hi_v < 0 ? -1 : (hi_v > (A)(size - 1) ? size - 1 : (int64_t)hi_v);
     return lo;
+}
+
+/* Whether roi k adds into a plane of image n, with its geometry in *g; a
+ * bad roi is reported once, by the grid's first thread. The same answer in
+ * every thread of a block, so a block's barriers match. */
+template <typename T, typename A>
+__device__ inline bool roi_in_plane(const T *rois, int64_t k, int64_t n, int64_t batch, A scale,
+                                    int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio,
+                                    int aligned, const ErrorSink &sink,
+                                    typename Math<A>::Geometry *g) {
+    A roi[5];
+    load_roi(rois, k, roi);
+    const int code =
+        Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
+    if (code != MMD_ROI_OK) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) sink.report(k, code);
+        return false;
+    }
+    return g->batch == n;
 }
 
 template <typename T>
@@ -264,17 +283,11 @@ __global__ void deterministic_avg_backward_kernel(
     const int64_t bins = pooled_h * pooled_w;
     T *plane = grad_input + (int64_t)blockIdx.x * height * width;
     for (int64_t k = 0; k < num_rois; ++k) {
-        A roi[5];
-        load_roi(rois, k, roi);
         typename M::Geometry g;
-        const int code = M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
-                                     aligned, &g);
-        if (code != MMD_ROI_OK) {
-            if (blockIdx.x == 0 && tid == 0) sink.report(k, code);
+        if (!roi_in_plane(rois, k, n, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                          sink, &g))
             continue;
-        }
-        if (g.batch != n) continue;   /* the same for every thread: the barriers below match */
-        Window<A> w;
+        Window w;
         w.y0 = window_edge(g.start_h, g.bin_h * (A)pooled_h, height, &w.y1);
         w.x0 = window_edge(g.start_w, g.bin_w * (A)pooled_w, width, &w.x1);
         if (w.y1 < w.y0 || w.x1 < w.x0) continue;
@@ -351,22 +364,6 @@ __global__ void deterministic_avg_backward_kernel(
     }
 }
 
-/* Adds, for the 32 lanes of a warp, `value` at `element` of `plane` (-1: no
- * element): lanes naming the same element are summed in lane order by the
- * lowest of them, which alone writes. A fixed order whatever the timing. */
-template <typename T, typename A>
-__device__ inline void warp_ordered_add(T *plane, int64_t element, A value) {
-    const unsigned group = __match_any_sync(0xffffffffu, (unsigned long long)element);
-    A sum = 0;
-    for (int src = 0; src < 32; ++src) {
-        const A other = __shfl_sync(0xffffffffu, value, src);
-        if ((group >> src) & 1u) sum += other;
-    }
-    if (element >= 0 && (int)(threadIdx.x % 32) == __ffs(group) - 1)
-        plane[element] = from_compute<T>(to_compute(plane[element]) + sum);
-    __syncwarp();
-}
-
 /* max: a warp per plane; each roi's bins, 32 at a time, add their gradient
  * at the 4 pixels around their argmax, conflicts summed in lane order. */
 template <typename T>
@@ -382,21 +379,14 @@ __global__ void deterministic_max_backward_kernel(
     const int64_t bins = pooled_h * pooled_w;
     T *plane = grad_input + (int64_t)blockIdx.x * height * width;
     for (int64_t k = 0; k < num_rois; ++k) {
-        A roi[5];
-        load_roi(rois, k, roi);
         typename M::Geometry g;
-        const int code = M::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
-                                     aligned, &g);
-        if (code != MMD_ROI_OK) {
-            if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
+        if (!roi_in_plane(rois, k, n, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                          sink, &g))
             continue;
-        }
-        if (g.batch != n) continue;
         const int64_t base = (k * channels + c) * bins;
         for (int64_t b0 = 0; b0 < bins; b0 += 32) {
             const int64_t b = b0 + lane;
-            typename M::Axis ay, ax;
-            ay.valid = ax.valid = 0;
+            typename M::Axis ay = {}, ax = {};   /* invalid, zero weights */
             A grad = 0;
             if (b < bins) {
                 const A y = to_compute(argmax_y[base + b]);

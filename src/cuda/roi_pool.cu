@@ -201,14 +201,7 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
                     element = a;
                 grad = grad_output[base + b];
             }
-            const unsigned group = __match_any_sync(0xffffffffu, (unsigned long long)element);
-            T sum = 0;
-            for (int src = 0; src < 32; ++src) {
-                const T other = __shfl_sync(0xffffffffu, grad, src);
-                if ((group >> src) & 1u) sum += other;
-            }
-            if (element >= 0 && lane == __ffs(group) - 1) plane[element] += sum;
-            __syncwarp();
+            warp_ordered_add(plane, element, grad);
         }
     }
 }

@@ -208,6 +208,23 @@ class StreamBuffer {
     void *ptr_ = nullptr;
 };
 
+/* Adds, for the 32 lanes of a warp (all active), `value` at `element` of
+ * `plane` (-1: none): lanes naming the same element are summed in lane
+ * order by the lowest of them, which alone writes, so the sum comes in a
+ * fixed order whatever the timing (the deterministic backward kernels). */
+template <typename T, typename A>
+__device__ inline void warp_ordered_add(T *plane, int64_t element, A value) {
+    const unsigned group = __match_any_sync(0xffffffffu, (unsigned long long)element);
+    A sum = 0;
+    for (int src = 0; src < 32; ++src) {
+        const A other = __shfl_sync(0xffffffffu, value, src);
+        if ((group >> src) & 1u) sum += other;
+    }
+    if (element >= 0 && (int)(threadIdx.x % 32) == __ffs(group) - 1)
+        plane[element] = from_compute<T>(to_compute(plane[element]) + sum);
+    __syncwarp();
+}
+
 inline int launch_status(const char *what) {
     cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? MMD_OK : cuda_error(err, what);
