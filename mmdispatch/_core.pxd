@@ -149,6 +149,7 @@ cdef class OpRegistry:
     cdef int n_arrays
     cdef int array_positions[MAX_ARRAY_ARGS]
     cdef int array_flags[MAX_ARRAY_ARGS]
+    cdef unsigned int output_mask  # bit i: array i is an output
 
     cdef str where(self, int array_index)
     cdef int classify(self, int i, object obj, CallState *st) except -1

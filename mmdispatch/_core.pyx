@@ -458,6 +458,7 @@ cdef class OpRegistry:
                     pending |= 1u << i
             if st.kinds[i] == KIND_NONE:
                 st.args[i] = NULL
+                st.lo[i] = st.hi[i] = 0   # meets no output
                 continue
             st.args[i] = t
             if ref < 0:
@@ -518,24 +519,18 @@ cdef class OpRegistry:
 
     cdef int check_outputs(self, CallState *st) except -1:
         """Outputs must be writable and must not overlap any other array
-        (bounding byte ranges, like numpy.may_share_memory)."""
-        cdef int i, j, n = self.n_arrays
-        cdef uintptr_t *lo = st.lo
-        cdef uintptr_t *hi = st.hi
-        for i in range(n):
-            if not (self.array_flags[i] & ARG_OUTPUT) or st.kinds[i] == KIND_NONE:
-                continue
-            if not st.tensors[i].writable:
-                raise ValueError(f"{self.where(i)}, output array is read-only")
-            if lo[i] == hi[i]:
-                continue
-            for j in range(n):
-                if j != i and st.kinds[j] != KIND_NONE and lo[i] < hi[j] and lo[j] < hi[i]:
-                    raise ValueError(
-                        f"{self.where(i)}, output memory overlaps param "
-                        f"{self.array_positions[j]} ({self.array_names[j]}); outputs must "
-                        "not share memory with other arguments")
-        return 0
+        (bounding byte ranges, like numpy.may_share_memory): the fast path's
+        test, mmd_find_output_conflict, and its error."""
+        cdef int j
+        cdef int i = mmd_find_output_conflict(self.n_arrays, self.output_mask, st.tensors, st.lo,
+                                              st.hi, &j)
+        if i < 0:
+            return 0
+        if i == j:
+            raise ValueError(f"{self.where(i)}, output array is read-only")
+        raise ValueError(
+            f"{self.where(i)}, output memory overlaps param {self.array_positions[j]} "
+            f"({self.array_names[j]}); outputs must not share memory with other arguments")
 
     cdef void activate(self, int slot):
         """Makes the newest kernel registered at run time for `slot` the one
@@ -614,9 +609,12 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
     op.python_kernels = [None] * MMD_TABLE_SIZE
     op.runtime_stacks = {}
     op.n_arrays = len(positions)
+    op.output_mask = 0
     for i in range(op.n_arrays):
         op.array_positions[i] = positions[i]
         op.array_flags[i] = flags[i]
+        if flags[i] & ARG_OUTPUT:
+            op.output_mask |= 1u << i
     _ops[name] = op
     return op
 

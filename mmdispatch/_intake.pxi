@@ -134,13 +134,39 @@ cdef extern from *:
         return 1;
     }
 
+    /* The output test of every call, on the fast path and the general one
+       (OpRegistry.check_outputs): each output (output_mask) must be
+       writable and, unless empty, share no byte with any other array (the
+       [lo, hi) ranges; absent optional arrays have lo == hi == 0 and meet
+       nothing). Returns -1 when the outputs pass, else the first failing
+       output i, with *other set to i when it is read-only, or to the array
+       it overlaps. At the fast path's call site n and the mask are literals,
+       so the loops unroll and the mask tests fold away. */
+    static inline int mmd_find_output_conflict(int n, unsigned int output_mask,
+                                               const mmd_tensor *tensors, const uintptr_t *lo,
+                                               const uintptr_t *hi, int *other) {
+    #pragma GCC unroll 16
+        for (int i = 0; i < n; ++i) {
+            if (!(output_mask >> i & 1u)) continue;
+            *other = i;
+            if (!tensors[i].writable) return i;
+            const uintptr_t lo_i = lo[i], hi_i = hi[i];
+            if (lo_i == hi_i) continue;   /* an empty output meets nothing */
+    #pragma GCC unroll 16
+            for (int j = 0; j < n; ++j) {
+                *other = j;
+                if (j != i && lo_i < hi[j] && lo[j] < hi_i) return i;
+            }
+        }
+        return -1;
+    }
+
     /* The whole intake of the common call, in one pass with no Python calls:
        every array argument a plain numpy array that mmd_view_contiguous_numpy
        takes (on the CPU, so on one device), or None where optional_mask
-       allows; outputs (output_mask) writable and sharing no byte with any
-       other array, the check of OpRegistry.check_outputs. Returns 1 with the
-       views, args and extents filled, else 0: the general path then redoes
-       the intake and takes the call, or raises its error. */
+       allows, and the outputs passing mmd_find_output_conflict. Returns 1
+       with the views, args and extents filled, else 0: the general path then
+       redoes the intake and takes the call, or raises its error. */
     static inline int mmd_intake_plain_numpy(PyObject *const *objects, int n,
                                              unsigned int optional_mask,
                                              unsigned int output_mask, mmd_tensor *tensors,
@@ -154,7 +180,7 @@ cdef extern from *:
             PyObject *obj = objects[i];
             if (obj == Py_None && (optional_mask >> i & 1u)) {
                 args[i] = NULL;
-                lo[i] = hi[i] = 0;   /* overlaps nothing below */
+                lo[i] = hi[i] = 0;   /* overlaps nothing */
                 continue;
             }
             if (!mmd_is_exact_ndarray(obj) ||
@@ -165,28 +191,8 @@ cdef extern from *:
             args[i] = &tensors[i];
             present |= 1u << i;
         }
-        if (!present) return 0;
-        /* Each output against each input, when it is not empty, and each pair
-           of outputs once: the test is symmetric, and when one of the two is
-           empty it is that of the non-empty one (two empty ranges never
-           meet), so this is check_outputs' test. Absent arrays have
-           lo == hi == 0 and meet nothing. Branch-free but for the test of an
-           empty output (steady within a call site): overlaps are rare. */
-        int bad = 0;
-    #pragma GCC unroll 16
-        for (int i = 0; i < n; ++i) {
-            if (!(output_mask >> i & 1u)) continue;
-            if ((present >> i & 1u) && !tensors[i].writable) return 0;
-            const uintptr_t lo_i = lo[i], hi_i = hi[i];
-    #pragma GCC unroll 16
-            for (int j = i + 1; j < n; ++j)
-                if (output_mask >> j & 1u) bad |= (lo_i < hi[j]) & (lo[j] < hi_i);
-            if (lo_i == hi_i) continue;   /* an empty output meets no input */
-    #pragma GCC unroll 16
-            for (int j = 0; j < n; ++j)
-                if (!(output_mask >> j & 1u)) bad |= (lo_i < hi[j]) & (lo[j] < hi_i);
-        }
-        return !bad;
+        int other;
+        return present && mmd_find_output_conflict(n, output_mask, tensors, lo, hi, &other) < 0;
     }
     """
     int _dtype_code "mmd_dtype_code"(char kind, Py_ssize_t itemsize) noexcept nogil
@@ -199,6 +205,9 @@ cdef extern from *:
     bint mmd_view_contiguous_numpy(PyObject *obj, mmd_tensor *t, uintptr_t *lo,
                                    uintptr_t *hi) noexcept nogil
     int mmd_init_dtype_table() except -1
+    int mmd_find_output_conflict(int n, unsigned int output_mask, const mmd_tensor *tensors,
+                                 const uintptr_t *lo, const uintptr_t *hi,
+                                 int *other) noexcept nogil
     bint mmd_intake_plain_numpy(PyObject **objects, int n, unsigned int optional_mask,
                                 unsigned int output_mask, mmd_tensor *tensors,
                                 const mmd_tensor **args, uintptr_t *lo,

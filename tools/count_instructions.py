@@ -52,10 +52,14 @@ else:
 def instructions(which, calls):
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1")
+    # sys.executable as it is, not its real path: in a virtual environment
+    # the real path is the base interpreter, which cannot import mmdispatch
     proc = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-         os.path.realpath(sys.executable), "-c", CHILD, which, str(calls)],
+         sys.executable, "-c", CHILD, which, str(calls)],
         capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {which} run failed under callgrind:\n{proc.stderr[-2000:]}")
     for line in proc.stderr.splitlines():
         if "Collected" in line:
             return int(line.split()[-1])
