@@ -403,13 +403,17 @@ def import_seconds(repeat):
     """Median wall time of `import mmdispatch` in a fresh interpreter, and of
     `import numpy` for reference (the same interpreter start-up in both)."""
     import subprocess
+    import tempfile
 
     def timed(statement):
         code = ("import time; t = time.perf_counter(); " + statement +
                 "; print(time.perf_counter() - t)")
+        # not from the current directory: a source tree's mmdispatch/ would
+        # shadow the installed package
         return statistics.median(
             float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 check=True).stdout) for _ in range(repeat))
+                                 check=True, cwd=tempfile.gettempdir()).stdout)
+            for _ in range(repeat))
 
     return timed("import mmdispatch"), timed("import numpy")
 
