@@ -120,6 +120,7 @@ cdef enum ArrayKind:
     KIND_CUPY
     KIND_DLPACK
     KIND_CAI        # __cuda_array_interface__
+    KIND_TORCH      # a torch tensor on the CPU or a CUDA device, viewed directly
 
 # Everything one dispatch needs, on the caller's C stack.
 cdef struct CallState:

@@ -417,6 +417,9 @@ cdef class OpRegistry:
             t.device_type = MMD_DEVICE_CUDA
             t.device_id = obj.data.device_id
             return 0
+        if _is_torch_tensor(obj) and _torch_device(obj, t):
+            st.kinds[i] = KIND_TORCH
+            return 0
         dlpack_device = getattr(type(obj), "__dlpack_device__", None)
         if dlpack_device is not None:
             st.kinds[i] = KIND_DLPACK
@@ -506,6 +509,8 @@ cdef class OpRegistry:
                 _intake_numpy(self, i, <cnp.ndarray>st.objects[i], t)
             elif kind == KIND_CUPY:
                 _intake_cupy(self, i, <object>st.objects[i], t)
+            elif kind == KIND_TORCH:
+                _intake_torch(self, i, <object>st.objects[i], t)
             elif kind == KIND_DLPACK:
                 capsule = _intake_dlpack(self, i, <object>st.objects[i], dlpack_stream, t)
                 if held is None:

@@ -1,8 +1,10 @@
-# Array intake: views of numpy, CuPy, DLPack and __cuda_array_interface__
-# arrays as mmd_tensor, without copies. Order follows measured costs: the
-# numpy C struct (~2 ns), CuPy attributes, __dlpack_device__/__dlpack__,
-# then __cuda_array_interface__ (~1 us). CuPy is never imported here: its
-# type is looked up only once the user has imported it.
+# Array intake: views of numpy, CuPy, torch, DLPack and
+# __cuda_array_interface__ arrays as mmd_tensor, without copies. Order
+# follows measured costs: the numpy C struct (~2 ns), CuPy's and torch's
+# attributes (tens of ns each; torch's own __dlpack__ and __dlpack_device__
+# cost ~3 us each), __dlpack_device__/__dlpack__, then
+# __cuda_array_interface__ (~1 us). Neither CuPy nor torch is imported here:
+# their types are looked up only once the user has imported them.
 
 cdef object _cupy_ndarray_type = None
 # cupy.cuda.get_current_stream(device_id), looked up with the ndarray type
@@ -32,20 +34,114 @@ cdef inline bint _is_cupy_array(object obj):
     return type(obj) is _cupy_ndarray_type
 
 
+# torch.Tensor and torch.nn.Parameter (the exact types: subclasses such as
+# FakeTensor take the DLPack path), looked up once torch is imported.
+cdef object _torch_tensor_type = None
+cdef object _torch_parameter_type = None
+# torch dtype -> mmd dtype code
+cdef dict _torch_dtype_codes = None
+# torch._C._cuda_getCurrentRawStream(device_index) -> stream pointer
+cdef object _torch_current_stream = None
+
+
+cdef bint _find_torch() except -1:
+    """Caches torch's tensor types, dtypes and stream lookup once torch is
+    fully imported; False until then."""
+    global _torch_tensor_type, _torch_parameter_type, _torch_dtype_codes, _torch_current_stream
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None)
+    parameter_type = getattr(getattr(torch, "nn", None), "Parameter", None)
+    if tensor_type is None or parameter_type is None:
+        return False   # not imported, or still importing
+    codes = {}
+    for name, code in [("bool", MMD_BOOL), ("int8", MMD_INT8), ("int16", MMD_INT16),
+                       ("int32", MMD_INT32), ("int64", MMD_INT64), ("uint8", MMD_UINT8),
+                       ("uint16", MMD_UINT16), ("uint32", MMD_UINT32), ("uint64", MMD_UINT64),
+                       ("float16", MMD_FLOAT16), ("bfloat16", MMD_BFLOAT16),
+                       ("float32", MMD_FLOAT32), ("float64", MMD_FLOAT64)]:
+        if hasattr(torch, name):
+            codes[getattr(torch, name)] = code
+    _torch_dtype_codes = codes
+    _torch_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    _torch_parameter_type = parameter_type
+    _torch_tensor_type = tensor_type
+    return True
+
+
+cdef inline bint _is_torch_tensor(object obj) except -1:
+    if _torch_tensor_type is None and not _find_torch():
+        return False
+    return type(obj) is _torch_tensor_type or type(obj) is _torch_parameter_type
+
+
+cdef bint _torch_device(object tensor, mmd_tensor *t) except -1:
+    """t's device for a torch tensor on the CPU or a CUDA device; False for
+    any other device (MPS, XPU, ...), which the DLPack path takes. A meta
+    tensor says CPU here and is refused at intake (it has no data)."""
+    cdef int index = tensor.get_device()
+    if index < 0:
+        t.device_type = MMD_DEVICE_CPU
+        t.device_id = 0
+        return True
+    if tensor.is_cuda:
+        t.device_type = MMD_DEVICE_CUDA
+        t.device_id = index
+        return True
+    return False
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef int _intake_torch(OpRegistry op, int i, object tensor, mmd_tensor *t) except -1:
+    """A torch tensor, viewed through its own accessors (no DLPack export):
+    dtype, shape, strides (torch's count elements) and data pointer."""
+    cdef int d, nd
+    cdef int64_t numel = 1
+    code = _torch_dtype_codes.get(tensor.dtype)
+    if code is None:
+        raise TypeError(f"{op.where(i)}, unsupported dtype {tensor.dtype}")
+    try:   # sparse and other layouts have no strides or data pointer
+        shape = tensor.shape
+        strides = tensor.stride()
+        pointer = tensor.data_ptr()
+    except Exception as exc:
+        raise TypeError(f"{op.where(i)}, cannot view a torch tensor of layout "
+                        f"{tensor.layout}: {exc}") from exc
+    nd = len(shape)
+    if nd > MMD_MAX_NDIM:
+        raise ValueError(f"{op.where(i)}, {nd} dimensions; at most {MMD_MAX_NDIM} are supported")
+    t.dtype = code
+    t.ndim = nd
+    for d in range(nd):
+        t.shape[d] = <int64_t>(<tuple>shape)[d]
+        t.strides[d] = <int64_t>(<tuple>strides)[d]
+        numel *= t.shape[d]
+    if pointer == 0 and numel != 0:
+        raise TypeError(f"{op.where(i)}, the torch tensor has no data (a meta or fake tensor, "
+                        f"device {tensor.device})")
+    t.data = <void *><uintptr_t>pointer
+    t.writable = 1
+    return _check_alignment(op, i, t)
+
+
 cdef object _cuda_launch_stream(CallState *st, int n, int device_id):
     """Sets st.ctx.stream for a launch on CUDA device `device_id` and returns
-    the stream to ask DLPack producers for: CuPy's current stream on that
-    device when a CuPy array is among the arguments (where CuPy itself
-    launches), else the legacy default stream, on which a DLPack producer
-    (torch, JAX, ...) makes its data ready before handing it over. One C-level
-    call into CuPy, no Python frame."""
+    the stream to ask DLPack producers for: the current stream on that device
+    of the library of the first CuPy or torch array among the arguments
+    (where that library launches its own work), else the legacy default
+    stream, on which a DLPack producer (JAX, ...) makes its data ready before
+    handing it over. One C-level call into CuPy or torch, no Python frame."""
     cdef int i
     cdef uintptr_t ptr
     for i in range(n):
         if st.kinds[i] == KIND_CUPY:
             ptr = _cupy_current_stream(device_id).ptr
-            st.ctx.stream = <void *>ptr
-            return ptr if ptr else _DLPACK_LEGACY_DEFAULT_STREAM
+        elif st.kinds[i] == KIND_TORCH and _torch_current_stream is not None:
+            ptr = _torch_current_stream(device_id)
+        else:
+            continue
+        st.ctx.stream = <void *>ptr
+        return ptr if ptr else _DLPACK_LEGACY_DEFAULT_STREAM
     st.ctx.stream = NULL
     return _DLPACK_LEGACY_DEFAULT_STREAM
 

@@ -1,0 +1,114 @@
+"""The dispatcher's view of torch tensors (mmdispatch/_intake.pxi,
+KIND_TORCH): read through torch's own accessors, without DLPack exports or
+copies, on the CPU and on CUDA devices (on torch's current stream); other
+devices and tensor subclasses take the DLPack path."""
+import re
+
+import numpy as np
+import pytest
+
+import mmdispatch
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+
+FWD = mmdispatch.roi_align_forward_impl
+
+
+def forward_args(make=torch.tensor, dtype=torch.float64):
+    x = torch.arange(2 * 3 * 6 * 6, dtype=dtype).reshape(2, 3, 6, 6)
+    rois = torch.tensor([[0, 0, 0, 4, 4], [1, 1, 1, 5, 3]], dtype=dtype)
+    out = torch.zeros(2, 3, 2, 2, dtype=dtype)
+    empty = torch.empty(0, dtype=dtype)
+    return [x, rois, out, empty, empty.clone()]
+
+
+def test_cpu_tensors_are_viewed_in_place_and_give_the_numpy_result():
+    args = forward_args()
+    pointer = args[2].data_ptr()
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    expected = mmdispatch.ops.roi_align(args[0].numpy(), args[1].numpy(), 2, 1.0, 2)
+    assert args[2].data_ptr() == pointer   # written where it lies: no copy
+    np.testing.assert_array_equal(args[2].numpy(), expected)
+
+
+def test_parameters_and_tensors_that_require_grad_are_viewed_too():
+    args = forward_args()
+    args[0] = torch.nn.Parameter(args[0])
+    args[1].requires_grad_(True)
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    assert float(args[2].abs().sum()) > 0
+
+
+def test_a_tensor_subclass_takes_the_dlpack_path_with_the_same_result():
+    class Tagged(torch.Tensor):
+        pass
+
+    args, plain = forward_args(), forward_args()
+    args[0] = args[0].as_subclass(Tagged)
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    FWD(*plain, 2, 2, 1.0, 2, 1, True)
+    assert torch.equal(args[2], plain[2])
+
+
+def test_strided_views_and_overlapping_outputs_are_refused_with_clear_errors():
+    args = forward_args()
+    args[0] = torch.zeros(2, 3, 6, 12, dtype=torch.float64)[..., ::2]
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: input must be C-contiguous")):
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+    args = forward_args()
+    args[2] = args[0][:2, :, :2, :2]   # output aliasing the input
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: at param 2 (output), output memory overlaps param 0 "
+            "(input)")):
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.empty(2, 3, 6, 6, dtype=torch.float64, device="meta"),
+     "at param 0 (input), the torch tensor has no data (a meta or fake tensor, device meta)"),
+    (lambda: torch.ones(2, 3, 6, 6, dtype=torch.float64).to_sparse(),
+     "at param 0 (input), cannot view a torch tensor of layout torch.sparse_coo"),
+    (lambda: torch.ones(2, 3, 6, 6, dtype=torch.complex64),
+     "at param 0 (input), unsupported dtype torch.complex64"),
+])
+def test_tensors_without_a_plain_view_are_refused_naming_the_parameter(make, message):
+    args = forward_args()
+    args[0] = make()
+    with pytest.raises(TypeError, match=re.escape(f"roi_align_forward_impl: {message}")):
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+    assert not args[2].any()
+
+
+def test_torch_and_other_devices_are_checked_like_any_array(fake_array):
+    args = forward_args()
+    args[1] = fake_array(2, 0)
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(
+            "roi_align_forward_impl: at param 1 (rois), inconsistent device: cuda:0 vs cpu")):
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+    assert not args[1].exported
+
+
+def test_integer_and_bool_dtypes_map_to_the_kernels_dtypes():
+    boxes = torch.tensor([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], dtype=torch.float32)
+    scores = torch.tensor([0.9, 0.8, 0.7])
+    keep, count = torch.empty(3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    mmdispatch.nms_impl(boxes, scores, torch.tensor([0, 0, 1]), keep, count, 0.5, 0)
+    assert keep[:int(count)].tolist() == [0, 2]
+    with pytest.raises(TypeError, match=re.escape("nms_impl: idxs has dtype int32")):
+        mmdispatch.nms_impl(boxes, scores, torch.tensor([0, 0, 1], dtype=torch.int32), keep,
+                            count, 0.5, 0)
+
+
+def test_cuda_tensors_run_on_torchs_current_stream(torch_cuda):
+    rng = np.random.default_rng(0)
+    x = torch_cuda.from_numpy(rng.standard_normal((2, 4, 32, 32))).cuda()
+    rois = torch_cuda.tensor([[0, 1, 1, 20, 20], [1, 4, 2, 30, 12]], dtype=torch.float64).cuda()
+    expected = mmdispatch.ops.roi_align(x.cpu().numpy(), rois.cpu().numpy(), 7)
+    stream = torch_cuda.cuda.Stream()
+    empty = torch_cuda.empty(0, dtype=torch.float64, device="cuda")
+    with torch_cuda.cuda.stream(stream):
+        out = torch_cuda.empty(2, 4, 7, 7, dtype=torch.float64, device="cuda")
+        FWD(x, rois, out, empty, empty, 7, 7, 1.0, 0, 1, True)
+    stream.synchronize()   # only that stream: the kernel ran on it
+    np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=1e-12, atol=1e-12)
