@@ -14,25 +14,38 @@ from pathlib import Path
 # Must match the flags in _core.pxd.
 ARG_OUTPUT = 1
 ARG_OPTIONAL = 2
+ARG_ACCUMULATE = 4   # an output the kernel adds into: callers pass it initialised
 MAX_ARRAY_ARGS = 16
 
-_ARRAY_TYPES = {"Tensor": 0, "Tensor!": ARG_OUTPUT, "Tensor?": ARG_OPTIONAL}
+_ARRAY_TYPES = {"Tensor": 0, "Tensor!": ARG_OUTPUT, "Tensor+": ARG_OUTPUT | ARG_ACCUMULATE,
+                "Tensor?": ARG_OPTIONAL}
 _SCALAR_TYPES = {  # signature type -> (C type, Cython converter in _core.pyx)
     "int": ("int64_t", "_int_arg"),
     "float": ("double", "_float_arg"),
     "bool": ("int", "_bool_arg"),
 }
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# an output whose valid part is its first `length` elements: keep[:num_kept]
+_TRIMMED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\[:([A-Za-z_][A-Za-z0-9_]*)\]$")
 
 
 @dataclass(frozen=True)
 class Param:
     type: str
     name: str
+    length: str | None = None   # output trimmed to the value of this (1,) output
 
     @property
     def is_array(self) -> bool:
         return self.type in _ARRAY_TYPES
+
+    @property
+    def flags(self) -> int:
+        return _ARRAY_TYPES[self.type]
+
+    @property
+    def is_output(self) -> bool:
+        return self.is_array and bool(self.flags & ARG_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -54,13 +67,24 @@ def parse_signature(line: str) -> Op:
     params = []
     for chunk in filter(None, (c.strip() for c in body.split(","))):
         parts = chunk.split()
-        if len(parts) != 2 or not _IDENT.match(parts[1]):
+        trimmed = _TRIMMED.match(parts[1]) if len(parts) == 2 else None
+        if len(parts) != 2 or not (_IDENT.match(parts[1]) or trimmed):
             raise ValueError(f"{name}: bad parameter {chunk!r}")
         ptype, pname = parts
         if ptype not in _ARRAY_TYPES and ptype not in _SCALAR_TYPES:
             raise ValueError(f"{name}: unknown parameter type {ptype!r}")
-        params.append(Param(ptype, pname))
+        length = None
+        if trimmed:
+            if ptype != "Tensor!":
+                raise ValueError(f"{name}: only a Tensor! output can be trimmed ({chunk!r})")
+            pname, length = trimmed.groups()
+        params.append(Param(ptype, pname, length))
     op = Op(name, tuple(params), line.strip())
+    by_name = {p.name: p for p in params}
+    for p in params:
+        if p.length is not None and not (p.length in by_name and by_name[p.length].is_output):
+            raise ValueError(f"{name}: {p.name} is trimmed to {p.length!r}, which is not an "
+                             "output of the op")
     if not op.arrays:
         raise ValueError(f"{name}: an op needs at least one array parameter")
     if len(op.arrays) > MAX_ARRAY_ARGS:
@@ -293,6 +317,7 @@ def _write_if_changed(path, text):
 _STUB_TYPES = {
     "Tensor": "_Array",
     "Tensor!": "_Array",
+    "Tensor+": "_Array",
     "Tensor?": "_Array | None",
     "int": "SupportsIndex",
     "float": "SupportsFloat",

@@ -113,6 +113,7 @@ cdef enum:
     MAX_ARRAY_ARGS = 16  # _codegen.MAX_ARRAY_ARGS
     ARG_OUTPUT = 1       # _codegen.ARG_OUTPUT
     ARG_OPTIONAL = 2     # _codegen.ARG_OPTIONAL
+    ARG_ACCUMULATE = 4   # _codegen.ARG_ACCUMULATE (with ARG_OUTPUT: Tensor+)
 
 cdef enum ArrayKind:
     KIND_NONE = 0   # optional argument given as None

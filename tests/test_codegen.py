@@ -57,3 +57,25 @@ def test_shipped_signatures_parse():
 
     ops = _codegen.read_signatures(files("mmdispatch") / "signatures.txt")
     assert {op.name for op in ops} >= {"roi_align_forward_impl", "roi_align_backward_impl"}
+
+
+def test_accumulated_and_trimmed_outputs_parse_and_are_outputs_to_the_dispatcher():
+    op = _codegen.parse_signature(
+        "toy(Tensor a, Tensor+ grad, Tensor! keep[:count], Tensor! count, int n)")
+    grad, keep, count = op.params[1:4]
+    assert grad.is_output and grad.flags == _codegen.ARG_OUTPUT | _codegen.ARG_ACCUMULATE
+    assert keep.name == "keep" and keep.length == "count" and keep.is_output
+    assert count.length is None
+    pyx = _codegen.generate_pyx([op])
+    assert "def toy(a, grad, keep, count, n):" in pyx
+    assert "mmd_intake_plain_numpy(st.objects, 4, 0, 14," in pyx   # outputs 1, 2, 3
+
+
+@pytest.mark.parametrize("line, message", [
+    ("toy(Tensor! keep[:n], int n)", "which is not an output"),
+    ("toy(Tensor keep[:count], Tensor! count)", "only a Tensor! output can be trimmed"),
+    ("toy(Tensor! keep[count], Tensor! count)", "bad parameter"),
+])
+def test_bad_trimmed_outputs_are_refused(line, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _codegen.parse_signature(line)

@@ -24,7 +24,9 @@ def signature_params():
         line = raw.split("#", 1)[0].strip()
         if line:
             name, params = re.fullmatch(r"(\w+)\((.*)\)", line).groups()
-            ops[name] = [chunk.split()[1] for chunk in params.split(",") if chunk.strip()]
+            # a trimmed output names its length too: keep[:num_kept]
+            ops[name] = [chunk.split()[1].partition("[")[0] for chunk in params.split(",")
+                         if chunk.strip()]
     return ops
 
 

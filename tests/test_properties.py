@@ -543,7 +543,7 @@ def cpu_backends(op_name):
 
 
 def outputs_of(op_name):
-    return [p.name for p in SIGNATURES[op_name].params if p.type == "Tensor!"]
+    return [p.name for p in SIGNATURES[op_name].params if p.is_output]
 
 
 def inputs_of(op_name):
@@ -692,7 +692,7 @@ def bad_entry_call(draw, op_name):
     arrays = [p for p in params if p.is_array and args[p.name] is not None
               and not argmax_unused(op_name, args, p.name)]
     scalars = [p for p in params if not p.is_array]
-    outputs = [p for p in arrays if p.type == "Tensor!"]
+    outputs = [p for p in arrays if p.is_output]
     kinds = ["type", "device", "all_devices", "dtype", "ndim", "strided", "shape", "read_only",
              "overlap", "scalar_type", "scalar_value", "data"]
     kind = draw(st.sampled_from(kinds))

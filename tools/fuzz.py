@@ -477,7 +477,7 @@ def child_main(args):
         if r.int(0, 9) == 0:   # the same array at two positions
             arrays = [i for i, p in enumerate(params) if p.is_array]
             values[r.choice(arrays)] = values[r.choice(arrays)]
-        outputs = {i for i, p in enumerate(params) if p.type == "Tensor!"}
+        outputs = {i for i, p in enumerate(params) if p.is_output}
         return op_name, getattr(mmdispatch, op_name), values, outputs, (f"{op_name}:",)
 
     # user function -> the op names its errors may start with (the function
