@@ -17,6 +17,18 @@ from mmdispatch.ops._fastpath import pooled_output
 
 _POOL_MODES = {"avg": 1, "max": 0}
 
+# How gradients flow through the entry points, for the PyTorch layer
+# (mmdispatch.torch derives its autograd from this and signatures.txt): the
+# gradient of `input` is roi_align_backward_impl's result (its output,
+# allocated like `input`), with `grad_output` the gradient of the forward's
+# `output` and every other parameter the forward's own of the same name
+# (rois, argmax_y, argmax_x, the sizes and flags).
+GRADIENTS = {
+    "roi_align_forward_impl": {
+        "input": {"backward": "roi_align_backward_impl", "grad_output": "output"},
+    },
+}
+
 
 def _pool_mode(op, pool_mode):
     return choice(op, "pool_mode", pool_mode, _POOL_MODES)

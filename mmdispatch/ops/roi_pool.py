@@ -17,6 +17,15 @@ from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, index_arra
                                     namespace, native, pair, roi_forward_inputs, shape_arg)
 from mmdispatch.ops._fastpath import index_like, pooled_output
 
+# The gradient of `input` for the PyTorch layer's autograd (see
+# mmdispatch/ops/roi_align.py): roi_pool_backward_impl's result, with
+# `grad_output` the gradient of `output`, the other parameters the forward's.
+GRADIENTS = {
+    "roi_pool_forward_impl": {
+        "input": {"backward": "roi_pool_backward_impl", "grad_output": "output"},
+    },
+}
+
 
 def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
     """Returns (output, argmax): output is (K, C, *output_size) in the

@@ -20,6 +20,15 @@ from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, in
 
 _REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
 
+# The gradient of `input` for the PyTorch layer's autograd (see
+# mmdispatch/ops/roi_align.py): the backward entry point gives d loss / d
+# input elementwise, which the gradient of `output` then scales.
+GRADIENTS = {
+    "sigmoid_focal_loss_forward_impl": {
+        "input": {"backward": "sigmoid_focal_loss_backward_impl", "times_grad_of": "output"},
+    },
+}
+
 
 def _run(op, impl, input, target, gamma, alpha, weight):
     original = input

@@ -1,0 +1,25 @@
+"""mmdispatch for PyTorch.
+
+- Every dispatch entry point is a torch.library op, ``torch.ops.mmdispatch.*``
+  (derived from signatures.txt: fake implementations for FakeTensor and
+  torch.compile, autograd), running on mmdispatch's kernels with torch's
+  allocator and current CUDA stream.
+- Drop-in functions and modules with torchvision.ops' names, signatures and
+  defaults: ``from mmdispatch.torch import roi_align, nms`` in place of
+  ``from torchvision.ops import roi_align, nms``.
+- ``mmdispatch.torch.mmcv`` has MMCV's names, signatures and defaults.
+
+Needs torch (``pip install mmdispatch[torch]``); nothing else in mmdispatch
+imports it.
+"""
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as exc:
+    raise ImportError("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]' (or "
+                      "torch itself); the rest of mmdispatch works without it") from exc
+
+from mmdispatch.torch._vision import (RoIAlign, RoIPool, batched_nms, box_iou, nms, roi_align,
+                                      roi_pool, sigmoid_focal_loss)
+
+__all__ = ["RoIAlign", "RoIPool", "batched_nms", "box_iou", "nms", "roi_align", "roi_pool",
+           "sigmoid_focal_loss"]

@@ -1,0 +1,184 @@
+"""torchvision.ops' functions and modules, with torchvision's names,
+signatures and defaults, on mmdispatch's kernels (the ops of
+mmdispatch.torch._library): `from mmdispatch.torch import roi_align` in
+place of `from torchvision.ops import roi_align`.
+
+Where our semantics differ from torchvision's they are documented on the
+function (box_iou of boxes with no area is 0, not NaN).
+"""
+import torch
+from torch import nn
+
+from mmdispatch.torch._library import DERIVED
+
+_ROI_ALIGN = DERIVED["roi_align_forward_impl"]
+_ROI_POOL = DERIVED["roi_pool_forward_impl"]
+_NMS = DERIVED["nms_impl"]
+_OVERLAPS = DERIVED["bbox_overlaps_impl"]
+_AVG = 1
+
+
+def _pair(op, value):
+    """(h, w) from an int or a pair of ints (torchvision's output_size)."""
+    if isinstance(value, int):
+        return value, value
+    try:
+        h, w = value
+        return int(h), int(w)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: output_size must be an int or a pair of ints, got "
+                        f"{value!r}") from None
+
+
+def rois_of(op, boxes, like):
+    """(K, 5) rois [batch index, x1, y1, x2, y2] in `like`'s dtype from a
+    Tensor[K, 5] or a list of Tensor[L, 4] (one per image), as torchvision
+    takes them."""
+    if isinstance(boxes, torch.Tensor):
+        if boxes.dim() != 2 or boxes.shape[1] != 5:
+            raise ValueError(f"{op}: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], "
+                             f"got a tensor of shape {tuple(boxes.shape)}")
+        rois = boxes
+    elif isinstance(boxes, (list, tuple)):
+        for i, b in enumerate(boxes):
+            if not isinstance(b, torch.Tensor) or b.dim() != 2 or b.shape[1] != 4:
+                raise ValueError(f"{op}: boxes[{i}] must be a Tensor[L, 4], got "
+                                 f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
+        if boxes:
+            rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1)
+                              for i, b in enumerate(boxes)], dim=0)
+        else:
+            rois = like.new_empty((0, 5))
+    else:
+        raise TypeError(f"{op}: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], got "
+                        f"{type(boxes).__name__}")
+    return rois if rois.dtype == like.dtype else rois.to(like.dtype)
+
+
+def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
+    """RoIAlign (avg pooling) as torchvision.ops.roi_align: input (N, C, H,
+    W); boxes a Tensor[K, 5] or a list of Tensor[L, 4]; returns (K, C,
+    *output_size). Differentiable with respect to input."""
+    h, w = _pair("roi_align", output_size)
+    rois = rois_of("roi_align", boxes, input)
+    unused = (0,)
+    return _ROI_ALIGN(input, rois, (rois.shape[0], input.shape[1], h, w), input.dtype, unused,
+                      input.dtype, unused, input.dtype, h, w, float(spatial_scale),
+                      int(sampling_ratio), _AVG, bool(aligned))[0]
+
+
+def roi_pool(input, boxes, output_size, spatial_scale=1.0):
+    """RoIPool (max pooling, Fast R-CNN) as torchvision.ops.roi_pool;
+    differentiable with respect to input."""
+    h, w = _pair("roi_pool", output_size)
+    rois = rois_of("roi_pool", boxes, input)
+    shape = (rois.shape[0], input.shape[1], h, w)
+    return _ROI_POOL(input, rois, shape, input.dtype, shape, torch.int64, h, w,
+                     float(spatial_scale))[0]
+
+
+def _nms(boxes, scores, idxs, iou_threshold, offset=0):
+    if scores.dtype != boxes.dtype:
+        scores = scores.to(boxes.dtype)
+    return _NMS(boxes, scores, idxs, (boxes.shape[0],), torch.int64, (1,), torch.int64,
+                float(iou_threshold), int(offset))
+
+
+def nms(boxes, scores, iou_threshold):
+    """Indices (int64) of the boxes kept, by decreasing score, as
+    torchvision.ops.nms: a box is dropped when a kept box has IoU >
+    iou_threshold with it."""
+    return _nms(boxes, scores, None, iou_threshold)
+
+
+def batched_nms(boxes, scores, idxs, iou_threshold):
+    """nms within each category of idxs, as torchvision.ops.batched_nms:
+    boxes of different categories never suppress each other."""
+    return _nms(boxes, scores, idxs.to(torch.int64), iou_threshold)
+
+
+def _box_iou_composite(boxes1, boxes2):
+    """IoU written with torch operations, for inputs that need a gradient."""
+    area1 = (boxes1[:, 2] - boxes1[:, 0]) * (boxes1[:, 3] - boxes1[:, 1])
+    area2 = (boxes2[:, 2] - boxes2[:, 0]) * (boxes2[:, 3] - boxes2[:, 1])
+    top_left = torch.max(boxes1[:, None, :2], boxes2[:, :2])
+    bottom_right = torch.min(boxes1[:, None, 2:], boxes2[:, 2:])
+    inter = (bottom_right - top_left).clamp(min=0).prod(dim=2)
+    union = area1[:, None] + area2 - inter
+    return torch.where(union > 0, inter / union, torch.zeros_like(inter))
+
+
+def box_iou(boxes1, boxes2):
+    """(N, M) IoU of (N, 4) and (M, 4) boxes [x1, y1, x2, y2], as
+    torchvision.ops.box_iou. Integer boxes are computed in float32. A pair
+    whose union has no area gives 0 (torchvision gives NaN). Differentiable:
+    inputs that need a gradient are computed with torch operations."""
+    if not boxes1.is_floating_point():
+        boxes1 = boxes1.float()
+    if boxes2.dtype != boxes1.dtype:
+        boxes2 = boxes2.to(boxes1.dtype)
+    if torch.is_grad_enabled() and (boxes1.requires_grad or boxes2.requires_grad):
+        return _box_iou_composite(boxes1, boxes2)
+    return _OVERLAPS(boxes1, boxes2, (boxes1.shape[0], boxes2.shape[0]), boxes1.dtype, 0, False,
+                     0)
+
+
+def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
+    """torchvision.ops.sigmoid_focal_loss: inputs are logits of any shape,
+    targets the same shape of (soft) binary labels; alpha < 0 disables the
+    class weighting; reduction "none", "mean" or "sum". With p = sigmoid(x)
+    and p_t = p for positives, 1 - p for negatives, the loss is
+    alpha_t * (1 - p_t) ** gamma * cross_entropy, the cross entropy taken
+    from the logits (stable for large values). (MMCV's variant, with class
+    index targets and our kernel: mmdispatch.torch.mmcv.sigmoid_focal_loss.)"""
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"sigmoid_focal_loss: reduction must be 'none', 'mean' or 'sum', got "
+                         f"{reduction!r}")
+    p = torch.sigmoid(inputs)
+    cross_entropy = nn.functional.binary_cross_entropy_with_logits(inputs, targets,
+                                                                   reduction="none")
+    p_t = p * targets + (1 - p) * (1 - targets)
+    loss = cross_entropy * ((1 - p_t) ** gamma)
+    if alpha >= 0:
+        loss = (alpha * targets + (1 - alpha) * (1 - targets)) * loss
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+class RoIAlign(nn.Module):
+    """torchvision.ops.RoIAlign."""
+
+    def __init__(self, output_size, spatial_scale, sampling_ratio, aligned=False):
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = spatial_scale
+        self.sampling_ratio = sampling_ratio
+        self.aligned = aligned
+
+    def forward(self, input, rois):
+        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio,
+                         self.aligned)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio}, "
+                f"aligned={self.aligned})")
+
+
+class RoIPool(nn.Module):
+    """torchvision.ops.RoIPool."""
+
+    def __init__(self, output_size, spatial_scale):
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = spatial_scale
+
+    def forward(self, input, rois):
+        return roi_pool(input, rois, self.output_size, self.spatial_scale)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale})")

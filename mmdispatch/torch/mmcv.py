@@ -1,0 +1,151 @@
+"""mmcv.ops' functions and modules, with MMCV's names, signatures and
+defaults, on mmdispatch's kernels: `from mmdispatch.torch.mmcv import
+roi_align` in place of `from mmcv.ops import roi_align`. Rois are (K, 5)
+tensors [batch index, x1, y1, x2, y2]."""
+import torch
+from torch import nn
+
+from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
+from mmdispatch.ops.roi_align import _POOL_MODES
+from mmdispatch.torch._library import DERIVED
+from mmdispatch.torch._vision import _nms, _pair, rois_of
+
+_ROI_ALIGN = DERIVED["roi_align_forward_impl"]
+_ROI_POOL = DERIVED["roi_pool_forward_impl"]
+_OVERLAPS = DERIVED["bbox_overlaps_impl"]
+_FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
+
+
+def _choice(op, name, value, options):
+    if isinstance(value, str) and value in options:
+        return options[value]
+    raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, options))}, got "
+                     f"{value!r}")
+
+
+def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
+              aligned=True):
+    """mmcv.ops.roi_align: (K, C, *output_size); pool_mode "avg" or "max";
+    differentiable with respect to input in both modes."""
+    h, w = _pair("roi_align", output_size)
+    mode = _choice("roi_align", "pool_mode", pool_mode, _POOL_MODES)
+    rois = rois_of("roi_align", rois, input)
+    shape = (rois.shape[0], input.shape[1], h, w)
+    argmax = shape if mode == _POOL_MODES["max"] else (0,)
+    return _ROI_ALIGN(input, rois, shape, input.dtype, argmax, input.dtype, argmax, input.dtype,
+                      h, w, float(spatial_scale), int(sampling_ratio), mode, bool(aligned))[0]
+
+
+def roi_pool(input, rois, output_size, spatial_scale=1.0):
+    """mmcv.ops.roi_pool; differentiable with respect to input."""
+    h, w = _pair("roi_pool", output_size)
+    rois = rois_of("roi_pool", rois, input)
+    shape = (rois.shape[0], input.shape[1], h, w)
+    return _ROI_POOL(input, rois, shape, input.dtype, shape, torch.int64, h, w,
+                     float(spatial_scale))[0]
+
+
+def nms(boxes, scores, iou_threshold, offset=0, score_threshold=0, max_num=-1):
+    """mmcv.ops.nms: returns (dets, inds), dets (k, 5) the kept boxes with
+    their scores, inds their indices into `boxes`, by decreasing score.
+    Boxes with scores <= score_threshold (when it is > 0) are left out
+    first; max_num > 0 keeps at most that many."""
+    inds = torch.arange(boxes.shape[0], device=boxes.device)
+    if score_threshold > 0:
+        valid = scores > score_threshold
+        boxes, scores, inds = boxes[valid], scores[valid], inds[valid]
+    keep = _nms(boxes, scores, None, iou_threshold, offset)
+    if max_num > 0:
+        keep = keep[:max_num]
+    dets = torch.cat([boxes[keep], scores[keep].reshape(-1, 1).to(boxes.dtype)], dim=1)
+    return dets, inds[keep]
+
+
+def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
+    """mmcv.ops.bbox_overlaps: (N, M) ("iou" or "iof"), or (N,) when
+    aligned. Not differentiable (as in MMCV)."""
+    code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
+    shape = (bboxes1.shape[0],) if aligned else (bboxes1.shape[0], bboxes2.shape[0])
+    if bboxes2.dtype != bboxes1.dtype:
+        bboxes2 = bboxes2.to(bboxes1.dtype)
+    return _OVERLAPS(bboxes1, bboxes2, shape, bboxes1.dtype, code, bool(aligned), int(offset))
+
+
+def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
+    """mmcv.ops.sigmoid_focal_loss: input (N, C) logits, target (N,) class
+    indices in [0, C] (C: background), weight an optional (C,) per-class
+    weight; "mean" is the sum over N (rows), as in MMCV. Differentiable with
+    respect to input."""
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"sigmoid_focal_loss: reduction must be 'none', 'mean' or 'sum', got "
+                         f"{reduction!r}")
+    target = target.to(torch.int64)
+    if weight is not None and weight.dtype != input.dtype:
+        weight = weight.to(input.dtype)
+    loss = _FOCAL_LOSS(input, target, weight, tuple(input.shape), input.dtype, float(gamma),
+                       float(alpha))
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / input.shape[0]
+    return loss
+
+
+class RoIAlign(nn.Module):
+    """mmcv.ops.RoIAlign (use_torchvision is accepted and ignored: these
+    kernels serve both)."""
+
+    def __init__(self, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
+                 aligned=True, use_torchvision=False):
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = float(spatial_scale)
+        self.sampling_ratio = int(sampling_ratio)
+        self.pool_mode = pool_mode
+        self.aligned = aligned
+        self.use_torchvision = use_torchvision
+
+    def forward(self, input, rois):
+        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio,
+                         self.pool_mode, self.aligned)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio}, "
+                f"pool_mode={self.pool_mode}, aligned={self.aligned}, "
+                f"use_torchvision={self.use_torchvision})")
+
+
+class RoIPool(nn.Module):
+    """mmcv.ops.RoIPool."""
+
+    def __init__(self, output_size, spatial_scale=1.0):
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = float(spatial_scale)
+
+    def forward(self, input, rois):
+        return roi_pool(input, rois, self.output_size, self.spatial_scale)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale})")
+
+
+class SigmoidFocalLoss(nn.Module):
+    """mmcv.ops.SigmoidFocalLoss."""
+
+    def __init__(self, gamma, alpha, weight=None, reduction="mean"):
+        super().__init__()
+        self.gamma = float(gamma)
+        self.alpha = float(alpha)
+        self.register_buffer("weight", weight)
+        self.reduction = reduction
+
+    def forward(self, input, target):
+        return sigmoid_focal_loss(input, target, self.gamma, self.alpha, self.weight,
+                                  self.reduction)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(gamma={self.gamma}, alpha={self.alpha}, "
+                f"reduction={self.reduction})")

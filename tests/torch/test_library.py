@@ -1,0 +1,199 @@
+"""The torch.library ops derived from signatures.txt
+(mmdispatch/torch/_library.py): schemas, opcheck, fake tensors, autograd,
+allocation with torch, the CPU's float32 compute for 16-bit floats, and the
+eager path that skips torch.library's machinery."""
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+
+import mmdispatch  # noqa: E402
+import mmdispatch.torch  # noqa: E402,F401  (registers the ops)
+from mmdispatch.torch._library import DERIVED, _plain_eager  # noqa: E402
+
+OPS = torch.ops.mmdispatch
+
+
+def roi_args(dtype=torch.float64, mode=1, requires_grad=False, device="cpu"):
+    x = torch.randn(2, 3, 8, 8, dtype=dtype, device=device, requires_grad=requires_grad)
+    rois = torch.tensor([[0, 0.5, 0.5, 5, 6], [1, 1, 1, 6, 5], [0, 2, 1, 7, 7]], dtype=dtype,
+                        device=device)
+    shape = (3, 3, 2, 2)
+    argmax = shape if mode == 0 else (0,)
+    return (x, rois, shape, dtype, argmax, dtype, argmax, dtype, 2, 2, 1.0, 2, mode, True)
+
+
+def sample_calls(device="cpu"):
+    """(op, args) for every derived op, with arguments it accepts."""
+    boxes = torch.tensor([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], device=device)
+    scores = torch.tensor([0.9, 0.8, 0.7], device=device)
+    x, rois = roi_args(device=device)[:2]
+    grad = torch.randn(3, 3, 2, 2, dtype=torch.float64, device=device)
+    logits = torch.randn(4, 5, dtype=torch.float64, device=device, requires_grad=True)
+    target = torch.tensor([0, 5, 2, 1], device=device)
+    pooled, argmax = OPS.roi_pool_forward(x, rois, (3, 3, 2, 2), torch.float64, (3, 3, 2, 2),
+                                          torch.int64, 2, 2, 1.0)
+    return [
+        (OPS.roi_align_forward, roi_args(requires_grad=True, device=device)),
+        (OPS.roi_align_forward, roi_args(mode=0, requires_grad=True, device=device)),
+        (OPS.roi_align_backward, (grad, rois, torch.empty(0, dtype=torch.float64, device=device),
+                                  torch.empty(0, dtype=torch.float64, device=device),
+                                  tuple(x.shape), torch.float64, 2, 2, 1.0, 2, 1, True)),
+        (OPS.nms, (boxes, scores, None, (3,), torch.int64, (1,), torch.int64, 0.5, 0)),
+        (OPS.nms, (boxes, scores, torch.tensor([0, 1, 0], device=device), (3,), torch.int64,
+                   (1,), torch.int64, 0.5, 0)),
+        (OPS.roi_pool_forward, (x.requires_grad_(True), rois, (3, 3, 2, 2), torch.float64,
+                                (3, 3, 2, 2), torch.int64, 2, 2, 1.0)),
+        (OPS.roi_pool_backward, (grad, rois, argmax, tuple(x.shape), torch.float64, 2, 2, 1.0)),
+        (OPS.bbox_overlaps, (boxes, boxes[:2], (3, 2), torch.float32, 0, False, 0)),
+        (OPS.sigmoid_focal_loss_forward, (logits, target, None, (4, 5), torch.float64, 2.0,
+                                          0.25)),
+        (OPS.sigmoid_focal_loss_backward, (logits.detach(), target,
+                                           torch.rand(5, dtype=torch.float64, device=device),
+                                           (4, 5), torch.float64, 2.0, 0.25)),
+    ]
+
+
+def test_every_entry_point_has_a_derived_op_with_its_schema():
+    assert {op.signature.name for op in DERIVED.values()} == set(mmdispatch.op_signatures())
+    schema = str(OPS.roi_align_forward.default._schema)
+    assert schema == (
+        "mmdispatch::roi_align_forward(Tensor input, Tensor rois, SymInt[] output_shape, "
+        "ScalarType output_dtype, SymInt[] argmax_y_shape, ScalarType argmax_y_dtype, "
+        "SymInt[] argmax_x_shape, ScalarType argmax_x_dtype, int aligned_height, "
+        "int aligned_width, float spatial_scale, int sampling_ratio, int pool_mode, "
+        "bool aligned) -> (Tensor, Tensor, Tensor)")
+    # a trimmed output is returned trimmed; the output holding its length is not returned
+    assert str(OPS.nms.default._schema).endswith("float iou_threshold, int offset) -> Tensor")
+    assert "Tensor? idxs" in str(OPS.nms.default._schema)
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_opcheck_passes_for_every_op_on_the_cpu(index):
+    op, args = sample_calls()[index]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_opcheck_passes_for_every_op_on_cuda(torch_cuda, index):
+    op, args = sample_calls("cuda")[index]
+    torch.library.opcheck(op, args)
+
+
+def test_fake_tensors_propagate_shapes_and_nms_gets_a_data_dependent_length():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        out, ay, ax = OPS.roi_align_forward(*roi_args(mode=0))
+        assert out.shape == ay.shape == (3, 3, 2, 2) and out.dtype == torch.float64
+        keep = OPS.nms(torch.zeros(7, 4), torch.zeros(7), None, (7,), torch.int64, (1,),
+                       torch.int64, 0.5, 0)
+        assert keep.dtype == torch.int64 and not isinstance(keep.shape[0], int)
+
+
+def test_outputs_come_from_torch_and_only_strided_inputs_are_copied():
+    """Contiguous inputs reach the kernel as they are, a strided one with one
+    contiguous copy; outputs are allocated with torch (no numpy, no CuPy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    args = list(roi_args())
+    with Log() as log:
+        DERIVED["roi_align_forward_impl"].run(*args)
+    assert log.calls == ["aten.empty"] * 3
+    args[0] = torch.randn(2, 3, 8, 16, dtype=torch.float64)[..., ::2]
+    with Log() as log:
+        DERIVED["roi_align_forward_impl"].run(*args)
+    assert sorted(log.calls) == sorted(["aten.clone"] + ["aten.empty"] * 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_computes_16_bit_floats_in_float32(dtype):
+    args = list(roi_args(dtype=dtype))
+    out = OPS.roi_align_forward(*args)[0]
+    assert out.dtype == dtype
+    args32 = list(roi_args(dtype=torch.float32))
+    args32[0], args32[1] = args[0].float(), args[1].float()
+    expected = OPS.roi_align_forward(*args32)[0]
+    torch.testing.assert_close(out, expected.to(dtype))
+
+
+def test_the_eager_path_is_taken_only_for_plain_tensors_outside_tracing():
+    x = torch.zeros(2, 2)
+    assert _plain_eager((x, x), (0, 1)) is False
+    assert _plain_eager((x.requires_grad_(), x), (0, 1)) is True
+    with torch.no_grad():
+        assert _plain_eager((x, x), (0, 1)) is False
+
+    class Tagged(torch.Tensor):
+        pass
+
+    assert _plain_eager((torch.zeros(2).as_subclass(Tagged),), (0,)) is None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert _plain_eager((torch.zeros(2),), (0,)) is None
+
+
+def test_eager_path_and_registered_op_give_the_same_results_and_gradients():
+    derived = DERIVED["roi_align_forward_impl"]
+    for mode in (0, 1):
+        args = roi_args(mode=mode, requires_grad=True)
+        eager = derived(*args)[0]
+        (eager_grad,) = torch.autograd.grad(eager.sum(), args[0])
+        registered = derived.op(*args)[0]
+        (registered_grad,) = torch.autograd.grad(registered.sum(), args[0])
+        assert eager.grad_fn is not None and registered.grad_fn is not None
+        torch.testing.assert_close(eager, registered, rtol=0, atol=0)
+        torch.testing.assert_close(eager_grad, registered_grad, rtol=0, atol=0)
+
+
+def test_kernel_errors_reach_torch_users_with_the_op_and_parameter():
+    args = list(roi_args())
+    args[1] = torch.tensor([[5, 0, 0, 1, 1.]], dtype=torch.float64)
+    args[2] = (1, 3, 2, 2)
+    for call in (DERIVED["roi_align_forward_impl"], OPS.roi_align_forward):
+        with pytest.raises(ValueError, match=re.escape(
+                "roi_align_forward_impl: rois[0, 0] (batch index) must be an integer in "
+                "[0, 2)")):
+            call(*args)
+
+
+def test_registered_backends_and_python_kernels_apply_to_torch_calls():
+    seen = []
+
+    def kernel(input, rois, output, *rest):
+        seen.append(type(input).__name__)
+        output.fill_(7)
+
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", kernel, backend="mine"):
+        with mmdispatch.use_backend("cpu", "mine"):
+            out = OPS.roi_align_forward(*roi_args())[0]
+    assert seen == ["Tensor"] and bool((out == 7).all())
+    np.testing.assert_array_equal(out.numpy(), 7)
+
+
+def test_mmdispatch_works_without_torch_and_its_torch_layer_says_what_it_needs(tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"   # as if torch were not installed
+            "import numpy as np, mmdispatch\n"
+            "x = np.ones((1, 1, 4, 4), np.float32)\n"
+            "mmdispatch.ops.roi_align(x, np.array([[0, 0, 0, 2, 2]], np.float32), 2)\n"
+            "try:\n"
+            "    import mmdispatch.torch\n"
+            "except ImportError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]'")

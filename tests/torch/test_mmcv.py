@@ -1,0 +1,102 @@
+"""mmdispatch.torch.mmcv: MMCV's names, signatures and defaults, with MMCV's
+published values, gradients through autograd, and the numpy path's results."""
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+
+import mmdispatch  # noqa: E402
+from mmdispatch.torch import mmcv  # noqa: E402
+
+ROIS = torch.tensor([[0, 0.5, 0.5, 5, 6], [1, 1, 1, 6, 5], [0, 2.2, 1, 7, 7.5]],
+                    dtype=torch.float64)
+
+
+def feature_map(dtype=torch.float64):
+    return torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0), dtype=dtype)
+
+
+@pytest.mark.parametrize("pool_mode", ["avg", "max"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_roi_align_defaults_values_and_gradients(pool_mode, aligned):
+    x = feature_map().requires_grad_(True)
+    out = mmcv.roi_align(x, ROIS, 2, 1.0, 0, pool_mode, aligned)
+    expected = mmdispatch.ops.roi_align(x.detach().numpy(), ROIS.numpy(), 2, 1.0, 0, pool_mode,
+                                        aligned)
+    np.testing.assert_array_equal(out.detach().numpy(), expected)
+    assert torch.autograd.gradcheck(
+        lambda x: mmcv.roi_align(x, ROIS, (2, 3), 1.0, 2, pool_mode, aligned), (x,))
+    torch.testing.assert_close(mmcv.roi_align(x, ROIS, 2),   # MMCV's defaults: sr 0, aligned
+                               mmcv.roi_align(x, ROIS, 2, 1.0, 0, "avg", True))
+
+
+def test_mmcv_published_values():
+    # MMCV's tests: sigmoid focal loss of [[1, 0], [0, 1]] with targets [0, 1]
+    loss = mmcv.sigmoid_focal_loss(torch.tensor([[1.0, 0], [0, 1]]), torch.tensor([0, 1]))
+    np.testing.assert_allclose(float(loss), 0.13562961, rtol=1e-6)
+    # roi_align on the 4x4 map of MMCV's tests
+    x = torch.tensor([[[[1.0, 2, 5, 6], [3, 4, 7, 8], [9, 10, 13, 14], [11, 12, 15, 16]]]])
+    out = mmcv.roi_align(x, torch.tensor([[0.0, 0, 0, 3, 3]]), 2, 1.0, 2)
+    np.testing.assert_allclose(out[0, 0].numpy(), [[1.9375, 4.75], [7.5625, 10.375]])
+
+
+def test_sigmoid_focal_loss_gradcheck_weights_and_reductions():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 4, generator=g, dtype=torch.float64).requires_grad_(True)
+    target = torch.tensor([0, 4, 2, 1, 3, 4])
+    weight = torch.rand(4, generator=g, dtype=torch.float64)
+    for reduction in ("none", "sum", "mean"):
+        assert torch.autograd.gradcheck(
+            lambda x: mmcv.sigmoid_focal_loss(x, target, 2.0, 0.25, weight, reduction), (logits,))
+    strided = torch.randn(6, 8, generator=g, dtype=torch.float64).requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda x: mmcv.sigmoid_focal_loss(x[:, ::2], target, 1.5, 0.5, None, "sum"), (strided,))
+    none = mmcv.sigmoid_focal_loss(logits, target, reduction="none")
+    torch.testing.assert_close(mmcv.sigmoid_focal_loss(logits, target), none.sum() / 6)
+    module = mmcv.SigmoidFocalLoss(2.0, 0.25, weight)
+    torch.testing.assert_close(module(logits, target),
+                               mmcv.sigmoid_focal_loss(logits, target, 2.0, 0.25, weight))
+
+
+def test_nms_returns_detections_and_indices_with_mmcvs_options():
+    boxes = torch.tensor([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6], [5, 5, 6.2, 6]])
+    scores = torch.tensor([0.9, 0.8, 0.05, 0.7])
+    dets, inds = mmcv.nms(boxes, scores, 0.5)
+    assert inds.tolist() == [0, 3]   # 1 and 2 overlap kept boxes above 0.5
+    torch.testing.assert_close(dets[:, :4], boxes[inds])
+    torch.testing.assert_close(dets[:, 4], scores[inds])
+    dets, inds = mmcv.nms(boxes, scores, 0.5, score_threshold=0.1)
+    assert inds.tolist() == [0, 3]
+    dets, inds = mmcv.nms(boxes, scores, 0.5, max_num=1)
+    assert inds.tolist() == [0] and dets.shape == (1, 5)
+
+
+def test_bbox_overlaps_roi_pool_and_modules():
+    b1 = torch.tensor([[0, 0, 10, 10], [10, 10, 20, 20], [32, 32, 38, 42]], dtype=torch.float32)
+    b2 = torch.tensor([[0, 0, 10, 20], [0, 10, 10, 19], [10, 10, 20, 20]], dtype=torch.float32)
+    np.testing.assert_allclose(mmcv.bbox_overlaps(b1, b2, offset=1).numpy(),
+                               mmdispatch.ops.bbox_overlaps(b1.numpy(), b2.numpy(), offset=1))
+    np.testing.assert_allclose(mmcv.bbox_overlaps(b1, b2, "iof", True).numpy(),
+                               mmdispatch.ops.bbox_overlaps(b1.numpy(), b2.numpy(), "iof", True))
+    x = feature_map().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: mmcv.roi_pool(x, ROIS, 2, 1.0), (x,))
+    torch.testing.assert_close(mmcv.RoIPool(2)(x, ROIS), mmcv.roi_pool(x, ROIS, 2))
+    torch.testing.assert_close(mmcv.RoIAlign(2, pool_mode="max")(x, ROIS),
+                               mmcv.roi_align(x, ROIS, 2, pool_mode="max"))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: mmcv.roi_align(feature_map(), ROIS, 2, pool_mode="mean"),
+     "roi_align: pool_mode must be one of 'avg', 'max', got 'mean'"),
+    (lambda: mmcv.bbox_overlaps(torch.zeros(1, 4), torch.zeros(1, 4), mode="giou"),
+     "bbox_overlaps: mode must be one of 'iou', 'iof', got 'giou'"),
+    (lambda: mmcv.sigmoid_focal_loss(torch.zeros(2, 3), torch.tensor([0, 9])),
+     "sigmoid_focal_loss_forward_impl: target[1] = 9 is not a class index in [0, 3]"),
+    (lambda: mmcv.sigmoid_focal_loss(torch.zeros(2, 3), torch.tensor([0, 1]), reduction="avg"),
+     "sigmoid_focal_loss: reduction must be"),
+])
+def test_bad_input_gets_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()

@@ -1,0 +1,206 @@
+"""mmdispatch.torch as a drop-in for torchvision.ops: the same results and
+gradients as torchvision's own ops, a small two-stage detector head trained
+either way, gradcheck, torch.compile, and bad input."""
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+torchvision = pytest.importorskip("torchvision", reason="torchvision is not installed")
+
+import mmdispatch.torch as mt  # noqa: E402
+from torchvision import ops as tv  # noqa: E402
+
+
+def feature_map(seed=0, dtype=torch.float32, shape=(2, 8, 24, 20)):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def random_boxes(n, size, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g, dtype=dtype) * size * 0.8
+    wh = torch.rand(n, 2, generator=g, dtype=dtype) * size * 0.5 + 0.5
+    return torch.cat([xy, xy + wh], dim=1)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [-1, 0, 2])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_roi_align_matches_torchvision_in_value_and_gradient(aligned, sampling_ratio, as_list):
+    x = feature_map().requires_grad_(True)
+    boxes = [random_boxes(7, 40, seed=2), random_boxes(5, 40, seed=3)]
+    rois = boxes if as_list else torch.cat(
+        [torch.cat([torch.full((len(b), 1), float(i)), b], dim=1) for i, b in enumerate(boxes)])
+    ours = mt.roi_align(x, rois, (3, 4), 0.5, sampling_ratio, aligned)
+    theirs = tv.roi_align(x, rois, (3, 4), 0.5, sampling_ratio, aligned)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    g = torch.randn(ours.shape)
+    (ours_grad,) = torch.autograd.grad(ours, x, g)
+    (theirs_grad,) = torch.autograd.grad(theirs, x, g)
+    torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_roi_pool_nms_batched_nms_and_box_iou_match_torchvision():
+    x = feature_map().requires_grad_(True)
+    rois = [random_boxes(9, 40, seed=4), random_boxes(4, 40, seed=5)]
+    ours, theirs = mt.roi_pool(x, rois, 3, 0.5), tv.roi_pool(x, rois, 3, 0.5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(ours.sum(), x)[0],
+                               torch.autograd.grad(theirs.sum(), x)[0])
+    boxes = random_boxes(400, 100, seed=6)
+    scores = torch.rand(400, generator=torch.Generator().manual_seed(7))
+    classes = torch.randint(0, 6, (400,), generator=torch.Generator().manual_seed(8))
+    for threshold in (0.3, 0.5, 0.7):
+        assert torch.equal(mt.nms(boxes, scores, threshold), tv.nms(boxes, scores, threshold))
+        assert torch.equal(mt.batched_nms(boxes, scores, classes, threshold),
+                           tv.batched_nms(boxes, scores, classes, threshold))
+    torch.testing.assert_close(mt.box_iou(boxes, boxes[:50]), tv.box_iou(boxes, boxes[:50]))
+
+
+def test_box_iou_of_boxes_without_area_is_zero_and_it_is_differentiable():
+    boxes = torch.tensor([[1.0, 1, 1, 1], [0, 0, 2, 2]])
+    iou = mt.box_iou(boxes, boxes)
+    assert iou[0, 0] == 0 and iou[1, 1] == 1          # torchvision: NaN, 1
+    assert torch.isnan(tv.box_iou(boxes, boxes)[0, 0])
+    b1 = random_boxes(5, 10, seed=9, dtype=torch.float64).requires_grad_(True)
+    b2 = random_boxes(4, 10, seed=10, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda b: mt.box_iou(b, b2), (b1,))
+    torch.testing.assert_close(mt.box_iou(b1, b2), tv.box_iou(b1, b2))
+    assert mt.box_iou(torch.tensor([[0, 0, 2, 2]]), torch.tensor([[1, 1, 3, 3]])).dtype == \
+        torch.float32   # integer boxes, as torchvision: float
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("alpha", [0.25, -1])
+def test_sigmoid_focal_loss_matches_torchvision(reduction, alpha):
+    g = torch.Generator().manual_seed(11)
+    inputs = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 8).requires_grad_(True)
+    targets = (torch.rand(6, 5, generator=g, dtype=torch.float64) > 0.7).to(torch.float64)
+    ours = mt.sigmoid_focal_loss(inputs, targets, alpha, 2, reduction)
+    theirs = tv.sigmoid_focal_loss(inputs, targets, alpha, 2, reduction)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(torch.autograd.grad(ours.sum(), inputs)[0],
+                               torch.autograd.grad(theirs.sum(), inputs)[0])
+
+
+def test_modules_are_torchvisions():
+    x, rois = feature_map(), [random_boxes(3, 40, seed=12)]
+    ours, theirs = mt.RoIAlign((2, 3), 0.5, 2, True), tv.RoIAlign((2, 3), 0.5, 2, True)
+    torch.testing.assert_close(ours(x, rois), theirs(x, rois))
+    assert repr(ours) == repr(theirs)
+    ours, theirs = mt.RoIPool(2, 0.5), tv.RoIPool(2, 0.5)
+    torch.testing.assert_close(ours(x, rois), theirs(x, rois))
+    assert repr(ours) == repr(theirs)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_gradcheck_in_float64_on_contiguous_and_strided_inputs(strided):
+    base = feature_map(dtype=torch.float64, shape=(2, 3, 8, 16 if strided else 8))
+    base.requires_grad_(True)
+    rois = torch.tensor([[0, 0.5, 0.5, 5, 6], [1, 1, 1, 6, 5], [0, 2.2, 1, 7, 7.5]],
+                        dtype=torch.float64)
+
+    def view(x):
+        return x[..., ::2] if strided else x
+
+    assert torch.autograd.gradcheck(lambda x: mt.roi_align(view(x), rois, 2, 1.0, 2, True),
+                                    (base,))
+    assert torch.autograd.gradcheck(lambda x: mt.roi_align(view(x), rois, 2, 1.0, -1, False),
+                                    (base,))
+    assert torch.autograd.gradcheck(lambda x: mt.roi_pool(view(x), rois, 2, 1.0), (base,))
+
+
+def test_compiled_function_with_roi_align_nms_and_box_iou_has_no_graph_break():
+    def detect(x, boxes, scores):
+        pooled = mt.roi_align(x, [boxes], 3, 0.5, 2, True)
+        keep = mt.nms(boxes, scores, 0.5)
+        return pooled.sum(dim=(1, 2, 3)), keep, mt.box_iou(boxes[keep], boxes)
+
+    x = feature_map()
+    boxes = random_boxes(30, 40, seed=13)
+    scores = torch.rand(30, generator=torch.Generator().manual_seed(14))
+    compiled = torch.compile(detect, fullgraph=True, dynamic=False)
+    for got, expected in zip(compiled(x, boxes, scores), detect(x, boxes, scores)):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: mt.roi_align(x, torch.zeros(3, 4), 2), "roi_align: boxes must be a Tensor[K, 5]"),
+    (lambda x: mt.roi_align(x, [torch.zeros(3, 5)], 2), "roi_align: boxes[0] must be a "
+                                                        "Tensor[L, 4]"),
+    (lambda x: mt.roi_align(x, "boxes", 2), "roi_align: boxes must be a Tensor[K, 5]"),
+    (lambda x: mt.roi_align(x, [torch.zeros(1, 4)], "2"), "roi_align: output_size must be"),
+    (lambda x: mt.roi_align(x[0], [torch.zeros(1, 4)], 2), "roi_align_forward_impl: input must "
+                                                           "have shape"),
+    (lambda x: mt.roi_pool(x, torch.tensor([[9.0, 0, 0, 1, 1]]), 2),
+     "roi_pool_forward_impl: rois[0, 0] (batch index) must be an integer in [0, 2)"),
+    (lambda x: mt.nms(torch.zeros(3, 5), torch.zeros(3), 0.5), "nms_impl: boxes must have shape"),
+])
+def test_bad_input_gets_a_clear_error_naming_the_op(call, message):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        call(feature_map())
+
+
+def detector_run(roi_align, batched_nms, steps=3, device="cpu"):
+    """A small two-stage head (a conv backbone level pair, torchvision's
+    MultiScaleRoIAlign, TwoMLPHead and FastRCNNPredictor, cross entropy and
+    smooth L1 losses) trained for a few steps with the given roi_align, then
+    post-processed with the given batched_nms. Returns the losses, the
+    gradients of the last step and the kept detections."""
+    from unittest import mock
+
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+    from torchvision.ops import MultiScaleRoIAlign
+
+    torch.manual_seed(0)
+    backbone = torch.nn.ModuleDict({"0": torch.nn.Conv2d(3, 16, 3, stride=4, padding=1),
+                                    "1": torch.nn.Conv2d(3, 16, 3, stride=8, padding=1)})
+    head, predictor = TwoMLPHead(16 * 7 * 7, 64), FastRCNNPredictor(64, 5)
+    for module in (backbone, head, predictor):
+        module.to(device)
+    pooler = MultiScaleRoIAlign(["0", "1"], 7, 2)
+    params = [*backbone.parameters(), *head.parameters(), *predictor.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    images = torch.randn(2, 3, 128, 128).to(device)
+    proposals = [random_boxes(24, 120, seed=20 + i).to(device) for i in range(2)]
+    labels = torch.randint(0, 5, (48,)).to(device)
+    targets = torch.randn(48, 4).to(device)
+    losses = []
+    with mock.patch("torchvision.ops.poolers.roi_align", roi_align):
+        for _ in range(steps):
+            features = {name: layer(images) for name, layer in backbone.items()}
+            pooled = pooler(features, proposals, [(128, 128)] * 2)
+            logits, deltas = predictor(head(pooled))
+            picked = deltas.reshape(48, 5, 4)[torch.arange(48, device=device), labels]
+            loss = (torch.nn.functional.cross_entropy(logits, labels)
+                    + torch.nn.functional.smooth_l1_loss(picked, targets))
+            optimizer.zero_grad()
+            loss.backward()
+            losses.append(loss.item())
+            gradients = [p.grad.clone() for p in params]
+            optimizer.step()
+        with torch.no_grad():
+            features = {name: layer(images) for name, layer in backbone.items()}
+            logits, _ = predictor(head(pooler(features, proposals, [(128, 128)] * 2)))
+    scores, classes = logits.softmax(-1).max(-1)
+    keep = batched_nms(torch.cat(proposals), scores, classes, 0.5)
+    return losses, gradients, keep
+
+
+def test_a_two_stage_head_trains_the_same_with_our_ops_as_with_torchvisions():
+    ours = detector_run(mt.roi_align, mt.batched_nms)
+    theirs = detector_run(tv.roi_align, tv.batched_nms)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours[2], theirs[2])
+
+
+def test_a_two_stage_head_trains_the_same_on_cuda(torch_cuda):
+    ours = detector_run(mt.roi_align, mt.batched_nms, device="cuda")
+    theirs = detector_run(tv.roi_align, tv.batched_nms, device="cuda")
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(ours[1], theirs[1]):   # atomics on both sides: not bit for bit
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours[2], theirs[2])
