@@ -27,7 +27,11 @@ CUDA tensors), per call over a batch of calls with one wait at the end; and
 a row says whether a roi_align forward+backward returns while a long kernel
 queued before it still runs (no host-device synchronisation). Elsewhere the
 report says why the GPU part was skipped. Import time (fresh interpreters,
-beside numpy's) is measured everywhere.
+beside numpy's) is measured everywhere. Where torch is installed, the same
+workload runs through mmdispatch.torch on torch tensors (forward+backward
+through autograd) beside torchvision's ops on the same tensors, on the CPU
+and, where our CUDA kernels run and torch sees a GPU, on CUDA, with the
+per-call cost of a tiny roi_align without and with autograd recorded.
 """
 import argparse
 import json
@@ -326,6 +330,117 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
                boxes.nbytes + scores.nbytes + 2 * n * ((n + 63) // 64) * 8)
 
 
+def torch_cases(cfg, device, tv):
+    """(name, ours, theirs, bytes) for the standard workload through
+    mmdispatch.torch (torch tensors; forward+backward through autograd)
+    beside torchvision's ops on the same tensors (None without torchvision),
+    on torch device `device`; plus the per-call cost of a tiny roi_align,
+    without and with a gradient to compute."""
+    import torch
+
+    import mmdispatch.torch as mt
+
+    def sync():
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    feature, rois = roi_workload(cfg)
+    t_feature = torch.from_numpy(feature).to(device)
+    t_rois = torch.from_numpy(rois).to(device)
+    scale, size = cfg["spatial_scale"], cfg["output"]
+    pooled = (len(rois), feature.shape[1], size, size)
+    map_bytes, pooled_bytes = feature.nbytes, 4 * int(np.prod(pooled))
+    libraries = [("", mt)] + ([("tv", tv[1].ops)] if tv is not None else [])
+
+    def pair(make):
+        fns = {tag: make(lib) for tag, lib in libraries}
+        return fns[""], fns.get("tv")
+
+    for sr in (2, 0):
+        def forward(lib, sr=sr):
+            def run():
+                with torch.no_grad():
+                    lib.roi_align(t_feature, t_rois, size, scale, sr, True)
+                sync()
+            return run
+
+        def forward_backward(lib, sr=sr):
+            def run():
+                x = t_feature.detach().requires_grad_(True)
+                lib.roi_align(x, t_rois, size, scale, sr, True).sum().backward()
+                sync()
+            return run
+
+        yield (f"roi_align sampling_ratio={sr} forward", *pair(forward),
+               map_bytes + pooled_bytes)
+        yield (f"roi_align sampling_ratio={sr} forward+backward (autograd)",
+               *pair(forward_backward), 3 * map_bytes + 2 * pooled_bytes)
+
+    def pool_forward_backward(lib):
+        def run():
+            x = t_feature.detach().requires_grad_(True)
+            lib.roi_pool(x, t_rois, size, scale).sum().backward()
+            sync()
+        return run
+
+    yield ("roi_pool forward+backward (autograd)", *pair(pool_forward_backward),
+           5 * map_bytes + 2 * pooled_bytes)
+    boxes, scores = nms_workload(cfg["nms_boxes"])
+    t_boxes = torch.from_numpy(boxes).to(device)
+    t_scores = torch.from_numpy(scores).to(device)
+
+    def nms(lib):
+        def run():
+            lib.nms(t_boxes, t_scores, 0.5)
+            sync()
+        return run
+
+    yield (f"nms {cfg['nms_boxes']} boxes, IoU 0.5", *pair(nms),
+           boxes.nbytes + scores.nbytes + 2 * len(boxes) * ((len(boxes) + 63) // 64) * 8)
+
+
+def torch_call_costs(device, tv, number=2000):
+    """{name: (ours, torchvision's or None)}: seconds per call of a tiny
+    roi_align through mmdispatch.torch, without and with autograd."""
+    import torch
+
+    import mmdispatch.torch as mt
+    x = torch.zeros((1, 1, 4, 4), device=device)
+    grad_x = x.clone().requires_grad_(True)
+    rois = torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32, device=device)
+    costs = {}
+    for name, tensor in (("roi_align call, tiny input", x),
+                         ("roi_align call, tiny input, autograd recorded", grad_x)):
+        def call(lib, tensor=tensor):
+            return lambda: lib.roi_align(tensor, rois, 1, 1.0, 2, True)
+        costs[name] = (median_call(call(mt), 5, number),
+                       median_call(call(tv[1].ops), 5, number) if tv is not None else None)
+    return costs
+
+
+def run_torch(quick, repeat, tv):
+    """mmdispatch.torch's rows (CPU, and CUDA when torch sees a GPU and our
+    CUDA kernels run), or (None, reason) without torch."""
+    try:
+        import torch
+
+        import mmdispatch.torch  # noqa: F401
+    except ImportError as exc:
+        return None, f"torch is not installed ({exc})"
+    cfg = QUICK if quick else STANDARD
+    devices = ["cpu"]
+    if torch.cuda.is_available() and cuda_runtime()[0] is not None:
+        devices.append("cuda")
+    rows = []
+    for device in devices:
+        prefix = f"torch {device}: "
+        rows += timed_rows(torch_cases(cfg, device, tv), repeat, prefix)
+        progress(f"bench: {prefix}per-call cost ...")
+        for name, (ours, theirs) in torch_call_costs(device, tv).items():
+            rows.append(result_row(prefix + name, "s/call", ours, theirs))
+    return rows, None
+
+
 def device_call_costs(to_device, sync, device, number=2000, theirs=None):
     """Host-side cost per call on a device, over `number` calls and one
     sync(): roi_align_forward_impl dispatching to a no-op C kernel
@@ -511,6 +626,8 @@ def run(quick=False, repeat=None):
     record("import numpy (fresh interpreter, reference point)", numpy_import, None, "s")
     cuda_rows, cuda_skipped = run_cuda(quick, repeat, tv)
     rows += cuda_rows or []
+    torch_rows, torch_skipped = run_torch(quick, repeat, tv)
+    rows += torch_rows or []
     progress("bench: peak memory of a forward call ...")
     feature, rois = roi_workload(cfg)
     out_bytes = rois.shape[0] * feature.shape[1] * cfg["output"] ** 2 * feature.itemsize
@@ -529,6 +646,7 @@ def run(quick=False, repeat=None):
                                        if d["device"] == "cpu")},
         "torchvision": None if tv is None else tv[1].__version__,
         "cuda_skipped": cuda_skipped,
+        "torch_skipped": torch_skipped,
         "results": rows,
         "overhead": {"overhead_ns": overhead_ns, "sweep": sweep},
     }
@@ -550,6 +668,8 @@ def table(report):
              f"machine: {report['machine']['platform']}; CPU {report['machine']['cpu_status']}",
              *([f"CUDA benchmarks skipped: {report['cuda_skipped']}"]
                if report.get("cuda_skipped") else []),
+             *([f"PyTorch benchmarks skipped: {report['torch_skipped']}"]
+               if report.get("torch_skipped") else []),
              "",
              "| benchmark | mmdispatch | torchvision | torchvision / mmdispatch |",
              "|---|---|---|---|"]

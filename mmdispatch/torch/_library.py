@@ -13,6 +13,8 @@ Each entry point `E(...)` becomes a functional custom op
   into), makes strided inputs contiguous (one copy), and calls E, so the
   registry, backends and Python kernels apply; on the CPU, float16 and
   bfloat16 are computed in float32 (the C kernels take float32 and float64);
+  under torch.use_deterministic_algorithms(True), CUDA calls take the
+  `deterministic` backend;
 - its fake implementation returns empty tensors of those shapes (a trimmed
   output gets a data-dependent length), so shapes propagate under
   FakeTensor and torch.compile;
@@ -125,7 +127,13 @@ class DerivedOp:
                 call[k] = (torch.zeros if accumulate else torch.empty)(args[i], dtype=dtype,
                                                                         device=device)
             outputs.append(call[k])
-        self.entry_point(*call)
+        if first.is_cuda and torch.are_deterministic_algorithms_enabled():
+            # torch.use_deterministic_algorithms(True): the CUDA backend that
+            # gives the same bits on every run
+            with _core.use_backend("cuda", "deterministic"):
+                self.entry_point(*call)
+        else:
+            self.entry_point(*call)
         results = []
         for position, dtype_arg, length in self.returns:
             value = outputs[position]

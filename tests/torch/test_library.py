@@ -175,8 +175,10 @@ def test_registered_backends_and_python_kernels_apply_to_torch_calls():
         seen.append(type(input).__name__)
         output.fill_(7)
 
-    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", kernel, backend="mine"):
-        with mmdispatch.use_backend("cpu", "mine"):
+    # "probe", a name other tests create too: backend names are a process's,
+    # at most 8 of them, and the whole suite may run in one process
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", kernel, backend="probe"):
+        with mmdispatch.use_backend("cpu", "probe"):
             out = OPS.roi_align_forward(*roi_args())[0]
     assert seen == ["Tensor"] and bool((out == 7).all())
     np.testing.assert_array_equal(out.numpy(), 7)

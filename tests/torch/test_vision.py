@@ -204,3 +204,18 @@ def test_a_two_stage_head_trains_the_same_on_cuda(torch_cuda):
     for a, b in zip(ours[1], theirs[1]):   # atomics on both sides: not bit for bit
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert torch.equal(ours[2], theirs[2])
+
+
+def test_cuda_backward_is_bit_for_bit_under_torchs_deterministic_mode(torch_cuda):
+    x = feature_map().cuda().requires_grad_(True)
+    rois = [random_boxes(300, 40, seed=30).cuda()]   # many rois over one small map
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = [torch.autograd.grad(mt.roi_align(x, rois, 7, 0.5, 0, True).sum(), x)[0]
+                 for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    expected = torch.autograd.grad(tv.roi_align(x.cpu(), [r.cpu() for r in rois], 7, 0.5, 0,
+                                                True).sum(), x)[0]
+    torch.testing.assert_close(grads[0].cpu(), expected.cpu(), rtol=1e-4, atol=1e-4)
