@@ -106,7 +106,7 @@ def contiguous(x):
 # (library, device, dtype) -> a zero-size array, for outputs a call leaves
 # unused (roi_align's argmax pair in avg mode): allocating one costs a CuPy
 # call several microseconds. Never handed to the caller.
-_UNUSED = {}
+_UNUSED: dict = {}
 
 
 def unused_output(xp, like):

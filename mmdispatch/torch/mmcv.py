@@ -7,11 +7,11 @@ from torch import nn
 
 from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
 from mmdispatch.ops.roi_align import _POOL_MODES
+from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
 from mmdispatch.torch._vision import _nms, _pair, rois_of
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
-_ROI_POOL = DERIVED["roi_pool_forward_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
 
@@ -36,13 +36,8 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
                       h, w, float(spatial_scale), int(sampling_ratio), mode, bool(aligned))[0]
 
 
-def roi_pool(input, rois, output_size, spatial_scale=1.0):
-    """mmcv.ops.roi_pool; differentiable with respect to input."""
-    h, w = _pair("roi_pool", output_size)
-    rois = rois_of("roi_pool", rois, input)
-    shape = (rois.shape[0], input.shape[1], h, w)
-    return _ROI_POOL(input, rois, shape, input.dtype, shape, torch.int64, h, w,
-                     float(spatial_scale))[0]
+# mmcv.ops.roi_pool has torchvision's signature and defaults
+roi_pool = _vision.roi_pool
 
 
 def nms(boxes, scores, iou_threshold, offset=0, score_threshold=0, max_num=-1):
@@ -116,20 +111,11 @@ class RoIAlign(nn.Module):
                 f"use_torchvision={self.use_torchvision})")
 
 
-class RoIPool(nn.Module):
-    """mmcv.ops.RoIPool."""
+class RoIPool(_vision.RoIPool):
+    """mmcv.ops.RoIPool (torchvision's, with spatial_scale 1.0 by default)."""
 
     def __init__(self, output_size, spatial_scale=1.0):
-        super().__init__()
-        self.output_size = output_size
-        self.spatial_scale = float(spatial_scale)
-
-    def forward(self, input, rois):
-        return roi_pool(input, rois, self.output_size, self.spatial_scale)
-
-    def __repr__(self):
-        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
-                f"spatial_scale={self.spatial_scale})")
+        super().__init__(output_size, float(spatial_scale))
 
 
 class SigmoidFocalLoss(nn.Module):
