@@ -213,7 +213,7 @@ def synchronize(device=None):
         if name is not None and ":" in name:
             name, _, index = name.partition(":")
             try:
-                device_id = operator.index(int(index))
+                device_id = int(index)
             except ValueError:
                 raise ValueError(f"synchronize: bad device {device!r}") from None
             if device_id < 0:

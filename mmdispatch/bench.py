@@ -234,6 +234,22 @@ def cuda_runtime():
     return cupy, None
 
 
+def least_traffic(feature, rois, size):
+    """The least memory traffic, in bytes, of each benchmark's work (each
+    array read or written once, the whole map read), from which the GPU part
+    reports achieved bandwidth: roi_align forward (read the map, write the
+    output), forward+backward (and read the gradient, zero and write
+    grad_input), roi_pool forward+backward (and the int64 argmax, written
+    then read), and nms of n boxes (boxes and scores read, the n x n/64
+    suppression mask written and read)."""
+    map_bytes = feature.nbytes
+    pooled_bytes = len(rois) * feature.shape[1] * size * size * feature.itemsize
+    return {"forward": map_bytes + pooled_bytes,
+            "forward+backward": 3 * map_bytes + 2 * pooled_bytes,
+            "roi_pool": 3 * map_bytes + 2 * pooled_bytes + 4 * pooled_bytes,
+            "nms": lambda n: 5 * 4 * n + 2 * n * ((n + 63) // 64) * 8}
+
+
 def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
     """(name, ours, theirs, bytes) for the roi_align, roi_pool and nms
     workloads on a device: arrays moved there by to_device, every timed call
@@ -247,7 +263,7 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
     d_feature, d_rois = to_device(feature), to_device(rois)
     scale, size = cfg["spatial_scale"], cfg["output"]
     pooled = (len(rois), feature.shape[1], size, size)
-    map_bytes, pooled_bytes = feature.nbytes, 4 * int(np.prod(pooled))
+    traffic = least_traffic(feature, rois, size)
     torch = torchvision = None
     if tv is not None and theirs_device is not None:
         torch, torchvision = tv
@@ -283,12 +299,10 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
                 torchvision.ops.roi_align(x, t_rois, size, scale, sr, True).sum().backward()
                 theirs_sync()
 
-        # forward: read the map, write the output; backward: read the
-        # gradient, zero and write grad_input
         yield (f"roi_align sampling_ratio={sr} forward", forward, theirs_fwd,
-               map_bytes + pooled_bytes)
+               traffic["forward"])
         yield (f"roi_align sampling_ratio={sr} forward+backward", forward_backward, theirs_fb,
-               3 * map_bytes + 2 * pooled_bytes)
+               traffic["forward+backward"])
 
     grad = to_device(np.ones(pooled, np.float32))
 
@@ -304,9 +318,7 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
             torchvision.ops.roi_pool(x, t_rois, size, scale).sum().backward()
             theirs_sync()
 
-    # + the int64 argmax, written then read
-    yield ("roi_pool forward+backward", pool_forward_backward, theirs_pool,
-           3 * map_bytes + 2 * pooled_bytes + 4 * pooled_bytes)
+    yield "roi_pool forward+backward", pool_forward_backward, theirs_pool, traffic["roi_pool"]
 
     for n in sorted({2000, cfg["nms_boxes"]}):
         boxes, scores = nms_workload(n)
@@ -325,9 +337,7 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
                 torchvision.ops.nms(t_boxes, t_scores, 0.5)
                 theirs_sync()
 
-        # boxes and scores read; the n x n/64 suppression mask written and read
-        yield (f"nms {n} boxes, IoU 0.5", nms, theirs_nms,
-               boxes.nbytes + scores.nbytes + 2 * n * ((n + 63) // 64) * 8)
+        yield f"nms {n} boxes, IoU 0.5", nms, theirs_nms, traffic["nms"](n)
 
 
 def torch_cases(cfg, device, tv):
@@ -348,8 +358,7 @@ def torch_cases(cfg, device, tv):
     t_feature = torch.from_numpy(feature).to(device)
     t_rois = torch.from_numpy(rois).to(device)
     scale, size = cfg["spatial_scale"], cfg["output"]
-    pooled = (len(rois), feature.shape[1], size, size)
-    map_bytes, pooled_bytes = feature.nbytes, 4 * int(np.prod(pooled))
+    traffic = least_traffic(feature, rois, size)
     libraries = [("", mt)] + ([("tv", tv[1].ops)] if tv is not None else [])
 
     def pair(make):
@@ -371,10 +380,9 @@ def torch_cases(cfg, device, tv):
                 sync()
             return run
 
-        yield (f"roi_align sampling_ratio={sr} forward", *pair(forward),
-               map_bytes + pooled_bytes)
+        yield (f"roi_align sampling_ratio={sr} forward", *pair(forward), traffic["forward"])
         yield (f"roi_align sampling_ratio={sr} forward+backward (autograd)",
-               *pair(forward_backward), 3 * map_bytes + 2 * pooled_bytes)
+               *pair(forward_backward), traffic["forward+backward"])
 
     def pool_forward_backward(lib):
         def run():
@@ -384,7 +392,7 @@ def torch_cases(cfg, device, tv):
         return run
 
     yield ("roi_pool forward+backward (autograd)", *pair(pool_forward_backward),
-           5 * map_bytes + 2 * pooled_bytes)
+           traffic["roi_pool"])
     boxes, scores = nms_workload(cfg["nms_boxes"])
     t_boxes = torch.from_numpy(boxes).to(device)
     t_scores = torch.from_numpy(scores).to(device)
@@ -395,8 +403,7 @@ def torch_cases(cfg, device, tv):
             sync()
         return run
 
-    yield (f"nms {cfg['nms_boxes']} boxes, IoU 0.5", *pair(nms),
-           boxes.nbytes + scores.nbytes + 2 * len(boxes) * ((len(boxes) + 63) // 64) * 8)
+    yield f"nms {cfg['nms_boxes']} boxes, IoU 0.5", *pair(nms), traffic["nms"](len(boxes))
 
 
 def torch_call_costs(device, tv, number=2000):
