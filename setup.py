@@ -277,13 +277,11 @@ def cython_module(name, source):
 
 # The dispatch-overhead benchmark's no-op kernel and raw baseline.
 benchkit = cython_module("mmdispatch._benchkit", "mmdispatch/_benchkit.pyx")
-# The ops' fast-path helpers (checks and allocation of the common call).
-fastpath = cython_module("mmdispatch.ops._fastpath", "mmdispatch/ops/_fastpath.pyx")
 
 setup(
     version=VERSION,
     ext_modules=cythonize(
-        [core, benchkit, fastpath],
+        [core, benchkit],
         include_path=[str(GEN_DIR), str(ROOT / "mmdispatch")],
         compiler_directives={"language_level": 3, "embedsignature": True},
     ),

@@ -7,6 +7,7 @@ editing the dispatcher. Run by setup.py (no import of the package needed).
 """
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,17 +50,169 @@ class Param:
 
 
 @dataclass(frozen=True)
+class Allocation:
+    """How the entry point allocates output `name` when it is given as
+    None: `empty(shape[, dtype])` or `zeros(...)`, shape an expression over
+    the arrays' shapes and the int/bool parameters (see signatures.txt),
+    dtype a dtype name or None for the first array's dtype."""
+
+    name: str
+    shape: ast.expr
+    dtype: str | None
+    zeros: bool
+    text: str
+
+
+@dataclass(frozen=True)
 class Op:
     name: str
     params: tuple
     line: str
+    allocations: tuple = ()
+    text: str = ""   # the signature line and its allocation lines
 
     @property
     def arrays(self):
         return [(i, p) for i, p in enumerate(self.params) if p.is_array]
 
+    def array_index(self, name):
+        """Position of array parameter `name` among the array parameters."""
+        return [p.name for _, p in self.arrays].index(name)
 
-def parse_signature(line: str) -> Op:
+
+# dtypes an allocation line may name, as mmd_dtype codes (mmdispatch/tensor.h)
+ALLOCATION_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6,
+                     "float16": 10, "bfloat16": 11, "float32": 12, "float64": 13}
+
+
+def parse_signature(text: str) -> Op:
+    """An op from its signature line, optionally followed by its indented
+    allocation lines (as op_signatures() and signatures.txt give them)."""
+    line, *rest = [raw for raw in text.strip("\n").splitlines() if raw.strip()]
+    op = _parse_line(line)
+    allocations = tuple(_parse_allocation(op, raw.strip()) for raw in rest)
+    declared = [a.name for a in allocations]
+    if len(set(declared)) != len(declared):
+        raise ValueError(f"{op.name}: an output is allocated twice")
+    if allocations:
+        first = op.arrays[0][1]
+        if first.is_output or first.type == "Tensor?":
+            raise ValueError(f"{op.name}: allocating outputs needs the first array parameter "
+                             "to be a required input (outputs are allocated like it)")
+    for a in allocations:
+        _check_shape(op, a, declared[:declared.index(a.name)])
+    body = "\n".join([line.strip()] + ["    " + a.text for a in allocations])
+    return Op(op.name, op.params, op.line, allocations, body)
+
+
+def _parse_allocation(op, text):
+    """`name = empty(shape)`, `name = zeros(shape, int64)`."""
+    where = f"{op.name}: allocation {text!r}"
+    try:
+        node = ast.parse(text, mode="exec").body
+    except SyntaxError as exc:
+        raise ValueError(f"{where}: {exc.msg}") from None
+    if (len(node) != 1 or not isinstance(node[0], ast.Assign) or len(node[0].targets) != 1
+            or not isinstance(node[0].targets[0], ast.Name)):
+        raise ValueError(f"{where}: expected `output = empty(shape[, dtype])`")
+    name, call = node[0].targets[0].id, node[0].value
+    param = next((p for p in op.params if p.name == name), None)
+    if param is None or not param.is_output:
+        raise ValueError(f"{where}: {name!r} is not an output of the op")
+    if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name)
+            or call.func.id not in ("empty", "zeros") or call.keywords
+            or len(call.args) not in (1, 2)):
+        raise ValueError(f"{where}: expected empty(shape[, dtype]) or zeros(shape[, dtype])")
+    dtype = None
+    if len(call.args) == 2:
+        if not isinstance(call.args[1], ast.Name) or call.args[1].id not in ALLOCATION_DTYPES:
+            raise ValueError(f"{where}: the dtype must be one of "
+                             f"{', '.join(ALLOCATION_DTYPES)}")
+        dtype = call.args[1].id
+    zeros = call.func.id == "zeros"
+    if param.type == "Tensor+" and not zeros:
+        raise ValueError(f"{where}: {name} is a Tensor+ output (the kernel adds into it): "
+                         "allocate it with zeros")
+    return Allocation(name, call.args[0], dtype, zeros, text)
+
+
+def _check_shape(op, alloc, earlier):
+    """The shape grammar: a tuple of sizes, `x.shape`, or `a if cond else
+    b` of shapes; a size is an int literal, an int parameter, `x.shape[i]`
+    or +, -, * and // of sizes, or `a if cond else b`; a condition compares
+    sizes (==, !=, <, <=, >, >=), or is a bool/int parameter, joined by
+    and/or/not. x is a required input array or an output allocated above."""
+    params = {p.name: p for p in op.params}
+
+    def fail(node, why):
+        raise ValueError(f"{op.name}: allocation {alloc.text!r}: {why} "
+                         f"({ast.unparse(node)!r})")
+
+    def array(node):
+        if not (isinstance(node, ast.Attribute) and node.attr == "shape"
+                and isinstance(node.value, ast.Name)):
+            fail(node, "expected x.shape")
+        p = params.get(node.value.id)
+        if p is None or not p.is_array or p.type == "Tensor?" or (
+                p.is_output and p.name not in earlier):
+            fail(node, "x must be a required input array or an output allocated above")
+
+    def shape(node):
+        if isinstance(node, ast.Tuple):
+            if not 1 <= len(node.elts) <= 8:
+                fail(node, "a shape has 1 to 8 sizes")
+            for e in node.elts:
+                size(e)
+        elif isinstance(node, ast.IfExp):
+            condition(node.test)
+            shape(node.body)
+            shape(node.orelse)
+        else:
+            array(node)
+
+    def size(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return
+        if isinstance(node, ast.Name):
+            p = params.get(node.id)
+            if p is None or p.type != "int":
+                fail(node, "a size names an int parameter")
+        elif isinstance(node, ast.Subscript):
+            array(node.value)
+            if not (isinstance(node.slice, ast.Constant) and type(node.slice.value) is int
+                    and 0 <= node.slice.value < 8):
+                fail(node, "index a shape with an int literal in [0, 8)")
+        elif isinstance(node, ast.BinOp) and isinstance(
+                node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
+            size(node.left)
+            size(node.right)
+        elif isinstance(node, ast.IfExp):
+            condition(node.test)
+            size(node.body)
+            size(node.orelse)
+        else:
+            fail(node, "not a size")
+
+    def condition(node):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(
+                node.ops[0], (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)):
+            size(node.left)
+            size(node.comparators[0])
+        elif isinstance(node, ast.BoolOp):
+            for v in node.values:
+                condition(v)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            condition(node.operand)
+        elif isinstance(node, ast.Name) and node.id in params and params[node.id].type in (
+                "int", "bool"):
+            return
+        else:
+            fail(node, "not a condition")
+
+    shape(alloc.shape)
+
+
+def _parse_line(line: str) -> Op:
     m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*\((.*)\)\s*", line)
     if not m:
         raise ValueError(f"bad signature line: {line!r}")
@@ -95,11 +248,20 @@ def parse_signature(line: str) -> Op:
 
 
 def read_signatures(path) -> list:
-    ops = []
+    """The ops of a signature file: each signature line with the indented
+    allocation lines below it."""
+    blocks = []
     for raw in Path(path).read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            ops.append(parse_signature(line))
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip():
+            continue
+        if line[0].isspace():
+            if not blocks:
+                raise ValueError(f"an allocation line before any signature: {line.strip()!r}")
+            blocks[-1].append(line)
+        else:
+            blocks.append([line])
+    ops = [parse_signature("\n".join(block)) for block in blocks]
     if len({op.name for op in ops}) != len(ops):
         raise ValueError("duplicate op names in signatures")
     return ops
@@ -241,7 +403,7 @@ def generate_pyx(ops) -> str:
             "",
             "",
             f"cdef OpRegistry _op_{op.name} = _define_op(",
-            f"    {op.name!r}, {op.line!r},",
+            f"    {op.name!r}, {op.text or op.line!r},",
             f"    <void **>mmd_{op.name}_table, mmd_{op.name}_origin,",
             f"    ({names},), ({positions},), ({flags},))",
             "",
@@ -251,11 +413,23 @@ def generate_pyx(ops) -> str:
             "",
             "    Checks that every array argument is on one device, then calls the",
             "    kernel registered for that device and the thread's backend.",
+        ]
+        if op.allocations:
+            out += [
+                "",
+                "    Outputs given as None are allocated like the first array (its",
+                "    library, device and dtype unless named), strided inputs are then",
+                "    copied to C order, and the outputs are returned:",
+                "",
+            ] + [f"        {a.text}" for a in op.allocations]
+        out += [
             '    """',
             f"    cdef OpRegistry op = _op_{op.name}",
             "    cdef CallState st",
             "    cdef int status",
         ]
+        if op.allocations:
+            out += ["    cdef int nd", "    cdef Py_ssize_t dims[8]", "    cdef unsigned int missing"]
         for i, p in enumerate(op.params):
             if not p.is_array:
                 ctype, conv = _SCALAR_TYPES[p.type]
@@ -270,6 +444,8 @@ def generate_pyx(ops) -> str:
                           if _ARRAY_TYPES[p.type] & ARG_OUTPUT)
         optional_mask = sum(1 << k for k, (_, p) in enumerate(arrays)
                             if _ARRAY_TYPES[p.type] & ARG_OPTIONAL)
+        if op.allocations:
+            out += _allocating_call(op, kernel_args, optional_mask, output_mask)
         out += [
             # the masks are literals, so the C compiler unrolls the intake
             f"    if mmd_intake_plain_numpy(st.objects, {len(arrays)}, {optional_mask}, "
@@ -288,6 +464,100 @@ def generate_pyx(ops) -> str:
         ]
     out.append("")
     return "\n".join(out)
+
+
+_COMPARE = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
+            ast.GtE: ">="}
+_ARITHMETIC = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
+
+
+def _cy_size(op, node):
+    """A size expression (validated by _check_shape) as Cython over the
+    views in `st` and the converted scalars `c_<name>`."""
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    if isinstance(node, ast.Name):
+        return f"c_{node.id}"
+    if isinstance(node, ast.Subscript):
+        return f"_dim(&st.tensors[{op.array_index(node.value.value.id)}], {node.slice.value})"
+    if isinstance(node, ast.BinOp):
+        left, right = _cy_size(op, node.left), _cy_size(op, node.right)
+        if isinstance(node.op, ast.FloorDiv):
+            return f"_floordiv({left}, {right})"
+        return f"({left} {_ARITHMETIC[type(node.op)]} {right})"
+    return (f"({_cy_size(op, node.body)} if {_cy_condition(op, node.test)} "
+            f"else {_cy_size(op, node.orelse)})")
+
+
+def _cy_condition(op, node):
+    if isinstance(node, ast.Compare):
+        return (f"({_cy_size(op, node.left)} {_COMPARE[type(node.ops[0])]} "
+                f"{_cy_size(op, node.comparators[0])})")
+    if isinstance(node, ast.BoolOp):
+        joiner = " and " if isinstance(node.op, ast.And) else " or "
+        return "(" + joiner.join(_cy_condition(op, v) for v in node.values) + ")"
+    if isinstance(node, ast.UnaryOp):
+        return f"(not {_cy_condition(op, node.operand)})"
+    return f"(c_{node.id} != 0)"
+
+
+def _cy_shape(op, node, indent):
+    """Cython lines that set `nd` and `dims` to a shape expression."""
+    pad = " " * indent
+    if isinstance(node, ast.Tuple):
+        return [f"{pad}nd = {len(node.elts)}"] + [
+            f"{pad}dims[{j}] = _size({_cy_size(op, e)})" for j, e in enumerate(node.elts)]
+    if isinstance(node, ast.IfExp):
+        return ([f"{pad}if {_cy_condition(op, node.test)}:"] + _cy_shape(op, node.body, indent + 4)
+                + [f"{pad}else:"] + _cy_shape(op, node.orelse, indent + 4))
+    return [f"{pad}nd = _copy_shape(&st.tensors[{op.array_index(node.value.id)}], dims)"]
+
+
+def _allocating_call(op, kernel_args, optional_mask, output_mask):
+    """The entry point's branch for calls that leave allocated outputs as
+    None: the dispatcher allocates them like the first array (its library,
+    device and, unless declared, dtype), makes strided inputs contiguous,
+    runs the kernel and returns the outputs."""
+    arrays = op.arrays
+    names = [p.name for p in op.params]
+    index = {p.name: k for k, (_, p) in enumerate(arrays)}
+    declared = [a.name for a in op.allocations]
+    missing = " | ".join(f"(<unsigned int>({n} is None)) << {index[n]}" for n in declared)
+    out = [f"    if {' or '.join(f'{n} is None' for n in declared)}:",
+           "        # outputs left to the dispatcher: allocated, then the kernel runs",
+           f"        missing = {missing}",
+           f"        if mmd_intake_plain_numpy(st.objects, {len(arrays)}, {optional_mask} | missing, "
+           f"{output_mask}, st.tensors,",
+           "                                  st.args, st.lo, st.hi):",
+           "            st.kinds[0] = KIND_NUMPY   # what allocate() and _results() read",
+           "            python_kernel = _plain_numpy_kernel(op, &st)",
+           "        else:  # any other array kind (strided inputs copied), and every error",
+           "            held = []   # what must outlive the kernel",
+           "            python_kernel = op.prepare_allocating(&st, missing, held)"]
+    for a in op.allocations:
+        dtype = -1 if a.dtype is None else ALLOCATION_DTYPES[a.dtype]
+        out += [f"        if {a.name} is None:  # {a.text}"]
+        out += _cy_shape(op, a.shape, 12)
+        out += [f"            {a.name} = _allocate(op, &st, {index[a.name]}, nd, dims, {dtype}, "
+                f"{a.zeros})"]
+    outputs = [p for _, p in arrays if p.is_output]
+    out += [
+        "        if st.python_kernel:",
+        f"            python_kernel({', '.join(names)})",
+        "        else:",
+        "            with nogil:",
+        f"                status = (<mmd_{op.name}_fn>st.kernel)(",
+        f"                    {', '.join(kernel_args)})",
+        "            if status != 0:",
+        "                op.raise_kernel_error(status)",
+    ]
+    lengths = {p.length for p in outputs if p.length}
+    results = [f"{p.name}[:_length({p.length})]" if p.length else p.name
+               for p in outputs if p.name not in lengths]
+    first = arrays[0][1].name
+    out += [f"        return _results(st.kinds[0], {first}, "
+            f"{results[0] if len(results) == 1 else '(' + ', '.join(results) + ')'})"]
+    return out
 
 
 def generate(signature_file, out_dir, devices) -> list:
@@ -433,7 +703,9 @@ def _set_cai_device_resolver(resolver: Callable[[int], int] | None) -> None: ...
 def _op_registry(op_name: str) -> OpRegistry: ...
 
 # Dispatch entry points (MMCV's DISPATCH_DEVICE_IMPL functions). They return
-# None when a C kernel ran, or what a Python kernel from register_impl returned.
+# None when a C kernel ran, or what a Python kernel from register_impl returned;
+# a call that leaves outputs (those typed `| None`) to the entry point returns
+# the outputs.
 '''
 
 # mmdispatch/__init__.py's names besides the entry points.
@@ -471,7 +743,10 @@ _PACKAGE_STUB_ALL = (
 def generate_core_stub(ops) -> str:
     out = [_CORE_STUB_HEAD]
     for op in ops:
-        params = "".join(f"    {p.name}: {_STUB_TYPES[p.type]},\n" for p in op.params)
+        allocated = {a.name for a in op.allocations}
+        params = "".join(
+            f"    {p.name}: {_STUB_TYPES[p.type]}{' | None' if p.name in allocated else ''},\n"
+            for p in op.params)
         out.append(f'def {op.name}(\n{params}) -> Any:\n    """{op.line}"""\n')
     return "\n".join(out)
 

@@ -31,6 +31,7 @@ cdef extern from "mmdispatch/tensor.h" nogil:
         MMD_BFLOAT16
         MMD_FLOAT32
         MMD_FLOAT64
+        MMD_NUM_DTYPES
     ctypedef struct mmd_tensor:
         void *data
         int64_t shape[8]      # MMD_MAX_NDIM
@@ -49,6 +50,7 @@ cdef extern from "mmdispatch/tensor.h" nogil:
     const char *mmd_dtype_name(int dtype)
     size_t mmd_dtype_size(int dtype)
     int64_t mmd_numel(const mmd_tensor *t)
+    bint mmd_is_contiguous(const mmd_tensor *t)
 
 cdef extern from "mmdispatch/registry.h" nogil:
     enum:
@@ -155,7 +157,11 @@ cdef class OpRegistry:
 
     cdef str where(self, int array_index)
     cdef int classify(self, int i, object obj, CallState *st) except -1
-    cdef object prepare(self, CallState *st)
+    cdef object prepare(self, CallState *st, unsigned int missing=*)
+    cdef object prepare_allocating(self, CallState *st, unsigned int missing, list held)
+    cdef int view_new(self, CallState *st, int i, object array) except -1
+    cdef object allocate(self, CallState *st, int k, int nd, Py_ssize_t *dims, int dtype,
+                         bint zeros)
     cdef object view_pending(self, CallState *st, unsigned int pending, int device_type,
                              int device_id)
     cdef int check_outputs(self, CallState *st) except -1
@@ -164,10 +170,8 @@ cdef class OpRegistry:
     cdef object not_found(self, int device_type, int device_id, int backend)
     cdef int raise_kernel_error(self, int status) except -1
 
-# Inline numpy / int helpers (mmdispatch/_pyarray.h), shared with
-# mmdispatch.ops._fastpath.
+# Inline numpy / int helpers (mmdispatch/_pyarray.h).
 cdef extern from "_pyarray.h":
     bint mmd_is_exact_ndarray(PyObject *obj) noexcept nogil
     bint mmd_is_plain_numpy(PyObject *obj) noexcept nogil
-    object mmd_numpy_empty(int nd, Py_ssize_t *dims, object descr)  # dims: npy_intp *
     bint mmd_compact_int(object v, int64_t *out) noexcept

@@ -15,9 +15,12 @@ One call of an entry point (generated per op into _dispatch_gen.pxi):
 """
 cimport cython
 cimport numpy as cnp
+from cpython.exc cimport PyErr_Clear
+from cpython.list cimport PyList_GET_ITEM
 from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer,
                                 PyCapsule_IsValid)
-from libc.stdint cimport uint32_t, uintptr_t
+from cpython.ref cimport Py_INCREF
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 
 import contextlib
 import operator
@@ -437,10 +440,12 @@ cdef class OpRegistry:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    cdef object prepare(self, CallState *st):
+    cdef object prepare(self, CallState *st, unsigned int missing=0):
         """Steps 1-4 of a call. Returns the Python kernel to call (with
         st.python_kernel set), or the DLPack capsules that must stay alive
-        while the C kernel runs (None when there are none)."""
+        while the C kernel runs (None when there are none). The outputs of
+        bitmask `missing` are left out (prepare_allocating makes them), and
+        then every array is viewed, for a Python kernel too."""
         cdef int i, ref = -1
         cdef int n = self.n_arrays
         cdef int device_type, device_id
@@ -449,6 +454,12 @@ cdef class OpRegistry:
         st.python_kernel = False
         for i in range(n):
             t = &st.tensors[i]
+            if missing >> i & 1u:   # an output to allocate: meets nothing yet
+                st.kinds[i] = KIND_NONE
+                st.args[i] = NULL
+                t.writable = 1
+                st.lo[i] = st.hi[i] = 0
+                continue
             if mmd_is_exact_ndarray(st.objects[i]):  # the common case, inline
                 st.kinds[i] = KIND_NUMPY
                 t.device_type = MMD_DEVICE_CPU
@@ -481,14 +492,104 @@ cdef class OpRegistry:
         python_kernel = _find_kernel(self, st, device_type, device_id,
                                      mmd_thread_backends()[device_type])
         if st.python_kernel:
-            return python_kernel
-        if _device_count[device_type] >= 0 and not 0 <= device_id < _device_count[device_type]:
+            if not missing:
+                return python_kernel
+        elif _device_count[device_type] >= 0 and not 0 <= device_id < _device_count[device_type]:
             raise self.no_such_device(ref, device_type, device_id)
         held = None
         if pending:  # arrays other than plain contiguous numpy ones
             held = self.view_pending(st, pending, device_type, device_id)
         self.check_outputs(st)
+        if missing:
+            return python_kernel if st.python_kernel else None, held
         return held
+
+    cdef object prepare_allocating(self, CallState *st, unsigned int missing, list held):
+        """prepare() for a call whose outputs of bitmask `missing` are None,
+        for allocate() to make. Strided inputs are copied to C order (the
+        kernels index densely; an array of another library is left to the
+        kernel's check). Returns the Python kernel or None, and puts in
+        `held` what must stay alive while the kernel runs."""
+        cdef int i
+        cdef int kind
+        python_kernel, capsules = self.prepare(st, missing)
+        if capsules:
+            held.extend(capsules)
+        for i in range(self.n_arrays):
+            kind = st.kinds[i]
+            if (self.array_flags[i] & ARG_OUTPUT or kind == KIND_NONE or kind == KIND_DLPACK
+                    or kind == KIND_CAI or mmd_is_contiguous(&st.tensors[i])):
+                continue
+            obj = <object>st.objects[i]
+            if kind == KIND_NUMPY:
+                copy = np.ascontiguousarray(obj)
+            elif kind == KIND_TORCH:
+                copy = obj.contiguous()
+            else:
+                with obj.device:
+                    copy = obj.copy(order="C")
+            held.append(copy)
+            self.view_new(st, i, copy)
+        return python_kernel
+
+    cdef int view_new(self, CallState *st, int i, object array) except -1:
+        """Puts `array`, a numpy, CuPy or torch array made by the dispatcher
+        (a copy, an allocated output) on the call's device, in place i."""
+        cdef mmd_tensor *t = &st.tensors[i]
+        st.objects[i] = <PyObject *>array
+        st.args[i] = t
+        if cnp.PyArray_Check(array):
+            st.kinds[i] = KIND_NUMPY
+            _intake_numpy(self, i, <cnp.ndarray>array, t)
+            t.device_type = MMD_DEVICE_CPU
+            t.device_id = 0
+        elif _is_torch_tensor(array):
+            st.kinds[i] = KIND_TORCH
+            _torch_device(array, t)
+            _intake_torch(self, i, array, t)
+        else:
+            st.kinds[i] = KIND_CUPY
+            t.device_type = MMD_DEVICE_CUDA
+            t.device_id = array.data.device_id
+            _intake_cupy(self, i, array, t)
+        _byte_extent(t, &st.lo[i], &st.hi[i])
+        return 0
+
+    cdef object allocate(self, CallState *st, int k, int nd, Py_ssize_t *dims, int dtype,
+                         bint zeros):
+        """Allocates output k (array index) of shape dims[:nd], like the
+        first array, puts it in the call and returns it: torch for torch
+        tensors, CuPy for CuPy arrays (and other CUDA arrays), numpy for the
+        rest (other CPU arrays get their outputs back through their
+        library's from_dlpack); dtype an mmd_dtype code, or -1 for the
+        first array's. The common case, numpy, is _allocate's, inline."""
+        cdef int kind = st.kinds[0]
+        cdef mmd_tensor *src = &st.tensors[0]
+        cdef int code = src.dtype if dtype < 0 else dtype
+        cdef int typenum = _numpy_typenum[code] if 0 <= code < MMD_NUM_DTYPES else -1
+        shape = tuple([dims[d] for d in range(nd)])
+        name = self.array_names[k]
+        try:
+            if kind == KIND_TORCH:
+                like = <object>st.objects[0]
+                torch_dtype = like.dtype if code == src.dtype else _torch_dtypes[code]
+                array = (like.new_zeros if zeros else like.new_empty)(shape, dtype=torch_dtype)
+            elif kind == KIND_CUPY or src.device_type != MMD_DEVICE_CPU:
+                array = _cupy_allocate(self, name, src, shape, code, zeros)
+            elif typenum < 0:
+                raise TypeError(f"{self.name}: cannot allocate {name} with numpy: it has no "
+                                f"{mmd_dtype_name(code).decode()} dtype")
+            else:   # numpy's error for a size it refuses, or the array
+                array = (np.zeros if zeros else np.empty)(shape, dtype=_numpy_dtypes[code])
+        except MemoryError as exc:
+            raise MemoryError(f"{self.name}: out of memory allocating {name} of shape "
+                              f"{shape}: {exc}") from exc
+        except (ValueError, OverflowError, RuntimeError) as exc:
+            if str(exc).startswith(self.name):
+                raise
+            raise ValueError(f"{self.name}: {name} cannot have shape {shape}: {exc}") from exc
+        self.view_new(st, k, array)
+        return array
 
     cdef object view_pending(self, CallState *st, unsigned int pending, int device_type,
                              int device_id):
@@ -726,6 +827,161 @@ cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"bool, got {type(value).__name__} (its __index__ raised "
                         f"{type(exc).__name__}: {exc})") from exc
+
+
+# Helpers of the generated allocating calls (_codegen._allocating_call).
+# mmd_dtype code -> numpy dtype and type number (-1: numpy has none)
+cdef dict _numpy_dtypes = {}
+cdef int _numpy_typenum[MMD_NUM_DTYPES]
+# mmd_dtype code -> a (0,) numpy array of that dtype: the (0,) outputs of
+# allocating calls (roi_align's argmax pair in avg mode) share it, as a (0,)
+# output has no element to write.
+cdef list _numpy_unused = [None] * MMD_NUM_DTYPES
+for _code in range(MMD_NUM_DTYPES):
+    _numpy_typenum[_code] = -1
+for _code, _name in [(MMD_BOOL, "bool"), (MMD_INT8, "int8"), (MMD_INT16, "int16"),
+                     (MMD_INT32, "int32"), (MMD_INT64, "int64"), (MMD_UINT8, "uint8"),
+                     (MMD_UINT16, "uint16"), (MMD_UINT32, "uint32"), (MMD_UINT64, "uint64"),
+                     (MMD_FLOAT16, "float16"), (MMD_FLOAT32, "float32"),
+                     (MMD_FLOAT64, "float64")]:
+    _numpy_dtypes[_code] = np.dtype(_name)
+    _numpy_typenum[_code] = np.dtype(_name).num
+    _numpy_unused[_code] = np.empty((0,), _name)
+
+
+cdef inline int64_t _dim(const mmd_tensor *t, int d) noexcept:
+    """Size d of a view, 0 past its last axis (the kernel's checks then name
+    the array of the wrong rank)."""
+    return t.shape[d] if d < t.ndim else 0
+
+
+cdef inline Py_ssize_t _size(int64_t value) noexcept:
+    """A computed size; negative ones become 0 (the kernel's checks say why)."""
+    return <Py_ssize_t>value if value > 0 else 0
+
+
+cdef inline int64_t _floordiv(int64_t a, int64_t b) noexcept:
+    """a // b rounded down as Python does; 0 where b is 0."""
+    if b == 0:
+        return 0
+    cdef int64_t q = a / b
+    if (a % b != 0) and ((a < 0) != (b < 0)):
+        q -= 1
+    return q
+
+
+cdef extern from *:
+    """
+    /* numpy.empty / numpy.zeros of a built-in type number, or NULL with an
+       error set. */
+    static inline PyObject *mmd_numpy_new(int nd, Py_ssize_t *dims, int typenum, int zeros) {
+        return zeros ? PyArray_ZEROS(nd, (npy_intp *)dims, typenum, 0)
+                     : PyArray_EMPTY(nd, (npy_intp *)dims, typenum, 0);
+    }
+    static inline PyObject *mmd_steal(PyObject *obj) { return obj; }
+    """
+    PyObject *_numpy_new "mmd_numpy_new"(int nd, Py_ssize_t *dims, int typenum,
+                                         int zeros) noexcept
+    object _steal "mmd_steal"(PyObject *obj)
+
+
+cdef inline object _allocate(OpRegistry op, CallState *st, int k, int nd, Py_ssize_t *dims,
+                             int dtype, bint zeros):
+    """OpRegistry.allocate, with its common case inline: a numpy output
+    like a numpy array, (0,) ones shared per dtype (a (0,) output has no
+    element to write: roi_align's argmax pair in avg mode)."""
+    cdef int code = st.tensors[0].dtype if dtype < 0 else dtype
+    cdef mmd_tensor *t = &st.tensors[k]
+    cdef PyObject *made = NULL
+    if st.kinds[0] == KIND_NUMPY and 0 <= code < MMD_NUM_DTYPES and _numpy_typenum[code] >= 0:
+        if nd == 1 and dims[0] == 0:
+            made = PyList_GET_ITEM(_numpy_unused, code)
+            Py_INCREF(<object>made)
+        elif _fits(nd, dims):
+            made = _numpy_new(nd, dims, _numpy_typenum[code], zeros)
+            if made == NULL:
+                PyErr_Clear()   # allocate() tries again and raises the error
+        if made != NULL:
+            mmd_view_contiguous_numpy(made, t, &st.lo[k], &st.hi[k])
+            t.device_type = MMD_DEVICE_CPU
+            t.device_id = 0
+            st.objects[k] = made
+            st.kinds[k] = KIND_NUMPY
+            st.args[k] = t
+            return <object>_steal(made)
+    return op.allocate(st, k, nd, dims, dtype, zeros)
+
+
+cdef inline bint _fits(int nd, const Py_ssize_t *dims) noexcept:
+    """Whether an array of shape dims[:nd] has fewer than 2**62 bytes (so
+    numpy's C allocation takes it; larger ones take the path with errors)."""
+    cdef int d
+    cdef uint64_t total = 8
+    for d in range(nd):
+        if dims[d] and total > (<uint64_t>1 << 62) // <uint64_t>dims[d]:
+            return False
+        total *= <uint64_t>dims[d]
+    return True
+
+
+cdef inline int _copy_shape(const mmd_tensor *t, Py_ssize_t *dims) noexcept:
+    cdef int d
+    for d in range(t.ndim):
+        dims[d] = <Py_ssize_t>t.shape[d]
+    return t.ndim
+
+
+cdef object _length(object counts):
+    """counts[0] as an int: the length of a trimmed output (a read back from
+    the device for a CUDA array)."""
+    if cnp.PyArray_CheckExact(counts) and cnp.PyArray_TYPE(<cnp.ndarray>counts) == cnp.NPY_INT64:
+        return (<int64_t *>cnp.PyArray_DATA(<cnp.ndarray>counts))[0]
+    return int(counts[0])
+
+
+cdef object _results(int kind, object like, object results):
+    """An allocating call's outputs, in the library of the first array:
+    numpy, CuPy and torch arrays as they are, other arrays' outputs through
+    their library's from_dlpack where it has one."""
+    if kind != KIND_DLPACK and kind != KIND_CAI:
+        return results
+    if type(results) is tuple:
+        return tuple([_in_library_of(like, r) for r in results])
+    return _in_library_of(like, results)
+
+
+def _in_library_of(original, result):
+    """result (numpy/CuPy) as an array of original's library, zero-copy."""
+    get_namespace = getattr(original, "__array_namespace__", None)
+    library = get_namespace() if get_namespace is not None else sys.modules.get(
+        type(original).__module__.partition(".")[0])
+    from_dlpack = getattr(library, "from_dlpack", None)
+    return from_dlpack(result) if from_dlpack is not None else result
+
+
+cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple shape,
+                           int code, bint zeros):
+    """An output on src's CUDA device, with CuPy (imported if need be)."""
+    if src.device_type != MMD_DEVICE_CUDA:
+        raise TypeError(f"{op.name}: cannot allocate {name} on "
+                        f"{device_name(src.device_type, src.device_id)}: the entry points "
+                        f"allocate with numpy (CPU), torch or CuPy (CUDA); pass the outputs")
+    try:
+        import cupy
+    except ImportError:
+        raise TypeError(f"{op.name}: cannot allocate {name} like a CUDA array of another "
+                        "library without CuPy; install CuPy or pass the outputs") from None
+    typenum = _numpy_typenum[code] if 0 <= code < MMD_NUM_DTYPES else -1
+    if typenum < 0:
+        raise TypeError(f"{op.name}: cannot allocate {name} with CuPy: it has no "
+                        f"{mmd_dtype_name(code).decode()} dtype")
+    count = cupy.cuda.runtime.getDeviceCount()
+    if not 0 <= src.device_id < count:
+        raise ValueError(f"{op.name}: the arrays are on cuda:{src.device_id}, which does not "
+                         f"exist: this machine has {count} CUDA device(s)")
+    dtype = _numpy_dtypes[code]
+    with cupy.cuda.Device(src.device_id):
+        return (cupy.zeros if zeros else cupy.empty)(shape, dtype=dtype)
 
 
 include "_dispatch_gen.pxi"

@@ -38,8 +38,9 @@ cdef inline bint _is_cupy_array(object obj):
 # FakeTensor take the DLPack path), looked up once torch is imported.
 cdef object _torch_tensor_type = None
 cdef object _torch_parameter_type = None
-# torch dtype -> mmd dtype code
+# torch dtype -> mmd dtype code, and back
 cdef dict _torch_dtype_codes = None
+cdef dict _torch_dtypes = None
 # torch._C._cuda_getCurrentRawStream(device_index) -> stream pointer
 cdef object _torch_current_stream = None
 
@@ -47,7 +48,8 @@ cdef object _torch_current_stream = None
 cdef bint _find_torch() except -1:
     """Caches torch's tensor types, dtypes and stream lookup once torch is
     fully imported; False until then."""
-    global _torch_tensor_type, _torch_parameter_type, _torch_dtype_codes, _torch_current_stream
+    global _torch_tensor_type, _torch_parameter_type, _torch_dtype_codes, _torch_dtypes
+    global _torch_current_stream
     torch = sys.modules.get("torch")
     tensor_type = getattr(torch, "Tensor", None)
     parameter_type = getattr(getattr(torch, "nn", None), "Parameter", None)
@@ -62,6 +64,7 @@ cdef bint _find_torch() except -1:
         if hasattr(torch, name):
             codes[getattr(torch, name)] = code
     _torch_dtype_codes = codes
+    _torch_dtypes = {code: dtype for dtype, code in codes.items()}
     _torch_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     _torch_parameter_type = parameter_type
     _torch_tensor_type = tensor_type
@@ -260,7 +263,8 @@ cdef extern from *:
     /* The whole intake of the common call, in one pass with no Python calls:
        every array argument a plain numpy array that mmd_view_contiguous_numpy
        takes (on the CPU, so on one device), or None where optional_mask
-       allows, and the outputs passing mmd_find_output_conflict. Returns 1
+       allows (optional inputs, and outputs the entry point allocates next),
+       and the outputs passing mmd_find_output_conflict. Returns 1
        with the views, args and extents filled, else 0: the general path then
        redoes the intake and takes the call, or raises its error. */
     static inline int mmd_intake_plain_numpy(PyObject *const *objects, int n,
@@ -277,6 +281,7 @@ cdef extern from *:
             if (obj == Py_None && (optional_mask >> i & 1u)) {
                 args[i] = NULL;
                 lo[i] = hi[i] = 0;   /* overlaps nothing */
+                tensors[i].writable = 1;   /* an output left to allocate passes */
                 continue;
             }
             if (!mmd_is_exact_ndarray(obj) ||

@@ -1,6 +1,5 @@
-/* Inline numpy / int helpers shared by the compiled modules (mmdispatch._core
- * and mmdispatch.ops._fastpath): the tests and the allocation of the common
- * call, with no Python-level call. Each module calls import_array() itself. */
+/* Inline numpy / int helpers of the dispatcher (mmdispatch._core): the tests
+ * of the common call, with no Python-level call. */
 #ifndef MMDISPATCH_PYARRAY_H
 #define MMDISPATCH_PYARRAY_H
 
@@ -21,13 +20,6 @@ static inline int mmd_is_plain_numpy(PyObject *obj) {
     PyArrayObject *arr = (PyArrayObject *)obj;
     return PyArray_NDIM(arr) <= MMD_MAX_NDIM && !PyArray_ISBYTESWAPPED(arr) &&
            PyArray_CHKFLAGS(arr, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
-}
-
-/* numpy.empty for a shape already in C and a dtype object (not stolen). */
-static inline PyObject *mmd_numpy_empty(int nd, npy_intp *dims, PyObject *descr) {
-    Py_INCREF(descr);   /* PyArray_NewFromDescr steals it */
-    return PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)descr, nd, dims, NULL, NULL, 0,
-                                NULL);
 }
 
 /* An exact int of one digit or none (|v| < 2**30): its value, read from the

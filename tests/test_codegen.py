@@ -79,3 +79,72 @@ def test_accumulated_and_trimmed_outputs_parse_and_are_outputs_to_the_dispatcher
 def test_bad_trimmed_outputs_are_refused(line, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _codegen.parse_signature(line)
+
+
+def test_allocation_lines_parse_and_generate_the_shape_in_c():
+    op = _codegen.parse_signature(
+        "toy_impl(Tensor a, Tensor b, Tensor! out, Tensor! idx, int n, bool flag)\n"
+        "    out = empty((a.shape[0], b.shape[1] // n + 1) if flag else a.shape)\n"
+        "    idx = zeros(out.shape, int64)")
+    assert [(a.name, a.dtype, a.zeros) for a in op.allocations] == [
+        ("out", None, False), ("idx", "int64", True)]
+    assert op.text.splitlines()[1:] == [
+        "    out = empty((a.shape[0], b.shape[1] // n + 1) if flag else a.shape)",
+        "    idx = zeros(out.shape, int64)"]
+    pyx = _codegen.generate_pyx([op])
+    assert "        if (c_flag != 0):" in pyx
+    assert "dims[1] = _size((_floordiv(_dim(&st.tensors[1], 1), c_n) + 1))" in pyx
+    assert "nd = _copy_shape(&st.tensors[0], dims)" in pyx
+    assert "idx = _allocate(op, &st, 3, nd, dims, 5, True)" in pyx   # 5: MMD_INT64
+    assert "return _results(st.kinds[0], a, (out, idx))" in pyx
+    stub = _codegen.generate_core_stub([op])
+    assert "    out: _Array | None," in stub and "    a: _Array,\n" in stub
+
+
+def test_a_trimmed_output_is_returned_trimmed_without_its_length():
+    op = _codegen.parse_signature(
+        "toy_impl(Tensor a, Tensor! keep[:count], Tensor! count)\n"
+        "    keep = empty((a.shape[0],), int64)\n"
+        "    count = empty((1,), int64)")
+    assert "return _results(st.kinds[0], a, keep[:_length(count)])" in _codegen.generate_pyx([op])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("    nope = empty(a.shape)", "'nope' is not an output of the op"),
+    ("    b = empty(a.shape)", "'b' is not an output of the op"),
+    ("    out = ones(a.shape)", "expected empty(shape[, dtype]) or zeros(shape[, dtype])"),
+    ("    out = empty(a.shape, complex64)", "the dtype must be one of"),
+    ("    out = empty(a.shape[0])", "expected x.shape"),
+    ("    out = empty((a.shape[9],))", "index a shape with an int literal in [0, 8)"),
+    ("    out = empty((w.shape[0],))", "a required input array or an output allocated above"),
+    ("    out = empty((x,))", "a size names an int parameter"),
+    ("    out = empty((n ** 2,))", "not a size"),
+    ("    out = empty((1,) if a else (2,))", "not a condition"),
+    ("    out = empty(acc.shape)", "a required input array or an output allocated above"),
+    ("    acc = empty(a.shape)", "acc is a Tensor+ output (the kernel adds into it): allocate "
+                               "it with zeros"),
+    ("    out = empty(a.shape)\n    out = empty(a.shape)", "an output is allocated twice"),
+    ("    out = empty(a.shape",  "'(' was never closed"),
+])
+def test_bad_allocation_lines_are_rejected(text, message):
+    line = "toy_impl(Tensor a, Tensor b, Tensor? w, Tensor! out, Tensor+ acc, int n, float x)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _codegen.parse_signature(line + "\n" + text)
+
+
+def test_allocating_needs_the_first_array_to_be_a_required_input():
+    with pytest.raises(ValueError, match="the first array parameter to be a required input"):
+        _codegen.parse_signature("toy_impl(Tensor? w, Tensor! out)\n    out = empty(w.shape)")
+
+
+def test_signature_file_attaches_indented_lines_to_the_op_above(tmp_path):
+    path = tmp_path / "signatures.txt"
+    path.write_text("# comment\n"
+                    "a_impl(Tensor x, Tensor! y)\n"
+                    "    y = empty(x.shape)  # like x\n"
+                    "b_impl(Tensor x, Tensor! y)\n")
+    a, b = _codegen.read_signatures(path)
+    assert [x.name for x in a.allocations] == ["y"] and b.allocations == ()
+    path.write_text("    y = empty(x.shape)\na_impl(Tensor x, Tensor! y)\n")
+    with pytest.raises(ValueError, match="an allocation line before any signature"):
+        _codegen.read_signatures(path)

@@ -699,3 +699,90 @@ with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: "mine"
 print("ok")
 """
     assert run_in_fresh_process(code, tmp_path).strip() == "ok"
+
+
+# --- outputs the entry point allocates ------------------------------------------
+
+def _roi_call():
+    rng = np.random.default_rng(0)
+    x = rng.random((2, 3, 8, 8))
+    rois = np.array([[0, 1, 1, 5, 5], [1, 0, 0, 7, 3]], np.float64)
+    return x, rois
+
+
+def test_outputs_given_as_none_are_allocated_by_the_signatures_allocation_lines():
+    x, rois = _roi_call()
+    output, argmax_y, argmax_x = mmdispatch.roi_align_forward_impl(
+        x, rois, None, None, None, 2, 3, 1.0, 0, 0, True)
+    given = [np.empty((2, 3, 2, 3)) for _ in range(3)]
+    mmdispatch.roi_align_forward_impl(x, rois, *given, 2, 3, 1.0, 0, 0, True)
+    for got, expected in zip((output, argmax_y, argmax_x), given):
+        assert type(got) is np.ndarray and got.dtype == np.float64 and got.flags.owndata
+        np.testing.assert_array_equal(got, expected)
+    # avg mode: the argmax pair is (0,), one shared array per dtype, as declared
+    out, y, x_ = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 3, 1.0, 0, 1,
+                                                   True)
+    assert out.shape == (2, 3, 2, 3) and y.shape == (0,) and y is x_
+    # some outputs given, some left: every output is returned
+    mine = np.empty((2, 3, 2, 3))
+    assert mmdispatch.roi_align_forward_impl(x, rois, mine, None, None, 2, 3, 1.0, 0, 1,
+                                             True)[0] is mine
+    pool, argmax = mmdispatch.roi_pool_forward_impl(x, rois, None, None, 2, 2, 1.0)
+    assert pool.shape == argmax.shape == (2, 3, 2, 2) and argmax.dtype == np.int64
+    boxes = np.array([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], np.float32)
+    keep = mmdispatch.nms_impl(boxes, np.array([0.9, 0.8, 0.7], np.float32), None, None, None,
+                               0.5, 0)
+    np.testing.assert_array_equal(keep, [0, 2])   # trimmed to the kept count
+    assert mmdispatch.bbox_overlaps_impl(boxes, boxes[:2], None, 0, False, 0).shape == (3, 2)
+    assert mmdispatch.bbox_overlaps_impl(boxes, boxes, None, 0, True, 0).shape == (3,)
+
+
+def test_allocating_calls_copy_strided_inputs_once_and_check_the_rest_as_usual():
+    x, rois = _roi_call()
+    wide = np.zeros((2, 3, 8, 16))
+    wide[..., ::2] = x
+    strided = mmdispatch.roi_align_forward_impl(wide[..., ::2], rois, None, None, None, 2, 2,
+                                                1.0, 0, 1, True)[0]
+    plain = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 0, 1, True)
+    np.testing.assert_array_equal(strided, plain[0])
+    with pytest.raises(TypeError, match=re.escape(
+            "roi_align_forward_impl: rois has dtype float32 but input has dtype float64")):
+        mmdispatch.roi_align_forward_impl(x, rois.astype(np.float32), None, None, None, 2, 2,
+                                          1.0, 0, 1, True)
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_align_forward_impl: output cannot have shape (2, 3, 1073741824, 1073741824)")):
+        mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2 ** 30, 2 ** 30, 1.0, 0,
+                                          1, True)
+    with pytest.raises(ValueError, match="output memory overlaps param 0 .input."):
+        mmdispatch.roi_align_forward_impl(x, rois, x[:2, :3, :2, :2].copy(), x, None, 2, 2,
+                                          1.0, 0, 0, True)
+
+
+def test_allocating_calls_give_python_kernels_the_allocated_outputs():
+    x, rois = _roi_call()
+    seen = {}
+
+    def kernel(input, rois, output, argmax_y, argmax_x, *scalars):
+        seen["shapes"] = (output.shape, argmax_y.shape)
+        output[...] = 7.0
+
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", kernel, backend="probe"):
+        with mmdispatch.use_backend("cpu", "probe"):
+            output, _, _ = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2,
+                                                             1.0, 0, 1, True)
+    assert seen["shapes"] == ((2, 3, 2, 2), (0,)) and np.all(output == 7.0)
+
+
+def test_allocating_calls_answer_in_the_library_of_the_first_array(dlpack_only):
+    x, rois = _roi_call()
+    expected = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 0, 1,
+                                                 True)[0]
+    # a library without from_dlpack (this module) gets numpy outputs
+    got = mmdispatch.roi_align_forward_impl(dlpack_only(x), dlpack_only(rois), None, None, None,
+                                            2, 2, 1.0, 0, 1, True)[0]
+    np.testing.assert_array_equal(got, expected)
+    torch = pytest.importorskip("torch")
+    got = mmdispatch.roi_align_forward_impl(torch.from_numpy(x), torch.from_numpy(rois), None,
+                                            None, None, 2, 2, 1.0, 0, 1, True)[0]
+    assert type(got) is torch.Tensor and got.dtype == torch.float64
+    np.testing.assert_array_equal(got.numpy(), expected)

@@ -22,7 +22,7 @@ def signature_params():
     ops = {}
     for raw in (PACKAGE / "signatures.txt").read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
-        if line:
+        if line and not raw[0].isspace():   # indented: an allocation line
             name, params = re.fullmatch(r"(\w+)\((.*)\)", line).groups()
             # a trimmed output names its length too: keep[:num_kept]
             ops[name] = [chunk.split()[1].partition("[")[0] for chunk in params.split(",")
@@ -52,7 +52,7 @@ def stub_names(tree):
 
 
 def test_py_typed_and_stubs_are_installed():
-    for name in ("py.typed", "_core.pyi", "_benchkit.pyi", "__init__.pyi", "ops/_fastpath.pyi"):
+    for name in ("py.typed", "_core.pyi", "_benchkit.pyi", "__init__.pyi"):
         assert (PACKAGE / name).is_file(), name
 
 
@@ -67,16 +67,21 @@ def test_core_stub_has_exactly_the_entry_points_of_signatures_txt():
         assert [a.arg for a in functions[name].args.args] == params, name
 
 
-def test_core_stub_marks_optional_arrays_and_only_them_as_none():
-    optional = set()
+def test_core_stub_marks_optional_arrays_and_allocated_outputs_and_only_them_as_none():
+    optional = {}   # op -> its parameters that may be None
     for raw in (PACKAGE / "signatures.txt").read_text().splitlines():
         line = raw.split("#", 1)[0]
-        optional.update((m.group(1) for m in re.finditer(r"Tensor\?\s+(\w+)", line)))
+        if line.strip() and not line[0].isspace():
+            op = optional.setdefault(line.split("(")[0], set())
+            op.update(m.group(1) for m in re.finditer(r"Tensor\?\s+(\w+)", line))
+        elif line.strip():   # an allocation line (`    output = empty(...)`)
+            op.update(re.findall(r"^\s+(\w+)\s*=", line))
     functions = stub_functions(stub("_core.pyi"))
     for name in signature_params():
         for arg in functions[name].args.args:
             annotation = ast.unparse(arg.annotation)
-            assert ("None" in annotation) == (arg.arg in optional), (name, arg.arg, annotation)
+            assert ("None" in annotation) == (arg.arg in optional[name]), (name, arg.arg,
+                                                                           annotation)
 
 
 def test_core_stub_covers_the_modules_public_api():
@@ -96,7 +101,7 @@ def test_package_stub_matches_the_package_exports():
     assert sorted(ast.literal_eval(declared_all)) == sorted(mmdispatch.__all__)
 
 
-@pytest.mark.parametrize("module", ["_benchkit", "ops._fastpath"])
+@pytest.mark.parametrize("module", ["_benchkit"])
 def test_handwritten_stub_matches_the_module(module):
     extension = importlib.import_module(f"mmdispatch.{module}")
     defined_here = {name for name, obj in vars(extension).items()
@@ -110,7 +115,6 @@ def test_handwritten_stub_matches_the_module(module):
     ("_core", ["mmd_thread_backends", "mmd_roi_align_forward_impl_table", "mmd_error",
                "mmd_get_device_modules", "cudaMalloc", "cudaGetDeviceCount"]),
     ("_benchkit", []),
-    ("ops._fastpath", ["mmd_numpy_empty"]),
 ])
 def test_extension_exports_only_its_module_init(module, helpers):
     """dlsym sees only the dynamic symbol table: the C helpers, kernel

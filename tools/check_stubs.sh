@@ -59,7 +59,7 @@ PY
 # cdef classes are not marked @disjoint_base (PEP 800), which type checkers
 # older than the marker would not know.
 cat > allowlist.txt <<'TXT'
-mmdispatch\.(_core|_benchkit|ops\._fastpath)\.__test__
+mmdispatch\.(_core|_benchkit)\.__test__
 mmdispatch\._core\.__(reduce|setstate)_cython__
 mmdispatch\._core\.(KernelHandle|OpRegistry)
 TXT

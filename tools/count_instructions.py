@@ -10,7 +10,9 @@ Prints, per call:
   mmdispatch._benchkit registered (the dispatch-overhead benchmark's first
   side), raw: _benchkit.raw_roi_align_forward (its baseline), and their
   difference, the instructions the dispatcher adds;
-- tiny: a whole ops.roi_align call on the tiny input (1x1x4x4, one roi, 1x1).
+- tiny: a whole ops.roi_align call on the tiny input (1x1x4x4, one roi, 1x1);
+- allocating: roi_align_forward_impl on it with its outputs None (the
+  dispatcher allocates them), the built-in kernel.
 
 Needs valgrind. The child runs with PYTHONHASHSEED=0 and one thread, and
 its loop runs in a function, so dictionary probing is the same every run.
@@ -36,6 +38,11 @@ if which == "tiny":
         for _ in range(n):
             f(x, rois, 1, 1.0, 2)
     loop(ops.roi_align, n)
+elif which == "allocating":
+    def loop(f, n):
+        for _ in range(n):
+            f(x, rois, None, None, None, 1, 1, 1.0, 2, 1, True)
+    loop(mmdispatch.roi_align_forward_impl, n)
 else:
     f = mmdispatch.roi_align_forward_impl if which == "dispatch" else \
         _benchkit.raw_roi_align_forward
@@ -79,9 +86,12 @@ def main(argv=None):
         return 2
     dispatch, raw = per_call("dispatch", args.calls), per_call("raw", args.calls)
     tiny = per_call("tiny", args.calls // 5)
+    allocating = per_call("allocating", args.calls // 5)
     print(f"dispatch {dispatch:.0f}  raw {raw:.0f}  dispatcher adds {dispatch - raw:.0f} "
           f"instructions per call")
     print(f"ops.roi_align tiny call {tiny:.0f} instructions")
+    print(f"roi_align_forward_impl allocating its outputs, tiny call {allocating:.0f} "
+          "instructions")
     return 0
 
 

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from mmdispatch import _core
+
 _CPU, _CUDA = 1, 2
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -195,6 +197,27 @@ def index_array(op, name, x):
     return x.astype(np.int64)
 
 
+def output_pair(op, name, value):
+    """(h, w) of an output size: an int >= 1, or a pair of them."""
+    if type(value) is int and value >= 1:   # the common case, without pair's checks
+        return value, value
+    return pair(op, name, value)
+
+
+def explain(op, exc, arrays):
+    """Raises the error of an entry-point call that failed with `exc` (a
+    TypeError or ValueError): the op's own error when an argument of
+    `arrays` ((name, value, ndim, layout) each; ndim None: any rank) is
+    not an array or has another rank than the op's layout, else `exc`
+    itself. Errors are rare: the call does not test for them beforehand."""
+    if not isinstance(exc, _core.DeferredKernelError):
+        for name, value, ndim, layout in arrays:
+            array = native(op, name, value)
+            if ndim is not None:
+                check_ndim(op, name, array, ndim, layout)
+    raise exc
+
+
 def choice(op, name, value, options):
     """options[value] for a string parameter such as mode or reduction."""
     # only strings are looked up: hashing another object may fail in any way
@@ -203,14 +226,3 @@ def choice(op, name, value, options):
         return options[value]
     allowed = ", ".join(repr(k) for k in options)
     raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}")
-
-
-
-def roi_forward_inputs(op, input, rois):
-    """The (N, C, H, W) map and (K, 5) rois every roi op's forward takes, as
-    contiguous numpy/CuPy arrays."""
-    input = contiguous(native(op, "input", input))
-    rois = contiguous(native(op, "rois", rois))
-    check_ndim(op, "input", input, 4, "(N, C, H, W)")
-    check_ndim(op, "rois", rois, 2, "(K, 5)")
-    return input, rois

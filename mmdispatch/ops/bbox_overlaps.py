@@ -11,38 +11,21 @@ bbox_overlaps_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
-                                    native)
-from mmdispatch.ops._fastpath import box_pairs_output
+from mmdispatch.ops._arrays import choice, explain
 
 _MODES = {"iou": 0, "iof": 1}
-
-
 _impl = _core.bbox_overlaps_impl
 
 
 def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     """Overlaps of (N, 4) bboxes1 with (M, 4) bboxes2, in their dtype."""
-    # The common call (what box_pairs_output takes: plain float numpy boxes,
-    # aligned a bool) without the general path's conversions.
-    mode_code = _MODES.get(mode) if type(mode) is str else None
-    if mode_code is not None:
-        ious = box_pairs_output(bboxes1, bboxes2, aligned)
-        if ious is not None:
-            _impl(bboxes1, bboxes2, ious, mode_code, aligned, offset)
-            return ious
     op = "bbox_overlaps"
-    mode_code = choice(op, "mode", mode, _MODES)
-    original = bboxes1
-    bboxes1 = contiguous(native(op, "bboxes1", bboxes1))
-    bboxes2 = contiguous(native(op, "bboxes2", bboxes2))
-    check_ndim(op, "bboxes1", bboxes1, 2, "(N, 4)")
-    check_ndim(op, "bboxes2", bboxes2, 2, "(M, 4)")
-    if not isinstance(aligned, (bool, np.bool_)):
+    mode_code = _MODES.get(mode) if type(mode) is str else None
+    if mode_code is None:
+        mode_code = choice(op, "mode", mode, _MODES)
+    if aligned is not True and aligned is not False and not isinstance(aligned, np.bool_):
         raise TypeError(f"{op}: aligned must be a bool, got {aligned!r}")
-    shape = (bboxes1.shape[0],) if aligned else (bboxes1.shape[0], bboxes2.shape[0])
-    xp, device = namespace(op, bboxes1)
-    with device:
-        ious = allocate(op, "ious", xp, shape, bboxes1.dtype)
-    _core.bbox_overlaps_impl(bboxes1, bboxes2, ious, mode_code, aligned, offset)
-    return like(original, ious)
+    try:
+        return _impl(bboxes1, bboxes2, None, mode_code, aligned, offset)
+    except (TypeError, ValueError) as exc:
+        explain(op, exc, (("bboxes1", bboxes1, 2, "(N, 4)"), ("bboxes2", bboxes2, 2, "(M, 4)")))

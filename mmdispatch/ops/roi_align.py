@@ -11,11 +11,13 @@ roi_align_forward_impl / roi_align_backward_impl.
 """
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, like, namespace,
-                                    native, pair, roi_forward_inputs, shape_arg, unused_output)
-from mmdispatch.ops._fastpath import pooled_output
+from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, explain, like,
+                                    namespace, native, pair, shape_arg, unused_output)
 
+_OP = "roi_align_forward"
 _POOL_MODES = {"avg": 1, "max": 0}
+# the default pool_mode is this interned string: one identity test
+_AVG_NAME, _AVG = "avg", _POOL_MODES["avg"]
 
 # How gradients flow through the entry points, for the PyTorch layer
 # (mmdispatch.torch derives its autograd from this and signatures.txt): the
@@ -29,41 +31,44 @@ GRADIENTS = {
     },
 }
 
+_forward_impl = _core.roi_align_forward_impl
+
 
 def _pool_mode(op, pool_mode):
     return choice(op, "pool_mode", pool_mode, _POOL_MODES)
+
+
+def _explain(exc, input, rois):
+    explain(_OP, exc, (("input", input, 4, "(N, C, H, W)"), ("rois", rois, 2, "(K, 5)")))
 
 
 def roi_align_forward(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0,
                       pool_mode="avg", aligned=True):
     """Returns (output, argmax_y, argmax_x); output is (K, C, *output_size)
     with the input's dtype, kind and device. In avg mode the argmax arrays
-    are empty."""
-    return _forward("roi_align_forward", input, rois, output_size, spatial_scale,
-                    sampling_ratio, pool_mode, aligned, True)
+    are empty (one shared (0,) array)."""
+    height, width = pair(_OP, "output_size", output_size)
+    mode = _AVG if pool_mode is _AVG_NAME else _pool_mode(_OP, pool_mode)
+    try:
+        return _forward_impl(input, rois, None, None, None, height, width, spatial_scale,
+                             sampling_ratio, mode, aligned)
+    except (TypeError, ValueError) as exc:
+        _explain(exc, input, rois)
 
 
-def _forward(op, input, rois, output_size, spatial_scale, sampling_ratio, pool_mode, aligned,
-             with_argmax):
-    height, width = pair(op, "output_size", output_size)
-    mode = _pool_mode(op, pool_mode)
-    original = input
-    input, rois = roi_forward_inputs(op, input, rois)
-    xp, device = namespace(op, input)
-    with device:
-        output = allocate(op, "output", xp, (rois.shape[0], input.shape[1], height, width),
-                          input.dtype)
-        if mode == _POOL_MODES["max"] or with_argmax:
-            argmax_shape = output.shape if mode == _POOL_MODES["max"] else (0,)
-            argmax_y = allocate(op, "argmax_y", xp, argmax_shape, input.dtype)
-            argmax_x = allocate(op, "argmax_x", xp, argmax_shape, input.dtype)
-        else:   # avg mode writes no argmax: one shared empty array serves both
-            argmax_y = argmax_x = unused_output(xp, input)
-    _core.roi_align_forward_impl(input, rois, output, argmax_y, argmax_x, height, width,
-                                 spatial_scale, sampling_ratio, mode, aligned)
-    if not with_argmax:
-        return like(original, output)
-    return like(original, output), like(original, argmax_y), like(original, argmax_x)
+def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
+              aligned=True):
+    """RoIAlign output, (K, C, *output_size)."""
+    # The common call (an int output_size, avg mode) without another Python
+    # call: a tiny call costs about as much Python as kernel.
+    if type(output_size) is int and output_size >= 1 and pool_mode is _AVG_NAME:
+        try:
+            return _forward_impl(input, rois, None, None, None, output_size, output_size,
+                                 spatial_scale, sampling_ratio, _AVG, aligned)[0]
+        except (TypeError, ValueError) as exc:
+            _explain(exc, input, rois)
+    return roi_align_forward(input, rois, output_size, spatial_scale, sampling_ratio, pool_mode,
+                             aligned)[0]
 
 
 def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spatial_scale=1.0,
@@ -89,27 +94,3 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
                                   grad_output.shape[2], grad_output.shape[3], spatial_scale,
                                   sampling_ratio, mode, aligned)
     return like(original, grad_input)
-
-
-# Module-level names for roi_align's fast path: a global is found faster than
-# a module attribute; "avg" is interned, so the default pool_mode is it.
-_forward_impl = _core.roi_align_forward_impl
-_AVG, _AVG_NAME = _POOL_MODES["avg"], "avg"
-
-
-def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
-              aligned=True):
-    """RoIAlign output, (K, C, *output_size)."""
-    # The common call, inline (a tiny call costs about as much Python as
-    # kernel): avg mode, and what pooled_output takes (plain float numpy
-    # arrays, output_size ints), which also allocates the output. Scalars are
-    # checked by the entry point, as on the general path.
-    if pool_mode is _AVG_NAME or (type(pool_mode) is str and pool_mode == _AVG_NAME):
-        fast = pooled_output(input, rois, output_size)
-        if fast is not None:
-            output, h, w, unused = fast
-            _forward_impl(input, rois, output, unused, unused, h, w, spatial_scale,
-                          sampling_ratio, _AVG, aligned)
-            return output
-    return _forward("roi_align_forward", input, rois, output_size, spatial_scale,
-                    sampling_ratio, pool_mode, aligned, False)

@@ -10,12 +10,9 @@ roi_pool_forward_impl / roi_pool_backward_impl.
 - An empty bin gives 0 and a bin of only NaN gives NaN, both with argmax
   -1; other NaN values are skipped. argmax -1 gets no gradient.
 """
-import numpy as np
-
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, index_array, like,
-                                    namespace, native, pair, roi_forward_inputs, shape_arg)
-from mmdispatch.ops._fastpath import index_like, pooled_output
+from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, explain, index_array, like,
+                                    namespace, native, output_pair, shape_arg)
 
 # The gradient of `input` for the PyTorch layer's autograd (see
 # mmdispatch/ops/roi_align.py): roi_pool_backward_impl's result, with
@@ -27,20 +24,18 @@ GRADIENTS = {
 }
 
 
+_forward_impl = _core.roi_pool_forward_impl
+
+
 def roi_pool_forward(input, rois, output_size, spatial_scale=1.0):
     """Returns (output, argmax): output is (K, C, *output_size) in the
     input's dtype, argmax the same shape in int64."""
     op = "roi_pool_forward"
-    height, width = pair(op, "output_size", output_size)
-    original = input
-    input, rois = roi_forward_inputs(op, input, rois)
-    xp, device = namespace(op, input)
-    with device:
-        output = allocate(op, "output", xp, (rois.shape[0], input.shape[1], height, width),
-                          input.dtype)
-        argmax = allocate(op, "argmax", xp, output.shape, np.int64)
-    _core.roi_pool_forward_impl(input, rois, output, argmax, height, width, spatial_scale)
-    return like(original, output), like(original, argmax)
+    height, width = output_pair(op, "output_size", output_size)
+    try:
+        return _forward_impl(input, rois, None, None, height, width, spatial_scale)
+    except (TypeError, ValueError) as exc:
+        explain(op, exc, (("input", input, 4, "(N, C, H, W)"), ("rois", rois, 2, "(K, 5)")))
 
 
 def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0):
@@ -61,21 +56,6 @@ def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0)
     return like(original, grad_input)
 
 
-_forward_impl = _core.roi_pool_forward_impl
-
-
 def roi_pool(input, rois, output_size, spatial_scale=1.0):
     """RoIPool output, (K, C, *output_size)."""
-    # The common call (what pooled_output takes: plain float numpy arrays,
-    # output_size ints) without the general path's conversions, as roi_align.
-    fast = pooled_output(input, rois, output_size)
-    if fast is not None:
-        output, h, w, _ = fast
-        try:
-            argmax = index_like(output)
-        except MemoryError:
-            argmax = None  # the general path raises the error naming the op
-        if argmax is not None:
-            _forward_impl(input, rois, output, argmax, h, w, spatial_scale)
-            return output
     return roi_pool_forward(input, rois, output_size, spatial_scale)[0]

@@ -15,8 +15,7 @@ sigmoid_focal_loss_forward_impl / sigmoid_focal_loss_backward_impl.
 import numpy as np
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, index_array, like,
-                                    namespace, native)
+from mmdispatch.ops._arrays import choice, explain, index_array
 
 _REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
 
@@ -31,35 +30,25 @@ GRADIENTS = {
 
 
 def _run(op, impl, input, target, gamma, alpha, weight):
-    original = input
-    input = contiguous(native(op, "input", input))
-    target = index_array(op, "target", target)
-    check_ndim(op, "input", input, 2, "(N, C)")
-    check_ndim(op, "target", target, 1, "(N,)")
-    if weight is not None:
-        weight = contiguous(native(op, "weight", weight))
-    xp, device = namespace(op, input)
-    with device:
-        out = allocate(op, "output", xp, input.shape, input.dtype)
-    impl(input, target, weight, out, gamma, alpha)
-    return original, xp, out
+    """impl's output, allocated by the entry point like `input`."""
+    try:
+        return impl(input, index_array(op, "target", target), weight, None, gamma, alpha)
+    except (TypeError, ValueError) as exc:
+        explain(op, exc, [("input", input, 2, "(N, C)"), ("target", target, 1, "(N,)")]
+                + ([] if weight is None else [("weight", weight, None, "")]))
 
 
 def sigmoid_focal_loss_forward(input, target, gamma=2.0, alpha=0.25, weight=None):
     """Elementwise loss, (N, C), in the input's dtype."""
-    original, _, loss = _run("sigmoid_focal_loss_forward",
-                             _core.sigmoid_focal_loss_forward_impl, input, target, gamma,
-                             alpha, weight)
-    return like(original, loss)
+    return _run("sigmoid_focal_loss_forward", _core.sigmoid_focal_loss_forward_impl, input,
+                target, gamma, alpha, weight)
 
 
 def sigmoid_focal_loss_backward(input, target, gamma=2.0, alpha=0.25, weight=None):
     """d sum(loss) / d input, (N, C). Scale it by the upstream gradient (and
     by 1 / N for reduction="mean")."""
-    original, _, grad = _run("sigmoid_focal_loss_backward",
-                             _core.sigmoid_focal_loss_backward_impl, input, target, gamma,
-                             alpha, weight)
-    return like(original, grad)
+    return _run("sigmoid_focal_loss_backward", _core.sigmoid_focal_loss_backward_impl, input,
+                target, gamma, alpha, weight)
 
 
 def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
@@ -67,12 +56,11 @@ def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduct
     The mean of an empty batch (N = 0) is NaN, as in MMCV."""
     op = "sigmoid_focal_loss"
     reduction = choice(op, "reduction", reduction, _REDUCTIONS)
-    original, xp, loss = _run(op, _core.sigmoid_focal_loss_forward_impl, input, target, gamma,
-                              alpha, weight)
+    loss = _run(op, _core.sigmoid_focal_loss_forward_impl, input, target, gamma, alpha, weight)
     if reduction == "none":
-        return like(original, loss)
-    total = loss.sum()
+        return loss
+    total = loss.sum()   # numpy gives a scalar, other libraries a 0-d array
     if reduction == "mean":
-        with np.errstate(invalid="ignore"):
-            total = total / loss.dtype.type(loss.shape[0])
-    return like(original, xp.asarray(total))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            total = total / loss.shape[0]
+    return np.asarray(total) if isinstance(total, np.generic) else total

@@ -591,8 +591,10 @@ def test_impl_rejects_bad_pooled_size_and_wrong_output_arrays():
          "roi_pool_backward_impl: grad_input must have shape (*, *, *, *), got (2, 3, 5)"),
         (lambda: mmdispatch.roi_pool_forward_impl(x.tolist(), rois, out, argmax, 2, 2, 1.0),
          TypeError, "roi_pool_forward_impl: at param 0 (input), expected an array"),
-        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, None, argmax, 2, 2, 1.0), TypeError,
-         "roi_pool_forward_impl: at param 2 (output), expected an array, got None"),
+        # an output left to the entry point to allocate: the other one is still checked
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, None, argmax.astype(np.int32), 2, 2,
+                                                  1.0), TypeError,
+         "roi_pool_forward_impl: argmax has dtype int32 on this device; supported: int64"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):

@@ -422,8 +422,9 @@ def test_impl_rejects_bad_outputs_and_writes_nothing(op, out_name):
          f"{op}: target has dtype float64 on this device; supported: int64"),
         (lambda: impl(x[0], T, None, out, 2.0, 0.25), ValueError,
          f"{op}: input must have shape (*, *), got (4,)"),
-        (lambda: impl(x, T, weight, None, 2.0, 0.25), TypeError,
-         f"{op}: at param 3 ({out_name}), expected an array, got None"),
+        # the output left to the entry point to allocate: the inputs are still checked
+        (lambda: impl(x, T.astype(np.int32), weight, None, 2.0, 0.25), TypeError,
+         f"{op}: target has dtype int32 on this device; supported: int64"),
         (lambda: impl(x.tolist(), T, weight, out, 2.0, 0.25), TypeError,
          f"{op}: at param 0 (input), expected an array"),
         (lambda: impl(x, T, weight, out, -1.0, 0.25), ValueError,
