@@ -40,20 +40,60 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
 roi_pool = _vision.roi_pool
 
 
+def _detections(boxes, scores, idxs, iou_threshold, offset, score_threshold, max_num):
+    """(dets, inds) of nms within each class of idxs (None: one class)."""
+    inds = torch.arange(boxes.shape[0], device=boxes.device)
+    if score_threshold > 0:
+        valid = scores > score_threshold
+        boxes, scores, inds = boxes[valid], scores[valid], inds[valid]
+        idxs = None if idxs is None else idxs[valid]
+    keep = _nms(boxes, scores, None if idxs is None else idxs.to(torch.int64), iou_threshold,
+                offset)
+    if max_num > 0:
+        keep = keep[:max_num]
+    dets = torch.cat([boxes[keep], scores[keep].reshape(-1, 1).to(boxes.dtype)], dim=1)
+    return dets, inds[keep]
+
+
 def nms(boxes, scores, iou_threshold, offset=0, score_threshold=0, max_num=-1):
     """mmcv.ops.nms: returns (dets, inds), dets (k, 5) the kept boxes with
     their scores, inds their indices into `boxes`, by decreasing score.
     Boxes with scores <= score_threshold (when it is > 0) are left out
     first; max_num > 0 keeps at most that many."""
-    inds = torch.arange(boxes.shape[0], device=boxes.device)
-    if score_threshold > 0:
-        valid = scores > score_threshold
-        boxes, scores, inds = boxes[valid], scores[valid], inds[valid]
-    keep = _nms(boxes, scores, None, iou_threshold, offset)
-    if max_num > 0:
-        keep = keep[:max_num]
-    dets = torch.cat([boxes[keep], scores[keep].reshape(-1, 1).to(boxes.dtype)], dim=1)
-    return dets, inds[keep]
+    return _detections(boxes, scores, None, iou_threshold, offset, score_threshold, max_num)
+
+
+_NMS_OPTIONS = ("iou_threshold", "offset", "score_threshold", "max_num")
+
+
+def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
+    """mmcv.ops.batched_nms: nms within each class of idxs, configured by
+    nms_cfg (a dict: iou_threshold, and optionally type "nms", offset,
+    score_threshold, max_num, split_thr, class_agnostic). Returns (dets,
+    keep) by decreasing score, dets (k, 5) the kept boxes with their scores.
+    nms_cfg None sorts every box by score, without nms. The kernel keeps
+    classes apart itself, so split_thr (MMCV's switch from the coordinate
+    offset trick to a loop over classes) changes nothing; "soft_nms" and
+    other types are not supported."""
+    op = "batched_nms"
+    if nms_cfg is None:
+        scores, inds = scores.sort(descending=True, stable=True)
+        return torch.cat([boxes[inds], scores[:, None].to(boxes.dtype)], dim=-1), inds
+    cfg = dict(nms_cfg)
+    class_agnostic = cfg.pop("class_agnostic", class_agnostic)
+    nms_type = cfg.pop("type", "nms")
+    if nms_type != "nms":
+        raise ValueError(f"{op}: nms_cfg type must be 'nms', got {nms_type!r}")
+    cfg.pop("split_thr", None)
+    if "iou_threshold" not in cfg:
+        raise ValueError(f"{op}: nms_cfg must give iou_threshold, got {nms_cfg!r}")
+    unknown = sorted(set(cfg) - set(_NMS_OPTIONS))
+    if unknown:
+        raise TypeError(f"{op}: nms_cfg has unknown options {unknown}; known: type, "
+                        f"class_agnostic, split_thr, {', '.join(_NMS_OPTIONS)}")
+    return _detections(boxes, scores, None if class_agnostic else idxs, cfg["iou_threshold"],
+                       cfg.get("offset", 0), cfg.get("score_threshold", 0),
+                       cfg.get("max_num", -1))
 
 
 def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):

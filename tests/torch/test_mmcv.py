@@ -73,6 +73,52 @@ def test_nms_returns_detections_and_indices_with_mmcvs_options():
     assert inds.tolist() == [0] and dets.shape == (1, 5)
 
 
+def _random_detections(n, classes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    corner = torch.rand(n, 2, generator=g) * 50
+    boxes = torch.cat([corner, corner + 5 + torch.rand(n, 2, generator=g) * 20], dim=1)
+    return boxes, torch.rand(n, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+@pytest.mark.parametrize("split_thr", [None, 10])   # 10: MMCV's loop over classes
+def test_batched_nms_keeps_classes_apart_as_torchvision_and_returns_mmcvs_detections(split_thr):
+    tv_ops = pytest.importorskip("torchvision.ops")
+    boxes, scores, idxs = _random_detections(300, 5)
+    cfg = {"type": "nms", "iou_threshold": 0.4}
+    if split_thr is not None:
+        cfg["split_thr"] = split_thr
+    dets, keep = mmcv.batched_nms(boxes, scores, idxs, cfg)
+    assert keep.tolist() == tv_ops.batched_nms(boxes, scores, idxs, 0.4).tolist()
+    torch.testing.assert_close(dets, torch.cat([boxes[keep], scores[keep, None]], dim=1))
+    assert cfg == {"type": "nms", "iou_threshold": 0.4, **(
+        {} if split_thr is None else {"split_thr": split_thr})}   # the caller's dict untouched
+    # class_agnostic, from the argument or the config: plain nms
+    plain = tv_ops.nms(boxes, scores, 0.4).tolist()
+    assert mmcv.batched_nms(boxes, scores, idxs, cfg, class_agnostic=True)[1].tolist() == plain
+    assert mmcv.batched_nms(boxes, scores, idxs, dict(cfg, class_agnostic=True))[1].tolist() \
+        == plain
+    # max_num and score_threshold as mmcv.ops.nms takes them
+    top = mmcv.batched_nms(boxes, scores, idxs, dict(cfg, max_num=7, score_threshold=0.2))[1]
+    above = (scores > 0.2).nonzero().flatten()
+    expected = above[tv_ops.batched_nms(boxes[above], scores[above], idxs[above], 0.4)][:7]
+    assert top.tolist() == expected.tolist()
+
+
+def test_batched_nms_without_config_sorts_by_score_and_refuses_other_types():
+    boxes, scores, idxs = _random_detections(20, 3)
+    dets, inds = mmcv.batched_nms(boxes, scores, idxs, None)
+    assert inds.tolist() == scores.argsort(descending=True, stable=True).tolist()
+    torch.testing.assert_close(dets[:, 4], scores[inds])
+    with pytest.raises(ValueError, match=re.escape(
+            "batched_nms: nms_cfg type must be 'nms', got 'soft_nms'")):
+        mmcv.batched_nms(boxes, scores, idxs, {"type": "soft_nms", "iou_threshold": 0.5})
+    with pytest.raises(ValueError, match="batched_nms: nms_cfg must give iou_threshold"):
+        mmcv.batched_nms(boxes, scores, idxs, {"type": "nms"})
+    with pytest.raises(TypeError, match=re.escape("batched_nms: nms_cfg has unknown options "
+                                                  "['min_score']")):
+        mmcv.batched_nms(boxes, scores, idxs, {"iou_threshold": 0.5, "min_score": 0.1})
+
+
 def test_bbox_overlaps_roi_pool_and_modules():
     b1 = torch.tensor([[0, 0, 10, 10], [10, 10, 20, 20], [32, 32, 38, 42]], dtype=torch.float32)
     b2 = torch.tensor([[0, 0, 10, 20], [0, 10, 10, 19], [10, 10, 20, 20]], dtype=torch.float32)
