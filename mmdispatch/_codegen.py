@@ -80,9 +80,10 @@ class Op:
         return [p.name for _, p in self.arrays].index(name)
 
 
-# dtypes an allocation line may name, as mmd_dtype codes (mmdispatch/tensor.h)
-ALLOCATION_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6,
-                     "float16": 10, "bfloat16": 11, "float32": 12, "float64": 13}
+# dtypes an allocation line may name; the generated code uses their mmd_dtype
+# names (MMD_INT64, ... in mmdispatch/tensor.h), so the codes have one source
+ALLOCATION_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16",
+                     "float32", "float64")
 
 
 def parse_signature(text: str) -> Op:
@@ -535,7 +536,7 @@ def _allocating_call(op, kernel_args, optional_mask, output_mask):
            "            held = []   # what must outlive the kernel",
            "            python_kernel = op.prepare_allocating(&st, missing, held)"]
     for a in op.allocations:
-        dtype = -1 if a.dtype is None else ALLOCATION_DTYPES[a.dtype]
+        dtype = -1 if a.dtype is None else f"MMD_{a.dtype.upper()}"
         out += [f"        if {a.name} is None:  # {a.text}"]
         out += _cy_shape(op, a.shape, 12)
         out += [f"            {a.name} = _allocate(op, &st, {index[a.name]}, nd, dims, {dtype}, "

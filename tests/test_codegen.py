@@ -95,7 +95,7 @@ def test_allocation_lines_parse_and_generate_the_shape_in_c():
     assert "        if (c_flag != 0):" in pyx
     assert "dims[1] = _size((_floordiv(_dim(&st.tensors[1], 1), c_n) + 1))" in pyx
     assert "nd = _copy_shape(&st.tensors[0], dims)" in pyx
-    assert "idx = _allocate(op, &st, 3, nd, dims, 5, True)" in pyx   # 5: MMD_INT64
+    assert "idx = _allocate(op, &st, 3, nd, dims, MMD_INT64, True)" in pyx
     assert "return _results(st.kinds[0], a, (out, idx))" in pyx
     stub = _codegen.generate_core_stub([op])
     assert "    out: _Array | None," in stub and "    a: _Array,\n" in stub

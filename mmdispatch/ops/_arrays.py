@@ -126,11 +126,7 @@ def like(original, result):
     cupy = _cupy()
     if isinstance(original, np.ndarray) or (cupy is not None and isinstance(original, cupy.ndarray)):
         return result
-    get_namespace = getattr(original, "__array_namespace__", None)
-    library = get_namespace() if get_namespace is not None else sys.modules.get(
-        type(original).__module__.partition(".")[0])
-    from_dlpack = getattr(library, "from_dlpack", None)
-    return from_dlpack(result) if from_dlpack is not None else result
+    return _core._in_library_of(original, result)
 
 
 def check_ndim(op, name, x, ndim, layout):
