@@ -3,7 +3,9 @@
  * (`default`): one thread per grad_output element, adding into grad_input
  * with atomics; (`deterministic`): a warp per (image, channel) plane of
  * grad_input, adding the rois in order, so the sums are the same on every
- * run. Launches on ctx->stream, on ctx->device_id.
+ * run. float16 and bfloat16 compute in float32 (rois, maxima and
+ * gradients are read as float; the backward adds in the storage type, as
+ * torchvision's does). Launches on ctx->stream, on ctx->device_id.
  *
  * Bad rois and argmax entries never cause an out-of-bounds access. By
  * default the kernels validate what they read: a bad roi's bins are NaN
@@ -24,24 +26,28 @@ using namespace mmd_cuda;
  * MMD_ROI_* codes. */
 enum { kBadArgmax = 0x80 };
 
-template <typename T>
-__device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, T scale,
+/* The geometry of roi k, in the compute type A of storage type T. */
+template <typename T, typename A = typename Compute<T>::type>
+__device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, A scale,
                                    int64_t pooled_h, int64_t pooled_w,
-                                   typename mmd_pool_geometry<T>::type *g) {
-    T roi[5];
-    for (int i = 0; i < 5; ++i) roi[i] = rois[5 * k + i];
+                                   typename mmd_pool_geometry<A>::type *g) {
+    A roi[5];
+    for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
     return mmd_roi_pool_geometry(roi, batch, scale, pooled_h, pooled_w, g);
 }
+
+template <typename T> using Geometry = typename mmd_pool_geometry<typename Compute<T>::type>::type;
 
 /* Items [0, num_rois) are rois, the next `num_argmax` are argmax entries;
  * roi errors have lower item numbers, so they are reported first. */
 template <typename T>
-__global__ void check_kernel(const T *rois, int64_t num_rois, int64_t batch, T scale,
+__global__ void check_kernel(const T *rois, int64_t num_rois, int64_t batch,
+                             typename Compute<T>::type scale,
                              int64_t pooled_h, int64_t pooled_w, const int64_t *argmax,
                              int64_t num_argmax, int64_t plane_size, ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(item, num_rois + num_argmax) {
         if (item < num_rois) {
-            typename mmd_pool_geometry<T>::type g;
+            Geometry<T> g;
             int code = roi_geometry(rois, item, batch, scale, pooled_h, pooled_w, &g);
             if (code != MMD_ROI_OK) sink.report(item, code);
         } else {
@@ -67,7 +73,8 @@ int format_error(const mmd_deferred_call *call, int64_t item, int code) {
  * false), the check kernel reports into the sink instead, so bad input is
  * an error whatever the output's size, as on the CPU. */
 template <typename T>
-int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch, T scale,
+int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
+                 typename Compute<T>::type scale,
                  int64_t pooled_h, int64_t pooled_w, const int64_t *argmax, int64_t num_argmax,
                  int64_t plane_size, cudaStream_t stream, bool work, ErrorSink *sink) {
     const int64_t num_rois = rois->shape[0];
@@ -101,18 +108,19 @@ int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch, 
 template <typename T>
 __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t *argmax,
                                int64_t total, int64_t channels, int64_t height, int64_t width,
-                               int64_t pooled_h, int64_t pooled_w, int64_t batch, T scale,
-                               ErrorSink sink) {
+                               int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                               typename Compute<T>::type scale, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
         const int64_t pw = index % pooled_w;
         const int64_t ph = (index / pooled_w) % pooled_h;
         const int64_t c = (index / pooled_w / pooled_h) % channels;
         const int64_t k = index / pooled_w / pooled_h / channels;
-        typename mmd_pool_geometry<T>::type g;
+        Geometry<T> g;
         const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
         if (code != MMD_ROI_OK) {
             if (index % (channels * pooled_h * pooled_w) == 0) sink.report(k, code);
-            output[index] = (T)NAN;
+            output[index] = from_compute<T>((A)NAN);
             argmax[index] = -1;
             continue;
         }
@@ -120,12 +128,12 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
         mmd_roi_pool_bin(g.start_h, g.bin_h, ph, height, &h0, &h1);
         mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);
         const T *plane = input + (g.batch * channels + c) * height * width;
-        T best = 0;
+        A best = 0;
         int64_t best_index = -1;
         bool saw_nan = false;
         for (int64_t h = h0; h < h1; ++h)
             for (int64_t w = w0; w < w1; ++w) {
-                const T v = plane[h * width + w];
+                const A v = to_compute(plane[h * width + w]);
                 if (v != v)
                     saw_nan = true;
                 else if (best_index < 0 || v > best) {
@@ -133,7 +141,7 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
                     best_index = h * width + w;
                 }
             }
-        output[index] = best_index >= 0 ? best : (saw_nan ? (T)NAN : (T)0);
+        output[index] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
         argmax[index] = best_index;
     }
 }
@@ -142,13 +150,14 @@ template <typename T>
 __global__ void backward_kernel(const T *grad_output, const T *rois, const int64_t *argmax,
                                 T *grad_input, int64_t total, int64_t channels,
                                 int64_t plane_size, int64_t pooled_h, int64_t pooled_w,
-                                int64_t batch, T scale, ErrorSink sink) {
+                                int64_t batch, typename Compute<T>::type scale,
+                                ErrorSink sink) {
     const int64_t per_roi = channels * pooled_h * pooled_w;
     const int64_t num_rois = total / per_roi;
     MMD_GRID_STRIDE_LOOP(index, total) {
         const int64_t c = (index / pooled_w / pooled_h) % channels;
         const int64_t k = index / per_roi;
-        typename mmd_pool_geometry<T>::type g;
+        Geometry<T> g;
         const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
         if (code != MMD_ROI_OK) {
             if (index % per_roi == 0) sink.report(k, code);
@@ -174,14 +183,15 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
                                               const int64_t *argmax, T *grad_input,
                                               int64_t num_rois, int64_t channels,
                                               int64_t plane_size, int64_t pooled_h,
-                                              int64_t pooled_w, int64_t batch, T scale,
-                                              ErrorSink sink) {
+                                              int64_t pooled_w, int64_t batch,
+                                              typename Compute<T>::type scale, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
     const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
     const int lane = threadIdx.x;
     const int64_t bins = pooled_h * pooled_w;
     T *plane = grad_input + (int64_t)blockIdx.x * plane_size;
     for (int64_t k = 0; k < num_rois; ++k) {
-        typename mmd_pool_geometry<T>::type g;
+        Geometry<T> g;
         const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
         if (code != MMD_ROI_OK) {
             if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
@@ -192,14 +202,14 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
         for (int64_t b0 = 0; b0 < bins; b0 += 32) {
             const int64_t b = b0 + lane;
             int64_t element = -1;
-            T grad = 0;
+            A grad = 0;
             if (b < bins) {
                 const int64_t a = argmax[base + b];
                 if (a < -1 || a >= plane_size)
                     sink.report(num_rois + base + b, kBadArgmax);
                 else
                     element = a;
-                grad = grad_output[base + b];
+                grad = to_compute(grad_output[base + b]);
             }
             warp_ordered_add(plane, element, grad);
         }
@@ -211,20 +221,20 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
                           const mmd_context *ctx) {
     int s = mmd_roi_pool_forward_check(input, rois, output, argmax, pooled_height, pooled_width,
-                                       spatial_scale, MMD_FLOAT32_64);
+                                       spatial_scale, MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     const int64_t batch = input->shape[0], total = mmd_numel(output);
     return on_device(ctx, [&](cudaStream_t stream) {
-        return by_dtype<false>(input->dtype, [&](auto tag) {
+        return by_dtype(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             ErrorSink sink;
-            int s = check_inputs<T>(ctx, rois, batch, (T)spatial_scale, pooled_height,
+            int s = check_inputs<T>(ctx, rois, batch, (typename Compute<T>::type)spatial_scale, pooled_height,
                                     pooled_width, nullptr, 0, 0, stream, total > 0, &sink);
             if (s || total == 0) return s;
             forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 (const T *)input->data, (const T *)rois->data, (T *)output->data,
                 (int64_t *)argmax->data, total, input->shape[1], input->shape[2],
-                input->shape[3], pooled_height, pooled_width, batch, (T)spatial_scale, sink);
+                input->shape[3], pooled_height, pooled_width, batch, (typename Compute<T>::type)spatial_scale, sink);
             return launch_status("roi_pool forward launch");
         });
     });
@@ -235,7 +245,7 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
                   int64_t pooled_width, double spatial_scale, bool deterministic,
                   const mmd_context *ctx) {
     int s = mmd_roi_pool_backward_check(grad_output, rois, argmax, grad_input, pooled_height,
-                                        pooled_width, spatial_scale, MMD_FLOAT32_64);
+                                        pooled_width, spatial_scale, MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     const int64_t batch = grad_input->shape[0], total = mmd_numel(grad_output);
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
@@ -245,23 +255,23 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
         return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d (image, "
                          "channel) planes, got %lld", INT32_MAX, (long long)planes);
     return on_device(ctx, [&](cudaStream_t stream) {
-        return by_dtype<false>(grad_input->dtype, [&](auto tag) {
+        return by_dtype(grad_input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             const int64_t *am = (const int64_t *)argmax->data;
             ErrorSink sink;
-            int s = check_inputs<T>(ctx, rois, batch, (T)spatial_scale, pooled_height,
+            int s = check_inputs<T>(ctx, rois, batch, (typename Compute<T>::type)spatial_scale, pooled_height,
                                     pooled_width, am, total, plane_size, stream, work, &sink);
             if (s || !work) return s;
             if (deterministic)
                 deterministic_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(
                     (const T *)grad_output->data, (const T *)rois->data, am,
                     (T *)grad_input->data, rois->shape[0], grad_input->shape[1], plane_size,
-                    pooled_height, pooled_width, batch, (T)spatial_scale, sink);
+                    pooled_height, pooled_width, batch, (typename Compute<T>::type)spatial_scale, sink);
             else
                 backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                     (const T *)grad_output->data, (const T *)rois->data, am,
                     (T *)grad_input->data, total, grad_input->shape[1], plane_size,
-                    pooled_height, pooled_width, batch, (T)spatial_scale, sink);
+                    pooled_height, pooled_width, batch, (typename Compute<T>::type)spatial_scale, sink);
             return launch_status("roi_pool backward launch");
         });
     });

@@ -1,6 +1,6 @@
 /* sigmoid_focal_loss on CUDA: one thread per element, the math shared with
- * the CPU kernels (mmdispatch/ops/sigmoid_focal_loss.h). Launches on
- * ctx->stream, on ctx->device_id. A target outside [0, C] is never used to
+ * the CPU kernels (mmdispatch/ops/sigmoid_focal_loss.h); float16 and
+ * bfloat16 compute in float32. Launches on ctx->stream, on ctx->device_id. A target outside [0, C] is never used to
  * index: by default its row is NaN and the first such row is reported as a
  * deferred error; in strict mode targets are checked before anything is
  * written and the call raises. */
@@ -32,20 +32,23 @@ int format_error(const mmd_deferred_call *call, int64_t row, int) {
 template <typename T>
 __global__ void focal_loss_kernel(int backward, const T *input, const int64_t *target,
                                   const T *weight, T *output, int64_t total, int64_t classes,
-                                  T gamma, T alpha, ErrorSink sink) {
+                                  typename Compute<T>::type gamma,
+                                  typename Compute<T>::type alpha, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
         const int64_t row = index / classes;
         const int64_t t = target[row];
         if (t < 0 || t > classes) {
             if (index % classes == 0) sink.report(row, kBadTarget);
-            output[index] = (T)NAN;
+            output[index] = from_compute<T>((A)NAN);
             continue;
         }
         const int positive = (index % classes) == t;
-        const T x = input[index];
-        const T value = backward ? mmd_focal_loss_grad(x, positive, gamma, alpha)
+        const A x = to_compute(input[index]);
+        const A value = backward ? mmd_focal_loss_grad(x, positive, gamma, alpha)
                                  : mmd_focal_loss(x, positive, gamma, alpha);
-        output[index] = (weight && t < classes) ? value * weight[t] : value;
+        output[index] = from_compute<T>((weight && t < classes) ? value * to_compute(weight[t])
+                                                                : value);
     }
 }
 
@@ -54,7 +57,7 @@ int focal_loss_run(int backward, const mmd_tensor *input, const mmd_tensor *targ
                    double alpha, const mmd_context *ctx) {
     int s = mmd_sigmoid_focal_loss_check(input, target, weight, output,
                                          backward ? "grad_input" : "output", gamma, alpha,
-                                         MMD_FLOAT32_64);
+                                         MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     const int64_t rows = input->shape[0], classes = input->shape[1];
     const int64_t total = mmd_numel(input);
@@ -84,11 +87,12 @@ int focal_loss_run(int backward, const mmd_tensor *input, const mmd_tensor *targ
             launch_check(sink);
             return launch_status("sigmoid_focal_loss target check");
         }
-        return by_dtype<false>(input->dtype, [&](auto tag) {
+        return by_dtype(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
+            typedef typename Compute<T>::type A;
             focal_loss_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 backward, (const T *)input->data, t, weight ? (const T *)weight->data : nullptr,
-                (T *)output->data, total, classes, (T)gamma, (T)alpha, sink);
+                (T *)output->data, total, classes, (A)gamma, (A)alpha, sink);
             return launch_status("sigmoid_focal_loss launch");
         });
     });

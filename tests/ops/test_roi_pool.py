@@ -805,3 +805,46 @@ def test_cuda_deterministic_backward_matches_and_repeats_bit_for_bit(cupy, dtype
     np.testing.assert_array_equal(runs[1], runs[0])
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(runs[0], expected, rtol=tol, atol=tol)
+
+
+def test_cuda_float16_forward_is_exact_and_backward_close(cupy):
+    """float16 (CuPy): maxima are input values, so the forward equals the
+    CPU's float32 forward on the same values exactly; the backward adds in
+    float16 (as torchvision's does), both backends."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 6, 20, 24)).astype(np.float16)
+    rois = np.round(random_rois(rng, 40, 2, 20, 24, 0.5) * 4).astype(np.float16) / 4
+    out32, argmax32 = roi_pool_forward(x.astype(np.float32), rois.astype(np.float32), (4, 3), 0.5)
+    out, argmax = roi_pool_forward(cupy.asarray(x), cupy.asarray(rois), (4, 3), 0.5)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(cupy.asnumpy(out).astype(np.float32), out32)
+    np.testing.assert_array_equal(cupy.asnumpy(argmax), argmax32)
+    grad_out = rng.standard_normal(out32.shape).astype(np.float16)
+    expected = roi_pool_backward(grad_out.astype(np.float32), rois.astype(np.float32), argmax32,
+                                 x.shape, 0.5)
+    for backend in ("default", "deterministic"):
+        with mmdispatch.use_backend("cuda", backend):
+            grad = roi_pool_backward(cupy.asarray(grad_out), cupy.asarray(rois), argmax, x.shape,
+                                     0.5)
+        assert grad.dtype == np.float16
+        np.testing.assert_allclose(cupy.asnumpy(grad).astype(np.float32), expected, rtol=1e-2,
+                                   atol=2e-2)
+
+
+def test_cuda_bfloat16_through_torch_forward_and_backward(torch_cuda):
+    torch = torch_cuda
+    rng = np.random.default_rng(6)
+    x = torch.from_numpy(rng.standard_normal((1, 4, 16, 16)).astype(np.float32)).bfloat16()
+    rois = torch.from_numpy(random_rois(rng, 8, 1, 16, 16, 1.0).astype(np.float32)).bfloat16()
+    x32, rois32 = x.float().numpy(), rois.float().numpy()
+    out32, argmax32 = roi_pool_forward(x32, rois32, 3)
+    out = torch.empty((8, 4, 3, 3), dtype=torch.bfloat16, device="cuda")
+    argmax = torch.empty((8, 4, 3, 3), dtype=torch.int64, device="cuda")
+    mmdispatch.roi_pool_forward_impl(x.cuda(), rois.cuda(), out, argmax, 3, 3, 1.0)
+    np.testing.assert_array_equal(out.float().cpu().numpy(), out32)
+    np.testing.assert_array_equal(argmax.cpu().numpy(), argmax32)
+    grad = torch.zeros((1, 4, 16, 16), dtype=torch.bfloat16, device="cuda")
+    mmdispatch.roi_pool_backward_impl(torch.ones_like(out), rois.cuda(), argmax, grad, 3, 3, 1.0)
+    expected = roi_pool_backward(np.ones(out32.shape, np.float32), rois32, argmax32, x32.shape)
+    # sums of ones: exact in bfloat16 up to 256
+    np.testing.assert_array_equal(grad.float().cpu().numpy(), expected)

@@ -560,3 +560,20 @@ def test_cuda_and_cpu_arrays_cannot_be_mixed(cupy):
             "sigmoid_focal_loss_backward_impl: at param 2 (weight), inconsistent device: cpu vs "
             "cuda:0")):
         sigmoid_focal_loss_backward(x, cupy.asarray(T), weight=np.ones(4))
+
+
+def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda, rng):
+    """float16 (CuPy-free: torch tensors) and bfloat16 logits and weights:
+    float32 math on the 16-bit values, one rounding at the end."""
+    torch = torch_cuda
+    x32 = (rng.standard_normal((32, 7)) * 4).astype(np.float32)
+    target = rng.integers(0, 8, 32)
+    weight32 = rng.uniform(0.1, 3, 7).astype(np.float32)
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+        x = torch.from_numpy(x32).to(dtype)
+        weight = torch.from_numpy(weight32).to(dtype)
+        for fn in (sigmoid_focal_loss_forward, sigmoid_focal_loss_backward):
+            expected = fn(x.float().numpy(), target, 2.0, 0.25, weight.float().numpy())
+            got = fn(x.cuda(), torch.from_numpy(target).cuda(), 2.0, 0.25, weight.cuda())
+            assert isinstance(got, torch.Tensor) and got.dtype == dtype
+            np.testing.assert_allclose(got.float().cpu().numpy(), expected, rtol=tol, atol=1e-6)

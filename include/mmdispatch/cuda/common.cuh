@@ -66,13 +66,10 @@ inline unsigned blocks_for(int64_t total) {
          i += (int64_t)blockDim.x * gridDim.x)
 
 /* Calls f with a value of the storage type matching `dtype`, which the
- * caller has already checked to be float32, float64 or (when kWithHalf)
- * float16 or bfloat16; ops without 16-bit kernels instantiate no such code. */
-template <bool kWithHalf = true, typename F> int by_dtype(int dtype, F f) {
-    if constexpr (kWithHalf) {
-        if (dtype == MMD_FLOAT16) return f(__half());
-        if (dtype == MMD_BFLOAT16) return f(__nv_bfloat16());
-    }
+ * caller has already checked to be float16, bfloat16, float32 or float64. */
+template <typename F> int by_dtype(int dtype, F f) {
+    if (dtype == MMD_FLOAT16) return f(__half());
+    if (dtype == MMD_BFLOAT16) return f(__nv_bfloat16());
     return dtype == MMD_FLOAT32 ? f(float()) : f(double());
 }
 
