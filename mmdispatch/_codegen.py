@@ -472,46 +472,108 @@ _COMPARE = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: "
 _ARITHMETIC = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
 
 
-def _cy_size(op, node):
-    """A size expression (validated by _check_shape) as Cython over the
-    views in `st` and the converted scalars `c_<name>`."""
+def _size_code(node, name, dim):
+    """A size expression (validated by _check_shape) as code, the same text
+    in Cython and Python but for the leaves: name(p) is int/bool parameter
+    p, dim(x, i) is size i of array x (0 past its last axis); // by 0 is 0
+    (_floordiv)."""
     if isinstance(node, ast.Constant):
         return str(node.value)
     if isinstance(node, ast.Name):
-        return f"c_{node.id}"
+        return name(node.id)
     if isinstance(node, ast.Subscript):
-        return f"_dim(&st.tensors[{op.array_index(node.value.value.id)}], {node.slice.value})"
+        return dim(node.value.value.id, node.slice.value)
     if isinstance(node, ast.BinOp):
-        left, right = _cy_size(op, node.left), _cy_size(op, node.right)
+        left, right = _size_code(node.left, name, dim), _size_code(node.right, name, dim)
         if isinstance(node.op, ast.FloorDiv):
             return f"_floordiv({left}, {right})"
         return f"({left} {_ARITHMETIC[type(node.op)]} {right})"
-    return (f"({_cy_size(op, node.body)} if {_cy_condition(op, node.test)} "
-            f"else {_cy_size(op, node.orelse)})")
+    return (f"({_size_code(node.body, name, dim)} if {_condition_code(node.test, name, dim)} "
+            f"else {_size_code(node.orelse, name, dim)})")
 
 
-def _cy_condition(op, node):
+def _condition_code(node, name, dim):
     if isinstance(node, ast.Compare):
-        return (f"({_cy_size(op, node.left)} {_COMPARE[type(node.ops[0])]} "
-                f"{_cy_size(op, node.comparators[0])})")
+        return (f"({_size_code(node.left, name, dim)} {_COMPARE[type(node.ops[0])]} "
+                f"{_size_code(node.comparators[0], name, dim)})")
     if isinstance(node, ast.BoolOp):
         joiner = " and " if isinstance(node.op, ast.And) else " or "
-        return "(" + joiner.join(_cy_condition(op, v) for v in node.values) + ")"
+        return "(" + joiner.join(_condition_code(v, name, dim) for v in node.values) + ")"
     if isinstance(node, ast.UnaryOp):
-        return f"(not {_cy_condition(op, node.operand)})"
-    return f"(c_{node.id} != 0)"
+        return f"(not {_condition_code(node.operand, name, dim)})"
+    return f"({name(node.id)} != 0)"
+
+
+def _cy_leaves(op):
+    """Leaves of the Cython code: the converted scalars `c_<name>` and the
+    views in `st`."""
+    return (lambda p: f"c_{p}",
+            lambda x, i: f"_dim(&st.tensors[{op.array_index(x)}], {i})")
 
 
 def _cy_shape(op, node, indent):
     """Cython lines that set `nd` and `dims` to a shape expression."""
     pad = " " * indent
+    leaves = _cy_leaves(op)
     if isinstance(node, ast.Tuple):
         return [f"{pad}nd = {len(node.elts)}"] + [
-            f"{pad}dims[{j}] = _size({_cy_size(op, e)})" for j, e in enumerate(node.elts)]
+            f"{pad}dims[{j}] = _size({_size_code(e, *leaves)})" for j, e in enumerate(node.elts)]
     if isinstance(node, ast.IfExp):
-        return ([f"{pad}if {_cy_condition(op, node.test)}:"] + _cy_shape(op, node.body, indent + 4)
+        return ([f"{pad}if {_condition_code(node.test, *leaves)}:"]
+                + _cy_shape(op, node.body, indent + 4)
                 + [f"{pad}else:"] + _cy_shape(op, node.orelse, indent + 4))
     return [f"{pad}nd = _copy_shape(&st.tensors[{op.array_index(node.value.id)}], dims)"]
+
+
+def _py_shape(node, names):
+    """A shape expression as Python, `names` giving each parameter's value
+    (a scalar's) or shape (an array's) as an expression, with the
+    dispatcher's rules (_dim, _floordiv, _size in _core): a computed size
+    below 0 is 0."""
+    leaves = (lambda p: names[p], lambda x, i: f"_dim({names[x]}, {i})")
+    if isinstance(node, ast.Tuple):
+        # a plain x.shape[i] is never negative: no clamp (no guard on a symbolic size)
+        sizes = [_size_code(e, *leaves) if isinstance(e, ast.Subscript)
+                 else f"_size({_size_code(e, *leaves)})" for e in node.elts]
+        return "(" + "".join(f"{s}, " for s in sizes) + ")"
+    if isinstance(node, ast.IfExp):
+        return (f"({_py_shape(node.body, names)} if {_condition_code(node.test, *leaves)} "
+                f"else {_py_shape(node.orelse, names)})")
+    return f"tuple({names[node.value.id]})"
+
+
+def _dim_py(shape, d):
+    return shape[d] if d < len(shape) else 0
+
+
+def _floordiv_py(a, b):
+    return 0 if b == 0 else a // b
+
+
+def _size_py(value):
+    return value if value > 0 else 0
+
+
+def shape_function(op: Op, position):
+    """The shapes of op's allocation lines, in their order, as one Python
+    function of the caller's argument tuple, where parameter `name` is
+    `args[position[name]]` (arrays with .shape, ints, bools): the same
+    sizes the generated C computes, for callers that allocate themselves
+    (the PyTorch layer, whose arrays may be FakeTensors with symbolic
+    sizes). Compiled once; a call costs about as much as the expressions."""
+    names = {}
+    for p in op.params:
+        if p.name in position:
+            names[p.name] = f"a[{position[p.name]}]" + (".shape" if p.is_array else "")
+    lines = ["def shapes(a):"]
+    for k, alloc in enumerate(op.allocations):
+        lines.append(f"    s{k} = {_py_shape(alloc.shape, names)}  # {alloc.text}")
+        names[alloc.name] = f"s{k}"   # what later lines read of this output: its shape
+    lines.append(f"    return ({''.join(f's{k}, ' for k in range(len(op.allocations)))})")
+    scope = {"_dim": _dim_py, "_floordiv": _floordiv_py, "_size": _size_py,
+             "__builtins__": {"tuple": tuple, "bool": bool}}
+    exec(compile("\n".join(lines), f"<allocation lines of {op.name}>", "exec"), scope)
+    return scope["shapes"]
 
 
 def _allocating_call(op, kernel_args, optional_mask, output_mask):

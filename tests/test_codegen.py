@@ -101,6 +101,25 @@ def test_allocation_lines_parse_and_generate_the_shape_in_c():
     assert "    out: _Array | None," in stub and "    a: _Array,\n" in stub
 
 
+def test_shape_functions_follow_the_dispatchers_size_rules_in_python():
+    """The Python twin of the generated C: a shape index past the last axis
+    is 0, // by 0 is 0, a negative size is 0; later lines
+    read earlier outputs' shapes."""
+    class A:
+        def __init__(self, *shape):
+            self.shape = shape
+
+    op = _codegen.parse_signature(
+        "toy_impl(Tensor a, Tensor b, Tensor! out, Tensor! idx, int n, bool flag)\n"
+        "    out = empty((a.shape[0], b.shape[1] // n + 1, a.shape[3], n - 9) if flag else a.shape)\n"
+        "    idx = zeros(((out.shape[0] if not flag or n >= 2 else 5) * 2,), int64)")
+    shapes = _codegen.shape_function(op, {"a": 0, "b": 1, "n": 2, "flag": 3})
+    assert shapes((A(4, 5), A(2, 7), 2, True)) == ((4, 4, 0, 0), (8,))
+    assert shapes((A(4, 5), A(2, 7), 0, True)) == ((4, 1, 0, 0), (10,))
+    assert shapes((A(4, 5), A(2, 7), -2, True))[0][1] == 0   # 7 // -2 + 1 == -3, clamped
+    assert shapes((A(4, 5), A(2, 7), 2, False)) == ((4, 5), (8,))
+
+
 def test_a_trimmed_output_is_returned_trimmed_without_its_length():
     op = _codegen.parse_signature(
         "toy_impl(Tensor a, Tensor! keep[:count], Tensor! count)\n"

@@ -786,3 +786,46 @@ def test_allocating_calls_answer_in_the_library_of_the_first_array(dlpack_only):
                                             None, None, 2, 2, 1.0, 0, 1, True)[0]
     assert type(got) is torch.Tensor and got.dtype == torch.float64
     np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def _allocation_cases():
+    """(entry point, arguments with None outputs) covering each allocation
+    line's branches, and sizes the dispatcher clamps (a negative size)."""
+    x, rois = _roi_call()
+    boxes = np.array([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]])
+    logits, target = np.zeros((4, 5)), np.zeros(4, np.int64)
+    return [
+        ("roi_align_forward_impl", (x, rois, None, None, None, 2, 3, 1.0, 0, 0, True)),
+        ("roi_align_forward_impl", (x, rois, None, None, None, 2, 3, 1.0, 0, 1, True)),
+        ("roi_align_forward_impl", (x, rois, None, None, None, -4, 3, 1.0, 0, 0, True)),
+        ("roi_pool_forward_impl", (x, rois, None, None, 3, 1, 1.0)),
+        ("nms_impl", (boxes, boxes[:, 0], None, None, None, 0.5, 0)),
+        ("bbox_overlaps_impl", (boxes, boxes[:2], None, 0, False, 0)),
+        ("bbox_overlaps_impl", (boxes, boxes, None, 0, True, 0)),
+        ("sigmoid_focal_loss_forward_impl", (logits, target, None, None, 2.0, 0.25)),
+        ("sigmoid_focal_loss_backward_impl", (logits, target, None, None, 2.0, 0.25)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_shape_functions_give_the_shapes_and_dtypes_the_entry_point_allocates(index):
+    """_codegen.shape_function (what the PyTorch layer allocates by) and the
+    C the build generates from the same allocation lines agree."""
+    from mmdispatch._codegen import parse_signature, shape_function
+    name, args = _allocation_cases()[index]
+    op = parse_signature(mmdispatch.op_signatures()[name])
+    seen = {}
+
+    def kernel(*call):
+        for k, p in enumerate(op.params):
+            if p.is_output:
+                seen[p.name] = (call[k].shape, call[k].dtype)
+                call[k][...] = 0
+
+    with mmdispatch.register_impl(name, "cpu", kernel, backend="probe"):
+        with mmdispatch.use_backend("cpu", "probe"):
+            getattr(mmdispatch, name)(*args)
+    shapes = shape_function(op, {p.name: k for k, p in enumerate(op.params)})(args)
+    for a, shape in zip(op.allocations, shapes):
+        dtype = np.dtype(a.dtype) if a.dtype else args[0].dtype
+        assert seen[a.name] == (shape, dtype), a.text

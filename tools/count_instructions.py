@@ -12,7 +12,10 @@ Prints, per call:
   difference, the instructions the dispatcher adds;
 - tiny: a whole ops.roi_align call on the tiny input (1x1x4x4, one roi, 1x1);
 - allocating: roi_align_forward_impl on it with its outputs None (the
-  dispatcher allocates them), the built-in kernel.
+  dispatcher allocates them), the built-in kernel;
+- with --torch (torch installed): the same tiny call through
+  mmdispatch.torch.roi_align and through torchvision.ops.roi_align, on
+  torch tensors, no gradient.
 
 Needs valgrind. The child runs with PYTHONHASHSEED=0 and one thread, and
 its loop runs in a function, so dictionary probing is the same every run.
@@ -29,6 +32,21 @@ import numpy as np
 import mmdispatch
 from mmdispatch import _benchkit, ops
 which, n = sys.argv[1], int(sys.argv[2])
+if which in ("torch", "torchvision"):
+    import torch
+    torch.set_num_threads(1)
+    if which == "torch":
+        from mmdispatch.torch import roi_align
+    else:
+        from torchvision.ops import roi_align
+    x = torch.zeros((1, 1, 4, 4))
+    rois = torch.tensor([[0, 0, 0, 3, 3.]])
+    def loop(f, n):
+        for _ in range(n):
+            f(x, rois, 1, 1.0, 2)
+    loop(roi_align, 10)   # first-call set-up out of the count
+    loop(roi_align, n)
+    sys.exit()
 x = np.zeros((1, 1, 4, 4), np.float32)
 rois = np.array([[0, 0, 0, 3, 3]], np.float32)
 out = np.empty((1, 1, 1, 1), np.float32)
@@ -80,6 +98,8 @@ def per_call(which, calls):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50000)
+    parser.add_argument("--torch", action="store_true",
+                        help="also the tiny call through mmdispatch.torch and torchvision")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("count_instructions: valgrind is not installed", file=sys.stderr)
@@ -92,6 +112,10 @@ def main(argv=None):
     print(f"ops.roi_align tiny call {tiny:.0f} instructions")
     print(f"roi_align_forward_impl allocating its outputs, tiny call {allocating:.0f} "
           "instructions")
+    if args.torch:
+        ours, theirs = per_call("torch", args.calls // 10), per_call("torchvision", args.calls // 10)
+        print(f"mmdispatch.torch.roi_align tiny call {ours:.0f} instructions, "
+              f"torchvision.ops.roi_align {theirs:.0f}")
     return 0
 
 

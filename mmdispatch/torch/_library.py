@@ -4,10 +4,13 @@ signatures.txt and the ops' GRADIENTS tables; nothing here is written per op.
 Each entry point `E(...)` becomes a functional custom op
 `mmdispatch::<E without _impl>`:
 
-- its schema takes E's input arrays and scalars in E's order, and for each
-  output `name` the pair `SymInt[] name_shape, ScalarType name_dtype` in its
-  place; it returns the outputs, except an output that only holds another's
-  length (`keep[:num_kept]`: `keep` is returned trimmed, `num_kept` not);
+- its schema takes E's input arrays and scalars in E's order; its outputs
+  are allocated as E's allocation lines in signatures.txt say (the same
+  shapes and dtypes as E's own allocation), and an output without one (the
+  backward ops' grad_input, shaped like the forward's input) takes the pair
+  `SymInt[] name_shape, ScalarType name_dtype` in its place; it returns the
+  outputs, except an output that only holds another's length
+  (`keep[:num_kept]`: `keep` is returned trimmed, `num_kept` not);
 - its implementation allocates the outputs with torch on the inputs' device
   (torch's caching allocator; zeros for `Tensor+` outputs, which kernels add
   into), makes strided inputs contiguous (one copy), and calls E, so the
@@ -19,8 +22,12 @@ Each entry point `E(...)` becomes a functional custom op
   output gets a data-dependent length), so shapes propagate under
   FakeTensor and torch.compile;
 - where an op module's GRADIENTS table says how (mmdispatch/ops/*.py), its
-  autograd calls the backward op the table names.
+  autograd calls the backward op the table names;
+- inside torch.autocast (CPU or CUDA) it runs as torchvision's ops do
+  there: floating inputs in float32, the outputs that take the first
+  array's dtype cast back to it (DerivedOp.autocast).
 """
+import functools
 import importlib
 import pkgutil
 
@@ -28,7 +35,7 @@ import torch
 
 from mmdispatch import _core
 from mmdispatch import ops as _ops
-from mmdispatch._codegen import parse_signature
+from mmdispatch._codegen import parse_signature, shape_function
 
 NAMESPACE = "mmdispatch"
 _SCALAR_TYPES = {"int": "int", "float": "float", "bool": "bool"}
@@ -42,38 +49,49 @@ def torch_name(entry_point):
 class DerivedOp:
     """One entry point as a functional torch op (see the module docstring)."""
 
-    def __init__(self, signature_line):
-        sig = parse_signature(signature_line)
+    def __init__(self, signature_text):
+        sig = parse_signature(signature_text)
         self.signature = sig
         self.name = torch_name(sig.name)
         self.qualname = f"{NAMESPACE}::{self.name}"
         self.entry_point = getattr(_core, sig.name)
         lengths = {p.length for p in sig.params if p.length}
+        allocations = {a.name: a for a in sig.allocations}
         args, self.arg_names = [], []
         # the entry point's call, built from this op's arguments: `arg_of[k]`
-        # is the argument that entry-point parameter k takes as it is (an
-        # output's shape argument stands in until it is allocated)
-        self.arg_of, self.tensor_params, self.output_params = [], [], []
+        # is the argument that entry-point parameter k takes as it is (None
+        # for an output, which run() allocates)
+        self.arg_of, self.tensor_params = [], []
+        undeclared = {}   # output name -> position of its shape argument (its dtype's next)
         for k, p in enumerate(sig.params):
-            self.arg_of.append(len(self.arg_names))
             if p.is_output:
-                self.output_params.append((k, len(self.arg_names), p.type == "Tensor+"))
-                args += [f"SymInt[] {p.name}_shape", f"ScalarType {p.name}_dtype"]
-                self.arg_names += [f"{p.name}_shape", f"{p.name}_dtype"]
+                self.arg_of.append(None)
+                if p.name not in allocations:
+                    undeclared[p.name] = len(self.arg_names)
+                    args += [f"SymInt[] {p.name}_shape", f"ScalarType {p.name}_dtype"]
+                    self.arg_names += [f"{p.name}_shape", f"{p.name}_dtype"]
                 continue
+            self.arg_of.append(len(self.arg_names))
             if p.is_array:
                 self.tensor_params.append(k)
                 args.append(f"Tensor{'?' if p.type == 'Tensor?' else ''} {p.name}")
             else:
                 args.append(f"{_SCALAR_TYPES[p.type]} {p.name}")
             self.arg_names.append(p.name)
-        outputs = [p for p in sig.params if p.is_output]
-        position = {p.name: i for i, p in enumerate(outputs)}
-        # (position among the outputs, its dtype argument, position of its length or -1)
-        self.returns = [(position[p.name], self.arg_names.index(f"{p.name}_dtype"),
-                         position[p.length] if p.length else -1)
-                        for p in outputs if p.name not in lengths]
-        self.output_names = [p.name for p in outputs if p.name not in lengths]
+        # how each output is made: a declared one (in allocation-line order;
+        # a line may read an output allocated on an earlier one) by its
+        # shape function, its dtype (None: the first array's) and zeros;
+        # another by its (shape, dtype) arguments
+        params = {p.name: k for k, p in enumerate(sig.params)}
+        self.shapes = shape_function(sig, {p.name: self.arg_of[k]
+                                           for k, p in enumerate(sig.params) if not p.is_output})
+        self.declared = [(params[a.name], None if a.dtype is None else getattr(torch, a.dtype),
+                          a.zeros) for a in sig.allocations]
+        self.undeclared = [(params[name], position, sig.params[params[name]].type == "Tensor+")
+                           for name, position in undeclared.items()]
+        self.returns = [(params[p.name], params[p.length] if p.length else -1)
+                        for p in sig.params if p.is_output and p.name not in lengths]
+        self.output_names = [sig.params[k].name for k, _ in self.returns]
         self.first_input = self.arg_of[self.tensor_params[0]]
         self.tensor_args = tuple(self.arg_of[k] for k in self.tensor_params)
         self.empties = {}
@@ -84,6 +102,10 @@ class DerivedOp:
         self.op = torch.library.custom_op(self.qualname, self.run, mutates_args=(),
                                           schema=self.schema)
         self.op.register_fake(self.fake)
+        # outputs whose dtype is the first array's: autocast casts them back to it
+        self.follow_first = {k for k, dtype, _ in self.declared if dtype is None}
+        for device_type, key in _AUTOCAST_KEYS:
+            _AUTOCAST_LIBRARY.impl(self.name, functools.partial(self.autocast, device_type), key)
 
     def __call__(self, *args):
         """The op; in eager code on plain tensors (no tracing, no subclass,
@@ -99,10 +121,22 @@ class DerivedOp:
             return _EagerAutograd.apply(self, *args)
         return self.run(*args, eager=not needs_grad)
 
+    def output_specs(self, args):
+        """(parameter index, shape, dtype, zeros) of every output of a call:
+        from the allocation lines of signatures.txt, evaluated on the
+        arguments (tensors or FakeTensors), or from the call's (shape, dtype)
+        arguments for an output without one."""
+        first_dtype = args[self.first_input].dtype
+        specs = [(k, shape, first_dtype if dtype is None else dtype, zeros)
+                 for (k, dtype, zeros), shape in zip(self.declared, self.shapes(args))]
+        if self.undeclared:
+            specs += [(k, args[i], args[i + 1], zeros) for k, i, zeros in self.undeclared]
+        return specs
+
     def run(self, *args, eager=False):
         first = args[self.first_input]
-        device = first.device
-        call = [args[i] for i in self.arg_of]
+        device, cpu = first.device, first.is_cpu
+        call = [None if i is None else args[i] for i in self.arg_of]
         upcast = False
         for k in self.tensor_params:
             value = call[k]
@@ -110,24 +144,22 @@ class DerivedOp:
                 continue
             if not value.is_contiguous():
                 call[k] = value = value.contiguous()
-            if value.dtype in _LOW_PRECISION and first.is_cpu:
+            if cpu and value.dtype in _LOW_PRECISION:
                 upcast = True
         if upcast:   # the CPU kernels take float32 and float64
             for k in self.tensor_params:
                 if call[k] is not None and call[k].dtype in _LOW_PRECISION:
                     call[k] = call[k].float()
-        outputs = []
-        for k, i, accumulate in self.output_params:
-            dtype = args[i + 1]
+        wanted = {}   # output -> its dtype, where the kernel computes it in float32
+        for k, shape, dtype, zeros in self.output_specs(args):
             if upcast and dtype in _LOW_PRECISION:
-                dtype = torch.float32
-            if eager and args[i] == _EMPTY_SHAPE:   # an output the call leaves unused
+                wanted[k], dtype = dtype, torch.float32
+            if eager and tuple(shape) == _EMPTY_SHAPE:   # an output the call leaves unused
                 call[k] = self.empty(k, dtype, device)
             else:
-                call[k] = (torch.zeros if accumulate else torch.empty)(args[i], dtype=dtype,
-                                                                        device=device)
-            outputs.append(call[k])
-        if first.is_cuda and torch.are_deterministic_algorithms_enabled():
+                call[k] = (torch.zeros if zeros else torch.empty)(shape, dtype=dtype,
+                                                                  device=device)
+        if not cpu and first.is_cuda and torch.are_deterministic_algorithms_enabled():
             # torch.use_deterministic_algorithms(True): the CUDA backend that
             # gives the same bits on every run
             with _core.use_backend("cuda", "deterministic"):
@@ -135,13 +167,39 @@ class DerivedOp:
         else:
             self.entry_point(*call)
         results = []
-        for position, dtype_arg, length in self.returns:
-            value = outputs[position]
+        for k, length in self.returns:
+            value = call[k]
             if length >= 0:   # reads the count back (a synchronisation on a GPU)
-                value = value[:int(outputs[length][0])]
-            if value.dtype != args[dtype_arg]:
-                value = value.to(args[dtype_arg])
+                value = value[:int(call[length][0])]
+            if wanted and k in wanted:
+                value = value.to(wanted[k])
             results.append(value)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def autocast(self, device_type, *args):
+        """The op inside torch.autocast(device_type), as torchvision's ops
+        behave there: its floating inputs on that device (float64 aside)
+        run in float32, so boxes keep their precision beside float16
+        features, and the outputs that take the first array's dtype are
+        cast back to it (an output whose dtype is an argument, to that
+        dtype). The casts are ordinary torch ops, so gradients flow."""
+        first_dtype = args[self.first_input].dtype
+        call = list(args)
+        for i in self.tensor_args:
+            value = call[i]
+            if (value is not None and value.is_floating_point() and value.dtype != torch.float64
+                    and value.device.type == device_type):
+                call[i] = value.float()
+        wanted = {k: first_dtype for k in self.follow_first}
+        for k, i, _ in self.undeclared:
+            if call[i + 1] in _LOW_PRECISION:
+                wanted[k], call[i + 1] = call[i + 1], torch.float32
+        with torch.autocast(device_type, enabled=False):
+            result = self.op(*call)
+        results = list(result) if isinstance(result, tuple) else [result]
+        for r, (k, _) in enumerate(self.returns):
+            if k in wanted and results[r].dtype != wanted[k]:
+                results[r] = results[r].to(wanted[k])
         return results[0] if len(results) == 1 else tuple(results)
 
     def empty(self, param, dtype, device):
@@ -157,16 +215,20 @@ class DerivedOp:
 
     def fake(self, *args):
         device = args[self.first_input].device
-        outputs = [(args[i], args[i + 1]) for _, i, _ in self.output_params]
+        specs = {k: (shape, dtype) for k, shape, dtype, _ in self.output_specs(args)}
         results = []
-        for position, dtype_arg, length in self.returns:
-            shape = list(outputs[position][0])
+        for k, length in self.returns:
+            shape, dtype = specs[k]
+            shape = list(shape)
             if length >= 0:
                 shape[0] = torch.library.get_ctx().new_dynamic_size()
-            results.append(torch.empty(shape, dtype=args[dtype_arg], device=device))
+            results.append(torch.empty(shape, dtype=dtype, device=device))
         return results[0] if len(results) == 1 else tuple(results)
 
 
+# the autocast kernels (DerivedOp.autocast), in a library of their own
+_AUTOCAST_LIBRARY = torch.library.Library(NAMESPACE, "IMPL")
+_AUTOCAST_KEYS = (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"))
 _SAVED = object()
 _EMPTY_SHAPE = (0,)
 _Tensor = torch.Tensor
@@ -174,14 +236,17 @@ _Tensor = torch.Tensor
 # every call goes through torch.library
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def _plain_eager(args, tensor_args):
     """None when a call needs torch's dispatch (traced by torch.compile, a
-    tensor that is not a plain torch.Tensor, such as a FakeTensor, or a
-    dispatch or torch-function mode active); else whether a tensor argument
+    tensor that is not a plain torch.Tensor, such as a FakeTensor, a
+    dispatch or torch-function mode active, or autocast on); else whether a
+    tensor argument
     needs a gradient."""
-    if _dispatch_modes is None or _function_modes is None or torch.compiler.is_compiling():
+    if (_dispatch_modes is None or _function_modes is None or _autocast is None
+            or torch.compiler.is_compiling()):
         return None
     grad, needs_grad = torch.is_grad_enabled(), False
     for i in tensor_args:
@@ -190,7 +255,7 @@ def _plain_eager(args, tensor_args):
             if type(value) is not _Tensor:
                 return None
             needs_grad = needs_grad or (grad and value.requires_grad)
-    if _dispatch_modes() or _function_modes():
+    if _dispatch_modes() or _function_modes() or _autocast():
         return None
     return needs_grad
 

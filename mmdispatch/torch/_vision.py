@@ -30,8 +30,19 @@ def _pair(op, value):
                         f"{value!r}") from None
 
 
+def like_dtype(value, like):
+    """`value` in `like`'s dtype (our kernels take arrays of one dtype),
+    except inside torch.autocast on like's device, where the op's autocast
+    kernel runs both in float32 (so boxes beside float16 features keep
+    their precision, as with torchvision)."""
+    if value.dtype == like.dtype or torch.is_autocast_enabled(like.device.type):
+        return value
+    return value.to(like.dtype)
+
+
 def rois_of(op, boxes, like):
-    """(K, 5) rois [batch index, x1, y1, x2, y2] in `like`'s dtype from a
+    """(K, 5) rois [batch index, x1, y1, x2, y2] in `like`'s dtype (see
+    like_dtype) from a
     Tensor[K, 5] or a list of Tensor[L, 4] (one per image), as torchvision
     takes them."""
     if isinstance(boxes, torch.Tensor):
@@ -52,7 +63,7 @@ def rois_of(op, boxes, like):
     else:
         raise TypeError(f"{op}: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], got "
                         f"{type(boxes).__name__}")
-    return rois if rois.dtype == like.dtype else rois.to(like.dtype)
+    return like_dtype(rois, like)
 
 
 def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
@@ -61,10 +72,8 @@ def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, a
     *output_size). Differentiable with respect to input."""
     h, w = _pair("roi_align", output_size)
     rois = rois_of("roi_align", boxes, input)
-    unused = (0,)
-    return _ROI_ALIGN(input, rois, (rois.shape[0], input.shape[1], h, w), input.dtype, unused,
-                      input.dtype, unused, input.dtype, h, w, float(spatial_scale),
-                      int(sampling_ratio), _AVG, bool(aligned))[0]
+    return _ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio), _AVG,
+                      bool(aligned))[0]
 
 
 def roi_pool(input, boxes, output_size, spatial_scale=1.0):
@@ -72,16 +81,12 @@ def roi_pool(input, boxes, output_size, spatial_scale=1.0):
     differentiable with respect to input."""
     h, w = _pair("roi_pool", output_size)
     rois = rois_of("roi_pool", boxes, input)
-    shape = (rois.shape[0], input.shape[1], h, w)
-    return _ROI_POOL(input, rois, shape, input.dtype, shape, torch.int64, h, w,
-                     float(spatial_scale))[0]
+    return _ROI_POOL(input, rois, h, w, float(spatial_scale))[0]
 
 
 def _nms(boxes, scores, idxs, iou_threshold, offset=0):
-    if scores.dtype != boxes.dtype:
-        scores = scores.to(boxes.dtype)
-    return _NMS(boxes, scores, idxs, (boxes.shape[0],), torch.int64, (1,), torch.int64,
-                float(iou_threshold), int(offset))
+    scores = like_dtype(scores, boxes)
+    return _NMS(boxes, scores, idxs, float(iou_threshold), int(offset))
 
 
 def nms(boxes, scores, iou_threshold):
@@ -115,12 +120,10 @@ def box_iou(boxes1, boxes2):
     inputs that need a gradient are computed with torch operations."""
     if not boxes1.is_floating_point():
         boxes1 = boxes1.float()
-    if boxes2.dtype != boxes1.dtype:
-        boxes2 = boxes2.to(boxes1.dtype)
+    boxes2 = like_dtype(boxes2, boxes1)
     if torch.is_grad_enabled() and (boxes1.requires_grad or boxes2.requires_grad):
         return _box_iou_composite(boxes1, boxes2)
-    return _OVERLAPS(boxes1, boxes2, (boxes1.shape[0], boxes2.shape[0]), boxes1.dtype, 0, False,
-                     0)
+    return _OVERLAPS(boxes1, boxes2, 0, False, 0)
 
 
 def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):

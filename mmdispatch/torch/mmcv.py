@@ -9,7 +9,7 @@ from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
-from mmdispatch.torch._vision import _nms, _pair, rois_of
+from mmdispatch.torch._vision import _nms, _pair, like_dtype, rois_of
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
@@ -30,10 +30,8 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
     h, w = _pair("roi_align", output_size)
     mode = _choice("roi_align", "pool_mode", pool_mode, _POOL_MODES)
     rois = rois_of("roi_align", rois, input)
-    shape = (rois.shape[0], input.shape[1], h, w)
-    argmax = shape if mode == _POOL_MODES["max"] else (0,)
-    return _ROI_ALIGN(input, rois, shape, input.dtype, argmax, input.dtype, argmax, input.dtype,
-                      h, w, float(spatial_scale), int(sampling_ratio), mode, bool(aligned))[0]
+    return _ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio), mode,
+                      bool(aligned))[0]
 
 
 # mmcv.ops.roi_pool has torchvision's signature and defaults
@@ -100,10 +98,8 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     """mmcv.ops.bbox_overlaps: (N, M) ("iou" or "iof"), or (N,) when
     aligned. Not differentiable (as in MMCV)."""
     code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
-    shape = (bboxes1.shape[0],) if aligned else (bboxes1.shape[0], bboxes2.shape[0])
-    if bboxes2.dtype != bboxes1.dtype:
-        bboxes2 = bboxes2.to(bboxes1.dtype)
-    return _OVERLAPS(bboxes1, bboxes2, shape, bboxes1.dtype, code, bool(aligned), int(offset))
+    bboxes2 = like_dtype(bboxes2, bboxes1)
+    return _OVERLAPS(bboxes1, bboxes2, code, bool(aligned), int(offset))
 
 
 def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
@@ -115,10 +111,9 @@ def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduct
         raise ValueError(f"sigmoid_focal_loss: reduction must be 'none', 'mean' or 'sum', got "
                          f"{reduction!r}")
     target = target.to(torch.int64)
-    if weight is not None and weight.dtype != input.dtype:
-        weight = weight.to(input.dtype)
-    loss = _FOCAL_LOSS(input, target, weight, tuple(input.shape), input.dtype, float(gamma),
-                       float(alpha))
+    if weight is not None:
+        weight = like_dtype(weight, input)
+    loss = _FOCAL_LOSS(input, target, weight, float(gamma), float(alpha))
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":

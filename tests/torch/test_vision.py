@@ -219,3 +219,54 @@ def test_cuda_backward_is_bit_for_bit_under_torchs_deterministic_mode(torch_cuda
     expected = torch.autograd.grad(tv.roi_align(x.cpu(), [r.cpu() for r in rois], 7, 0.5, 0,
                                                 True).sum(), x)[0]
     torch.testing.assert_close(grads[0].cpu(), expected.cpu(), rtol=1e-4, atol=1e-4)
+
+
+
+def _under_autocast(roi_align, roi_pool, nms, device, dtype):
+    """roi_align, roi_pool and nms inside torch.autocast, on features from a
+    convolution (so in `dtype`) and float32 boxes: their values, and the
+    gradient of the pooled values with respect to the convolution's input."""
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(device)
+    x = feature_map().to(device).requires_grad_(True)
+    boxes = [random_boxes(9, 20, seed=4).to(device), random_boxes(4, 20, seed=5).to(device)]
+    scores = torch.rand(9, generator=torch.Generator().manual_seed(6)).to(device)
+    with torch.autocast(device, dtype=dtype):
+        features = conv(x)
+        aligned = roi_align(features, boxes, 5, 0.5, 2, True)
+        pooled = roi_pool(features, boxes, 3, 0.5)
+        keep = nms(boxes[0].to(dtype), scores, 0.3)
+    (grad,) = torch.autograd.grad(aligned.float().sum() + pooled.float().sum(), x)
+    return aligned, pooled, keep, grad
+
+
+def _roi_pool_in_float32(features, boxes, output_size, spatial_scale):
+    """torchvision's roi_pool as its autocast kernel would run it: in float32,
+    the result in the features' dtype (torchvision has no CPU autocast
+    kernel for roi_pool)."""
+    return tv.roi_pool(features.float(), [b.float() for b in boxes], output_size,
+                       spatial_scale).to(features.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_ops_run_in_float32_and_answer_in_the_features_dtype(dtype):
+    """As torchvision's autocast kernels: 16-bit features and float32 boxes
+    are computed in float32 (boxes keep their precision), the result is in
+    the features' dtype, and gradients flow through the casts: the same
+    bits as torchvision."""
+    ours = _under_autocast(mt.roi_align, mt.roi_pool, mt.nms, "cpu", dtype)
+    theirs = _under_autocast(tv.roi_align, _roi_pool_in_float32, tv.nms, "cpu", dtype)
+    assert ours[0].dtype == ours[1].dtype == dtype and ours[2].dtype == torch.int64
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_cuda_autocast_ops_match_torchvisions(torch_cuda, dtype):
+    ours = _under_autocast(mt.roi_align, mt.roi_pool, mt.nms, "cuda", dtype)
+    theirs = _under_autocast(tv.roi_align, tv.roi_pool, tv.nms, "cuda", dtype)
+    assert ours[0].dtype == ours[1].dtype == dtype
+    for a, b in zip(ours[:3], theirs[:3]):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ours[3], theirs[3], rtol=1e-3, atol=1e-3)   # atomics
