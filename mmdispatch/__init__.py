@@ -5,7 +5,18 @@ Dispatch entry points (MMCV's DISPATCH_DEVICE_IMPL functions) such as
 and call the kernel registered for it; user-facing ops live in
 ``mmdispatch.ops``.
 """
-from mmdispatch import _core
+import os as _os
+
+try:
+    from mmdispatch import _core
+except ImportError as _exc:   # the source tree shadows the installed package
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    if _os.path.exists(_os.path.join(_here, _os.pardir, "setup.py")):
+        raise ImportError(
+            f"mmdispatch was imported from its source tree ({_here}), which has no compiled "
+            "extension: run Python from another directory to use the installed mmdispatch, or "
+            "build in place with `pip install -e .`") from _exc
+    raise
 from mmdispatch._core import (
     DeferredKernelError,
     DeviceMismatchError,

@@ -1,4 +1,4 @@
-"""python -m mmdispatch {info,demo}"""
+"""mmdispatch {info,demo,bench} (also python -m mmdispatch)."""
 import argparse
 import sys
 
@@ -148,9 +148,13 @@ def main(argv=None):
         from mmdispatch.bench import main as bench
 
         return bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m mmdispatch",
-                                     epilog="bench [--quick] [--json PATH]: run the benchmarks")
-    parser.add_argument("command", choices=["info", "demo", "bench"], nargs="?", default="info")
+    parser = argparse.ArgumentParser(
+        prog="mmdispatch", description="mmdispatch's command line (also python -m mmdispatch).",
+        epilog="`mmdispatch bench --help` lists the benchmark's options.")
+    parser.add_argument("command", choices=["info", "demo", "bench"], nargs="?", default="info",
+                        help="info (the default): the build, the devices and the registry "
+                             "table; demo: roi_align through the dispatcher on every available "
+                             "device, with checks; bench: the benchmarks")
     args = parser.parse_args(argv)
     if args.command == "info":
         info()

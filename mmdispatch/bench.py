@@ -1,5 +1,5 @@
-"""Benchmarks of the CPU kernels and of the per-call cost, on issue 4's
-standard workload, side by side with torchvision when it is installed.
+"""Benchmarks of the CPU kernels and of the per-call cost, on the
+standard workload (STANDARD below), side by side with torchvision when it is installed.
 
     python -m mmdispatch bench [--quick] [--json PATH] [--plot PNG] [--repeat N]
 

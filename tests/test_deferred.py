@@ -1,4 +1,4 @@
-"""Deferred errors and strict mode (issue 11): a CUDA kernel that finds bad
+"""Deferred errors and strict mode: a CUDA kernel that finds bad
 data (a roi, an argmax entry, a class target) after its call has returned
 makes the item harmless and reports it; the next call on that device, or
 mmdispatch.synchronize(), raises DeferredKernelError. Strict mode checks

@@ -143,3 +143,24 @@ def test_kernel_origins_name_sources_relative_to_the_tree():
         o for o in origins if not o.startswith(b"src/")]
     if mmdispatch.build_info()["cuda"]:
         assert any(origin.startswith(b"src/cuda/") for origin in origins)
+
+
+def test_importing_the_source_tree_says_to_run_from_elsewhere(tmp_path):
+    """From the repository root, `import mmdispatch` finds the source
+    package, which has no compiled extension: the error says what to do
+    instead of Python's misleading "circular import"."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    source = Path(__file__).resolve().parents[1] / "mmdispatch"
+    tree = tmp_path / "mmdispatch"
+    tree.mkdir()
+    shutil.copy(source / "__init__.py", tree / "__init__.py")
+    shutil.copy(source.parent / "setup.py", tmp_path / "setup.py")
+    # -S: no site-packages, so no installed (or editable) mmdispatch to fall back on
+    out = subprocess.run([sys.executable, "-S", "-c", "import mmdispatch"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"mmdispatch was imported from its source tree ({tree})" in out.stderr
+    assert "run Python from another directory" in out.stderr

@@ -26,9 +26,6 @@ enum {
     MMD_BACKEND_DETERMINISTIC = 2
 };
 
-#define MMD_STRINGIFY_(x) #x
-#define MMD_STRINGIFY(x) MMD_STRINGIFY_(x)
-
 /* MMCV's REGISTER_DEVICE_IMPL: fills one slot of an op's table and records
  * who filled it. Used inside MMD_REGISTRATIONS blocks. */
 #define MMD_REGISTER_DEVICE_IMPL(op, device, backend, fn)                          \

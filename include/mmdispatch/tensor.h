@@ -83,7 +83,7 @@ typedef struct {
 #define MMD_CONTEXT_STRICT 1u
 
 /* Kernel status codes; the dispatcher turns them into Python exceptions in
- * one place (check_status in _core.pyx). */
+ * one place (OpRegistry.raise_kernel_error in _core.pyx). */
 enum {
     MMD_OK = 0,
     MMD_ERR_VALUE = 1,    /* ValueError */

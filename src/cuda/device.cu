@@ -19,10 +19,19 @@ extern "C" int mmd_cuda_init(char *status, size_t size, int *device_count) {
     cudaError_t err = cudaGetDeviceCount(&count);
     *device_count = err == cudaSuccess ? count : 0;
     if (err == cudaErrorInsufficientDriver) {
-        snprintf(status, size,
-                 "no usable CUDA driver was found (install an NVIDIA driver supporting CUDA "
-                 "%d.%d or newer)",
-                 CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10);
+        int driver = 0;
+        cudaDriverGetVersion(&driver);
+        if (driver == 0)   /* no libcuda at all: most often a machine without a GPU */
+            snprintf(status, size,
+                     "no NVIDIA driver is installed (no GPU on this machine?); the CUDA "
+                     "kernels need a GPU and a driver supporting CUDA %d.%d or newer",
+                     CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10);
+        else
+            snprintf(status, size,
+                     "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d these "
+                     "kernels were built with: update the driver",
+                     driver / 1000, (driver % 1000) / 10, CUDART_VERSION / 1000,
+                     (CUDART_VERSION % 1000) / 10);
         cudaGetLastError();
         return 1;
     }
