@@ -540,6 +540,45 @@ def import_seconds(repeat):
     return timed("import mmdispatch"), timed("import numpy")
 
 
+def tail_latency(quick):
+    """p50 and p99 of a mid-size roi_align call (1x16x32x32 map, 16 rois,
+    7x7, sampling_ratio 2), alone and while one busy process per core
+    competes for the cores (at the same priority): a parallel call waits
+    for its slowest thread, and on a loaded machine a thread may wait a
+    scheduler time slice (milliseconds) to run."""
+    import os
+    import subprocess
+
+    rng = np.random.default_rng(0)
+    x = rng.random((1, 16, 32, 32), dtype=np.float32)
+    xy = rng.uniform(0, 19, (16, 2))
+    rois = np.concatenate([np.zeros((16, 1)), xy, xy + rng.uniform(2, 13, (16, 2))],
+                          axis=1).astype(np.float32)
+    calls = 300 if quick else 3000
+
+    def percentiles():
+        for _ in range(20):
+            ops.roi_align(x, rois, 7, 1.0, 2)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            ops.roi_align(x, rois, 7, 1.0, 2)
+            times.append(time.perf_counter() - start)
+        return np.percentile(times, 50), np.percentile(times, 99)
+
+    idle = percentiles()
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.2)
+        loaded = percentiles()
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+    return idle, loaded
+
+
 def result_row(name, unit, ours, theirs=None, traffic=None):
     return {"benchmark": name, "unit": unit, "mmdispatch": ours, "torchvision": theirs,
             "ratio": (theirs / ours) if theirs is not None and ours else None,
@@ -627,6 +666,11 @@ def run(quick=False, repeat=None):
     record("dispatch overhead (difference)", overhead_ns * 1e-9, None, "s/call")
     progress("bench: overhead fraction sweep ...")
     sweep = overhead_sweep(overhead_ns, quick, repeat)
+    progress("bench: tail latency of a mid-size call, idle and under load ...")
+    for when, (p50, p99) in zip(("idle", "every core busy with another process"),
+                                tail_latency(quick)):
+        record(f"mid-size roi_align call p50, {when}", p50, None, "s/call")
+        record(f"mid-size roi_align call p99, {when}", p99, None, "s/call")
     progress("bench: import time ...")
     ours_import, numpy_import = import_seconds(max(repeat, 5))
     record("import mmdispatch (fresh interpreter)", ours_import, None, "s")

@@ -4,6 +4,7 @@
 #ifndef MMD_REAL
 
 #include "mmdispatch/ops/bbox_overlaps.h"
+#include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 
 #define MMD_TYPED_FILE "bbox_overlaps.c"
@@ -70,7 +71,7 @@ static void TFN(bbox_overlaps)(const mmd_tensor *bboxes1, const mmd_tensor *bbox
     const T off = (T)offset;
     const int iof = mode == MMD_OVERLAP_IOF;
     const int64_t work = aligned ? rows : rows * cols;
-#pragma omp parallel for schedule(static) if (work > 4096)
+#pragma omp parallel for schedule(static) if (mmd_worth_threads(rows, work))
     for (int64_t i = 0; i < rows; ++i) {
         if (aligned) {
             out[i] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * i, iof, off);

@@ -5,6 +5,7 @@
 #ifndef MMD_REAL
 
 #include "mmdispatch/ops/roi_pool.h"
+#include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 
 #define MMD_TYPED_FILE "roi_pool.c"
@@ -139,7 +140,7 @@ static int TFN(roi_pool_forward)(const mmd_tensor *input, const mmd_tensor *rois
     int64_t *am = (int64_t *)argmax->data;
     const int64_t planes = num_rois * channels, bins = pooled_h * pooled_w;
 
-#pragma omp parallel for schedule(dynamic, 16) if (planes > 1)
+#pragma omp parallel for schedule(dynamic, 16) if (mmd_worth_threads(planes, planes * bins))
     for (int64_t p = 0; p < planes; ++p) {
         const int64_t k = p / channels, c = p % channels;
         TFN(geometry) g = {0};
@@ -192,7 +193,8 @@ static int TFN(roi_pool_backward)(const mmd_tensor *grad_output, const mmd_tenso
     const T *go = (const T *)grad_output->data, *r = (const T *)rois->data;
     T *gi = (T *)grad_input->data;
 
-#pragma omp parallel for schedule(dynamic, 1) if (channels > 1)
+#pragma omp parallel for schedule(dynamic, 1) \
+    if (mmd_worth_threads(channels, channels * num_rois * pooled_h * pooled_w))
     for (int64_t c = 0; c < channels; ++c)
         for (int64_t k = 0; k < num_rois; ++k) {
             TFN(geometry) g = {0};
