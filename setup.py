@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 
@@ -135,18 +134,17 @@ def device_modules(codegen):
 
 
 class BuildExt(build_ext):
-    """Adds nvcc-compiled objects, the static CUDA runtime and OpenMP, and
-    records the build configuration in mmdispatch/_build_info.py."""
+    """Adds nvcc-compiled objects and the static CUDA runtime, and records
+    the build configuration in mmdispatch/_build_info.py."""
 
     def build_extensions(self):
-        self.openmp = self._probe_openmp()
         for ext in self.extensions:
             self._export_only_module_init(ext)
             if ext.name != "mmdispatch._core":
                 continue
-            if self.openmp:
-                ext.extra_compile_args.append("-fopenmp")
-                ext.extra_link_args.append("-fopenmp")
+            # the CPU kernels' worker pool (src/core/parallel.c)
+            ext.extra_compile_args.append("-pthread")
+            ext.extra_link_args.append("-pthread")
             if NVCC:
                 ext.extra_objects.extend(self._compile_cuda())
                 ext.extra_link_args += [str(cudart_static(NVCC)), "-lrt", "-lpthread", "-ldl",
@@ -169,18 +167,6 @@ class BuildExt(build_ext):
             module = ext.name.rpartition(".")[2]
             script.write_text(f"{{ global: PyInit_{module}; local: *; }};\n")
             ext.extra_link_args.append(f"-Wl,--version-script={script}")
-
-    def _probe_openmp(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "omp.c"
-            src.write_text("#include <omp.h>\nint main(void){return omp_get_max_threads()<1;}\n")
-            try:
-                objs = self.compiler.compile([str(src)], output_dir=tmp, extra_postargs=["-fopenmp"])
-                self.compiler.link_executable(objs, str(Path(tmp) / "omp"), extra_postargs=["-fopenmp"])
-            except Exception:
-                print("mmdispatch: OpenMP not available; CPU kernels will run single-threaded")
-                return False
-        return True
 
     def _compile_cuda(self):
         flags, _ = gencode_flags(CUDA_ARCH_SPEC)
@@ -221,7 +207,6 @@ class BuildExt(build_ext):
             "nvcc": tool_version([str(NVCC), "--version"]) if NVCC else None,
             "no_cuda_reason": NO_CUDA_REASON,
             "c_compiler": tool_version([self.compiler.compiler[0], "--version"]),
-            "openmp": self.openmp,
             "numpy_build": numpy.__version__,
             "cython": Cython.__version__,
             "python_build": sys.version.split()[0],

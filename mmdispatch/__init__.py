@@ -45,7 +45,7 @@ from mmdispatch import ops  # noqa: E402
 
 
 def build_info():
-    """How this copy was built: CUDA or not, archs, compilers, OpenMP."""
+    """How this copy was built: CUDA or not, archs, compilers."""
     from mmdispatch._build_info import BUILD_INFO
 
     return dict(BUILD_INFO)

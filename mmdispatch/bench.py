@@ -541,11 +541,12 @@ def import_seconds(repeat):
 
 
 def tail_latency(quick):
-    """p50 and p99 of a mid-size roi_align call (1x16x32x32 map, 16 rois,
-    7x7, sampling_ratio 2), alone and while one busy process per core
-    competes for the cores (at the same priority): a parallel call waits
-    for its slowest thread, and on a loaded machine a thread may wait a
-    scheduler time slice (milliseconds) to run."""
+    """{situation: (p50, p99)} of a mid-size roi_align call (1x16x32x32 map,
+    16 rois, 7x7, sampling_ratio 2): alone, beside one busy process, and
+    beside one busy process per core (the same priority as ours). A
+    parallel call that waited for a thread the scheduler has not run would
+    take a time slice (milliseconds); with every core busy even a serial
+    call is preempted now and then, so there p99 is the scheduler's."""
     import os
     import subprocess
 
@@ -556,27 +557,27 @@ def tail_latency(quick):
                           axis=1).astype(np.float32)
     calls = 300 if quick else 3000
 
-    def percentiles():
-        for _ in range(20):
-            ops.roi_align(x, rois, 7, 1.0, 2)
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            ops.roi_align(x, rois, 7, 1.0, 2)
-            times.append(time.perf_counter() - start)
+    def percentiles(busy):
+        load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(busy)]
+        try:
+            time.sleep(0.2 if busy else 0)
+            for _ in range(20):
+                ops.roi_align(x, rois, 7, 1.0, 2)
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                ops.roi_align(x, rois, 7, 1.0, 2)
+                times.append(time.perf_counter() - start)
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait()
         return np.percentile(times, 50), np.percentile(times, 99)
 
-    idle = percentiles()
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(os.cpu_count() or 1)]
-    try:
-        time.sleep(0.2)
-        loaded = percentiles()
-    finally:
-        for proc in load:
-            proc.kill()
-            proc.wait()
-    return idle, loaded
+    cores = os.cpu_count() or 1
+    return {"idle": percentiles(0), "one other busy process": percentiles(1),
+            f"{cores} other busy processes": percentiles(cores)}
 
 
 def result_row(name, unit, ours, theirs=None, traffic=None):
@@ -667,8 +668,7 @@ def run(quick=False, repeat=None):
     progress("bench: overhead fraction sweep ...")
     sweep = overhead_sweep(overhead_ns, quick, repeat)
     progress("bench: tail latency of a mid-size call, idle and under load ...")
-    for when, (p50, p99) in zip(("idle", "every core busy with another process"),
-                                tail_latency(quick)):
+    for when, (p50, p99) in tail_latency(quick).items():
         record(f"mid-size roi_align call p50, {when}", p50, None, "s/call")
         record(f"mid-size roi_align call p99, {when}", p99, None, "s/call")
     progress("bench: import time ...")

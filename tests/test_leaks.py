@@ -15,7 +15,7 @@ LEAKCHECK = Path(__file__).resolve().parents[1] / "tools" / "leakcheck.py"
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc/self/statm")
 def test_small_calls_and_error_paths_keep_rss_flat(tmp_path):
     figures = tmp_path / "leak.json"
-    # one OpenMP thread: the check is about memory, and spinning up a team
+    # one thread: the check is about memory, and waking workers
     # for every tiny call is slow on a busy 2-core machine
     proc = subprocess.run(
         [sys.executable, str(LEAKCHECK), "--calls", "30000", "--max-growth-kib", "2048",

@@ -16,7 +16,7 @@
 #        nm -D --defined-only <each .so in the wheel>
 #   3. auditwheel show <wheel>, then
 #        auditwheel repair --strip -w wheelhouse/<flavour> <wheel>
-#      (grafts libgomp, sets the manylinux tag, strips debug info);
+#      (sets the manylinux tag, strips debug info);
 #   4. a fresh venv gets only the repaired wheel and the test extra, from
 #      binaries (--only-binary :all:, so no compiler is involved), and runs
 #      the whole test suite from a copy of tests/ outside the source tree,

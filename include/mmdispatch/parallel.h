@@ -1,15 +1,55 @@
-/* When a CPU kernel forks OpenMP threads. */
+/* The CPU kernels' parallel loops (src/core/parallel.c).
+ *
+ * mmd_parallel_for runs a loop on the calling thread and on a pool of worker
+ * threads that take its items in chunks. Unlike an OpenMP region, whose end
+ * waits for every thread of the team, the caller never waits for a worker
+ * that has not started: a worker joins a loop only by claiming a chunk of
+ * it, and the caller, once no chunk is left, waits only for the chunks
+ * being run. On a machine whose cores are busy, a worker the scheduler has
+ * not run yet leaves its share to the threads that are running, instead of
+ * stalling the call by a scheduler time slice (milliseconds). Idle workers
+ * sleep (after polling for 50 microseconds). */
 #ifndef MMDISPATCH_PARALLEL_H
 #define MMDISPATCH_PARALLEL_H
 
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Runs items [begin, end) of a loop; returns MMD_OK or an error status (set
+ * with mmd_error), which stops the loop from starting further chunks. */
+typedef int (*mmd_range_fn)(const void *loop, int64_t begin, int64_t end);
+
+/* Runs fn over [0, items) in chunks of `chunk` items (the last shorter):
+ * on the pool when `parallel` and it has workers, else in order on the
+ * calling thread (also when another thread's loop holds the pool). Returns
+ * MMD_OK or the first error a chunk returned, its message set for the
+ * caller's thread. */
+int mmd_parallel_for(int64_t items, int64_t chunk, int parallel, mmd_range_fn fn,
+                     const void *loop);
+
+/* Threads a loop may use, the caller's included: OMP_NUM_THREADS when set
+ * (as OpenMP programs take it), else the CPUs this process may run on. */
+int mmd_max_threads(void);
+
 /* Whether `items` independent items of `work` elementary steps in all are
- * worth a parallel region: forking and joining the team costs about as much
- * as a few thousand steps, and a single item cannot be shared. Small calls
- * then run serially without entering the OpenMP runtime at all. */
+ * worth sharing out: waking a worker costs about as much as a few thousand
+ * steps, and a single item cannot be shared. */
 static inline int mmd_worth_threads(int64_t items, int64_t work) {
     return items > 1 && work >= 4096;
 }
+
+/* A chunk size for `items` even items: about 8 chunks per thread, so that
+ * a thread that starts late or runs slow holds up little. */
+static inline int64_t mmd_even_chunk(int64_t items) {
+    const int64_t chunk = items / (8 * (int64_t)mmd_max_threads());
+    return chunk > 0 ? chunk : 1;
+}
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

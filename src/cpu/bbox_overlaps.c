@@ -62,24 +62,40 @@ MMD_REGISTRATIONS(cpu, bbox_overlaps) {
 #define T MMD_REAL
 #define TFN MMD_FN
 
+/* The loop over rows of bboxes1. */
+struct TFN(overlaps_loop) {
+    const T *a, *b;
+    T *out;
+    int64_t cols;
+    int iof, aligned;
+    T offset;
+};
+
+static int TFN(overlap_rows)(const void *loop, int64_t begin, int64_t end) {
+    const struct TFN(overlaps_loop) *l = (const struct TFN(overlaps_loop) *)loop;
+    const T *a = l->a, *b = l->b;
+    for (int64_t i = begin; i < end; ++i) {
+        if (l->aligned) {
+            l->out[i] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * i, l->iof, l->offset);
+            continue;
+        }
+        for (int64_t j = 0; j < l->cols; ++j)
+            l->out[i * l->cols + j] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * j, l->iof,
+                                                           l->offset);
+    }
+    return MMD_OK;
+}
+
 static void TFN(bbox_overlaps)(const mmd_tensor *bboxes1, const mmd_tensor *bboxes2,
                                const mmd_tensor *ious, int64_t mode, int aligned,
                                int64_t offset) {
     const int64_t rows = bboxes1->shape[0], cols = bboxes2->shape[0];
-    const T *a = (const T *)bboxes1->data, *b = (const T *)bboxes2->data;
-    T *out = (T *)ious->data;
-    const T off = (T)offset;
-    const int iof = mode == MMD_OVERLAP_IOF;
-    const int64_t work = aligned ? rows : rows * cols;
-#pragma omp parallel for schedule(static) if (mmd_worth_threads(rows, work))
-    for (int64_t i = 0; i < rows; ++i) {
-        if (aligned) {
-            out[i] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * i, iof, off);
-            continue;
-        }
-        for (int64_t j = 0; j < cols; ++j)
-            out[i * cols + j] = TFN(mmd_box_overlap)(a + 4 * i, b + 4 * j, iof, off);
-    }
+    const struct TFN(overlaps_loop) loop = {
+        (const T *)bboxes1->data, (const T *)bboxes2->data, (T *)ious->data, cols,
+        mode == MMD_OVERLAP_IOF, aligned, (T)offset};
+    mmd_parallel_for(rows, mmd_even_chunk(rows),
+                     mmd_worth_threads(rows, aligned ? rows : rows * cols), TFN(overlap_rows),
+                     &loop);
 }
 
 #undef T

@@ -2,17 +2,13 @@
  * call returns, so there is nothing to wait for. */
 #include <stdio.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "mmdispatch/parallel.h"
 
 int mmd_cpu_init(char *status, size_t size, int *device_count) {
     *device_count = 1;
-#ifdef _OPENMP
-    snprintf(status, size, "available; OpenMP, up to %d threads", omp_get_max_threads());
-#else
-    snprintf(status, size, "available; single-threaded (built without OpenMP)");
-#endif
+    const int threads = mmd_max_threads();
+    snprintf(status, size, "available; up to %d thread%s (OMP_NUM_THREADS or the CPUs "
+             "available)", threads, threads == 1 ? "" : "s");
     return 0;
 }
 

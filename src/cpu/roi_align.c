@@ -1,6 +1,6 @@
 /* roi_align on CPU: argument checks shared with CUDA, a `reference` backend (plain scalar
  * loops, one sample at a time, single thread) and a `default` backend (per-roi interpolation
- * weights computed once per axis, OpenMP threads; backward parallel over channels, so it is
+ * weights computed once per axis, worker threads; backward parallel over channels, so it is
  * race-free and deterministic). The typed kernels (after #else, with T / TFN naming the type
  * and the name suffix) are instantiated for float and double through mmdispatch/typed.h. */
 #ifndef MMD_REAL
@@ -25,23 +25,26 @@ static int grow(void **buf, size_t *cap, size_t need, size_t item, const void *f
     return 1;
 }
 
-/* Runs channel(job, c) for every channel, on OpenMP threads when
- * `parallel` (dynamic: rois make channels uneven); channel returns 0 when
- * out of memory. */
+/* A loop over channels: channel(job, c) for each, 0 when out of memory. */
+struct channel_loop {
+    int (*channel)(const void *, int64_t);
+    const void *job;
+};
+
+static int channel_range(const void *loop, int64_t begin, int64_t end) {
+    const struct channel_loop *l = (const struct channel_loop *)loop;
+    for (int64_t c = begin; c < end; ++c)
+        if (!l->channel(l->job, c))
+            return mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights");
+    return MMD_OK;
+}
+
+/* Runs channel(job, c) for every channel, on the worker pool when
+ * `parallel` (a channel at a time: rois make channels uneven). */
 static int for_each_channel(int (*channel)(const void *, int64_t), const void *job,
                             int64_t channels, int parallel) {
-    int failed = 0;
-    if (!parallel) {
-        for (int64_t c = 0; c < channels && !failed; ++c) failed = !channel(job, c);
-    } else {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t c = 0; c < channels; ++c)
-            if (!channel(job, c)) {
-#pragma omp atomic write
-                failed = 1;
-            }
-    }
-    return failed ? mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights") : MMD_OK;
+    const struct channel_loop loop = {channel, job};
+    return mmd_parallel_for(channels, 1, parallel, channel_range, &loop);
 }
 
 #define MMD_TYPED_FILE "roi_align.c"

@@ -1,4 +1,4 @@
-/* roi_pool on CPU. Forward splits (roi, channel) planes over OpenMP threads; backward gives
+/* roi_pool on CPU. Forward splits (roi, channel) planes over worker threads; backward gives
  * each thread whole channels and visits rois in order, so it is race-free and deterministic.
  * The typed kernels (after #else, with T / TFN naming the type and the name suffix) are
  * instantiated for float and double through mmdispatch/typed.h. */
@@ -126,26 +126,25 @@ static int TFN(check_rois)(const mmd_tensor *rois, int64_t batch, T spatial_scal
     return MMD_OK;
 }
 
-static int TFN(roi_pool_forward)(const mmd_tensor *input, const mmd_tensor *rois,
-                                 const mmd_tensor *output, const mmd_tensor *argmax,
-                                 T spatial_scale) {
-    const int64_t batch = input->shape[0], channels = input->shape[1];
-    const int64_t height = input->shape[2], width = input->shape[3];
-    const int64_t pooled_h = output->shape[2], pooled_w = output->shape[3];
-    const int64_t num_rois = rois->shape[0];
-    int s = TFN(check_rois)(rois, batch, spatial_scale, pooled_h, pooled_w);
-    if (s || mmd_numel(output) == 0) return s;
-    const T *in = (const T *)input->data, *r = (const T *)rois->data;
-    T *out = (T *)output->data;
-    int64_t *am = (int64_t *)argmax->data;
-    const int64_t planes = num_rois * channels, bins = pooled_h * pooled_w;
+/* The forward's loop over (roi, channel) planes. */
+struct TFN(forward_loop) {
+    const T *in, *rois;
+    T *out;
+    int64_t *argmax;
+    int64_t batch, channels, height, width, pooled_h, pooled_w;
+    T spatial_scale;
+};
 
-#pragma omp parallel for schedule(dynamic, 16) if (mmd_worth_threads(planes, planes * bins))
-    for (int64_t p = 0; p < planes; ++p) {
+static int TFN(forward_planes)(const void *loop, int64_t begin, int64_t end) {
+    const struct TFN(forward_loop) *l = (const struct TFN(forward_loop) *)loop;
+    const int64_t channels = l->channels, height = l->height, width = l->width;
+    const int64_t pooled_h = l->pooled_h, pooled_w = l->pooled_w, bins = pooled_h * pooled_w;
+    for (int64_t p = begin; p < end; ++p) {
         const int64_t k = p / channels, c = p % channels;
         TFN(geometry) g = {0};
-        TFN(mmd_roi_pool_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
-        const T *plane = in + (g.batch * channels + c) * height * width;
+        TFN(mmd_roi_pool_geometry)(l->rois + 5 * k, l->batch, l->spatial_scale, pooled_h,
+                                   pooled_w, &g);
+        const T *plane = l->in + (g.batch * channels + c) * height * width;
         for (int64_t ph = 0; ph < pooled_h; ++ph) {
             int64_t h0, h1;
             TFN(mmd_roi_pool_bin)(g.start_h, g.bin_h, ph, height, &h0, &h1);
@@ -166,11 +165,53 @@ static int TFN(roi_pool_forward)(const mmd_tensor *input, const mmd_tensor *rois
                         }
                     }
                 const int64_t o = p * bins + ph * pooled_w + pw;
-                out[o] = best_index >= 0 ? best : (saw_nan ? (T)NAN : (T)0);
-                am[o] = best_index;
+                l->out[o] = best_index >= 0 ? best : (saw_nan ? (T)NAN : (T)0);
+                l->argmax[o] = best_index;
             }
         }
     }
+    return MMD_OK;
+}
+
+static int TFN(roi_pool_forward)(const mmd_tensor *input, const mmd_tensor *rois,
+                                 const mmd_tensor *output, const mmd_tensor *argmax,
+                                 T spatial_scale) {
+    const int64_t batch = input->shape[0], channels = input->shape[1];
+    const int64_t pooled_h = output->shape[2], pooled_w = output->shape[3];
+    int s = TFN(check_rois)(rois, batch, spatial_scale, pooled_h, pooled_w);
+    if (s || mmd_numel(output) == 0) return s;
+    const struct TFN(forward_loop) loop = {
+        (const T *)input->data, (const T *)rois->data, (T *)output->data,
+        (int64_t *)argmax->data, batch, channels, input->shape[2], input->shape[3], pooled_h,
+        pooled_w, spatial_scale};
+    const int64_t planes = rois->shape[0] * channels;
+    return mmd_parallel_for(planes, 16, mmd_worth_threads(planes, planes * pooled_h * pooled_w),
+                            TFN(forward_planes), &loop);
+}
+
+/* The backward's loop over channels: a channel's gradients come from its
+ * rois in order, so each sum has one order (deterministic, race-free). */
+struct TFN(backward_loop) {
+    const T *grad_output, *rois;
+    const int64_t *argmax;
+    T *grad_input;
+    int64_t batch, channels, plane_size, num_rois, pooled_h, pooled_w;
+    T spatial_scale;
+};
+
+static int TFN(backward_channels)(const void *loop, int64_t begin, int64_t end) {
+    const struct TFN(backward_loop) *l = (const struct TFN(backward_loop) *)loop;
+    const int64_t channels = l->channels, bins = l->pooled_h * l->pooled_w;
+    for (int64_t c = begin; c < end; ++c)
+        for (int64_t k = 0; k < l->num_rois; ++k) {
+            TFN(geometry) g = {0};
+            TFN(mmd_roi_pool_geometry)(l->rois + 5 * k, l->batch, l->spatial_scale, l->pooled_h,
+                                       l->pooled_w, &g);
+            T *plane = l->grad_input + (g.batch * channels + c) * l->plane_size;
+            const int64_t base = (k * channels + c) * bins;
+            for (int64_t b = 0; b < bins; ++b)
+                if (l->argmax[base + b] >= 0) plane[l->argmax[base + b]] += l->grad_output[base + b];
+        }
     return MMD_OK;
 }
 
@@ -181,7 +222,7 @@ static int TFN(roi_pool_backward)(const mmd_tensor *grad_output, const mmd_tenso
     const int64_t batch = grad_input->shape[0], channels = grad_input->shape[1];
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
     const int64_t pooled_h = grad_output->shape[2], pooled_w = grad_output->shape[3];
-    const int64_t num_rois = rois->shape[0], bins = pooled_h * pooled_w;
+    const int64_t num_rois = rois->shape[0];
     int s = TFN(check_rois)(rois, batch, spatial_scale, pooled_h, pooled_w);
     if (s) return s;
     const int64_t *am = (const int64_t *)argmax->data;
@@ -190,21 +231,11 @@ static int TFN(roi_pool_backward)(const mmd_tensor *grad_output, const mmd_tenso
         if (am[i] < -1 || am[i] >= plane_size)
             return mmd_roi_pool_argmax_error(i, am[i], plane_size);
     if (total == 0 || mmd_numel(grad_input) == 0) return MMD_OK;
-    const T *go = (const T *)grad_output->data, *r = (const T *)rois->data;
-    T *gi = (T *)grad_input->data;
-
-#pragma omp parallel for schedule(dynamic, 1) \
-    if (mmd_worth_threads(channels, channels * num_rois * pooled_h * pooled_w))
-    for (int64_t c = 0; c < channels; ++c)
-        for (int64_t k = 0; k < num_rois; ++k) {
-            TFN(geometry) g = {0};
-            TFN(mmd_roi_pool_geometry)(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
-            T *plane = gi + (g.batch * channels + c) * plane_size;
-            const int64_t base = (k * channels + c) * bins;
-            for (int64_t b = 0; b < bins; ++b)
-                if (am[base + b] >= 0) plane[am[base + b]] += go[base + b];
-        }
-    return MMD_OK;
+    const struct TFN(backward_loop) loop = {
+        (const T *)grad_output->data, (const T *)rois->data, am, (T *)grad_input->data, batch,
+        channels, plane_size, num_rois, pooled_h, pooled_w, spatial_scale};
+    return mmd_parallel_for(channels, 1, mmd_worth_threads(channels, total), TFN(backward_channels),
+                            &loop);
 }
 
 #undef T

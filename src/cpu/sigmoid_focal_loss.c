@@ -5,6 +5,7 @@
 #ifndef MMD_REAL
 
 #include "mmdispatch/ops/sigmoid_focal_loss.h"
+#include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 
 #define MMD_TYPED_FILE "sigmoid_focal_loss.c"
@@ -98,25 +99,43 @@ MMD_REGISTRATIONS(cpu, sigmoid_focal_loss) {
 #define T MMD_REAL
 #define TFN MMD_FN
 
+/* The loop over rows of the loss (backward = 0) or its gradient (1). */
+struct TFN(focal_loop) {
+    int backward;
+    const T *input, *weight;
+    const int64_t *target;
+    T *output;
+    int64_t classes;
+    T gamma, alpha;
+};
+
+static int TFN(focal_rows)(const void *loop, int64_t begin, int64_t end) {
+    const struct TFN(focal_loop) *l = (const struct TFN(focal_loop) *)loop;
+    const int64_t classes = l->classes, *t = l->target;
+    for (int64_t i = begin; i < end; ++i) {
+        const T scale = (l->weight && t[i] < classes) ? l->weight[t[i]] : (T)1;
+        for (int64_t c = 0; c < classes; ++c) {
+            const int64_t o = i * classes + c;
+            const int positive = c == t[i];
+            const T x = l->input[o];
+            l->output[o] = scale * (l->backward
+                                        ? TFN(mmd_focal_loss_grad)(x, positive, l->gamma, l->alpha)
+                                        : TFN(mmd_focal_loss)(x, positive, l->gamma, l->alpha));
+        }
+    }
+    return MMD_OK;
+}
+
 /* Loss (backward = 0) or its gradient (backward = 1) for every element. */
 static void TFN(focal_loss)(int backward, const mmd_tensor *input, const mmd_tensor *target,
                             const mmd_tensor *weight, const mmd_tensor *output, T gamma,
                             T alpha) {
     const int64_t rows = input->shape[0], classes = input->shape[1];
-    const T *x = (const T *)input->data;
-    const int64_t *t = (const int64_t *)target->data;
-    const T *w = weight ? (const T *)weight->data : NULL;
-    T *out = (T *)output->data;
-#pragma omp parallel for schedule(static) if (rows * classes > 16384)
-    for (int64_t i = 0; i < rows; ++i) {
-        const T scale = (w && t[i] < classes) ? w[t[i]] : (T)1;
-        for (int64_t c = 0; c < classes; ++c) {
-            const int64_t o = i * classes + c;
-            const int positive = c == t[i];
-            out[o] = scale * (backward ? TFN(mmd_focal_loss_grad)(x[o], positive, gamma, alpha)
-                                       : TFN(mmd_focal_loss)(x[o], positive, gamma, alpha));
-        }
-    }
+    const struct TFN(focal_loop) loop = {
+        backward, (const T *)input->data, weight ? (const T *)weight->data : NULL,
+        (const int64_t *)target->data, (T *)output->data, classes, gamma, alpha};
+    /* an element (exp, log1p, pow) costs several steps: shared out from 16384 */
+    mmd_parallel_for(rows, mmd_even_chunk(rows), rows * classes > 16384, TFN(focal_rows), &loop);
 }
 
 #undef T

@@ -1,0 +1,110 @@
+"""The CPU kernels' worker pool (src/core/parallel.c): the thread count,
+results that do not depend on it, calls from several threads at once, and
+a child forked after the pool has started."""
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import mmdispatch
+from mmdispatch.ops import bbox_overlaps, roi_align, roi_pool, sigmoid_focal_loss_backward
+
+# big enough that every op shares its loop out (mmd_worth_threads)
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, 32, 40, 40))
+XY = RNG.uniform(0, 30, (64, 2))
+ROIS = np.concatenate([RNG.integers(0, 2, (64, 1)), XY, XY + RNG.uniform(1, 10, (64, 2))], 1)
+BOXES = np.concatenate([XY, XY + 5], 1)
+LOGITS = RNG.standard_normal((4096, 8))
+
+
+def outputs():
+    return [roi_align(X, ROIS, 7, 1.0, 2), roi_align(X, ROIS, 5, 0.5, 0, "max"),
+            roi_pool(X, ROIS, 7), bbox_overlaps(BOXES, BOXES),
+            sigmoid_focal_loss_backward(LOGITS, np.arange(4096) % 9)]
+
+
+def script(body):
+    """Python code that imports this module's workload, then runs `body`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (f"import os, sys; sys.path.insert(0, {here!r})\n"
+            "import numpy as np, test_parallel as t\n" + body)
+
+
+def run(code, tmp_path, threads):
+    """stdout of `code` in a fresh interpreter with OMP_NUM_THREADS=threads."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_thread_count_comes_from_omp_num_threads_and_shows_in_the_cpu_status(tmp_path):
+    code = "import mmdispatch; print(mmdispatch.devices()[0]['status'])"
+    assert run(code, tmp_path, 3).startswith("available; up to 3 threads")
+    assert run(code, tmp_path, 1).startswith("available; up to 1 thread ")
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_results_are_the_same_bits_whatever_the_thread_count(threads, tmp_path):
+    """Every item is computed by one thread in a fixed order, so the thread
+    count changes nothing (the roi_align and roi_pool backward too: each
+    channel is one thread's)."""
+    code = script(
+            "from mmdispatch.ops import roi_align_backward, roi_pool_backward, roi_pool_forward\n"
+            "out = t.outputs()\n"
+            "pooled, argmax = roi_pool_forward(t.X, t.ROIS, 7)\n"
+            "out.append(roi_pool_backward(np.ones_like(pooled), t.ROIS, argmax, t.X.shape))\n"
+            "out.append(roi_align_backward(np.ones((64, 32, 7, 7)), t.ROIS, None, None, "
+            "t.X.shape, 1.0, 2))\n"
+            "np.savez(sys.argv[1] if len(sys.argv) > 1 else 'out.npz', *out)\n")
+    run(code, tmp_path, threads)
+    got = np.load(tmp_path / "out.npz")
+    (tmp_path / "one").mkdir()
+    run(code, tmp_path / "one", 1)
+    expected = np.load(tmp_path / "one" / "out.npz")
+    for name in expected.files:
+        np.testing.assert_array_equal(got[name], expected[name])
+
+
+def test_calls_from_several_threads_at_once_are_each_right():
+    """One call at a time has the workers; the others run on their own
+    thread, and every result is the same as alone."""
+    expected = outputs()
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = outputs()
+        except Exception as exc:   # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for got in results.values():
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_parallel_calls_runs_them_too(tmp_path):
+    """Only the forking thread survives a fork: the child starts its own
+    workers instead of waiting for the parent's."""
+    code = script(
+            "before = t.outputs()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    after = t.outputs()\n"
+            "    ok = all(np.array_equal(a, b) for a, b in zip(before, after))\n"
+            "    os._exit(0 if ok else 3)\n"
+            "_, status = os.waitpid(pid, 0)\n"
+            "print(os.waitstatus_to_exitcode(status))\n")
+    assert run(code, tmp_path, 2).strip() == "0"
