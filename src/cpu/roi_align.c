@@ -44,7 +44,8 @@ static int channel_range(const void *loop, int64_t begin, int64_t end) {
 static int for_each_channel(int (*channel)(const void *, int64_t), const void *job,
                             int64_t channels, int parallel) {
     const struct channel_loop loop = {channel, job};
-    return mmd_parallel_for(channels, 1, parallel, channel_range, &loop);
+    return parallel ? mmd_parallel_for(channels, 1, 1, channel_range, &loop)
+                    : channel_range(&loop, 0, channels);
 }
 
 #define MMD_TYPED_FILE "roi_align.c"
