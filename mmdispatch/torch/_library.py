@@ -29,6 +29,7 @@ Each entry point `E(...)` becomes a functional custom op
 """
 import functools
 import importlib
+import itertools
 import pkgutil
 
 import torch
@@ -122,16 +123,16 @@ class DerivedOp:
         return self.run(*args, eager=not needs_grad)
 
     def output_specs(self, args):
-        """(parameter index, shape, dtype, zeros) of every output of a call:
-        from the allocation lines of signatures.txt, evaluated on the
-        arguments (tensors or FakeTensors), or from the call's (shape, dtype)
-        arguments for an output without one."""
-        first_dtype = args[self.first_input].dtype
-        specs = [(k, shape, first_dtype if dtype is None else dtype, zeros)
-                 for (k, dtype, zeros), shape in zip(self.declared, self.shapes(args))]
-        if self.undeclared:
-            specs += [(k, args[i], args[i + 1], zeros) for k, i, zeros in self.undeclared]
-        return specs
+        """((parameter index, dtype or None for the first array's, zeros),
+        shape) of every output of a call: from the allocation lines of
+        signatures.txt, evaluated on the arguments (tensors or FakeTensors),
+        or from the call's (shape, dtype) arguments for an output without
+        one."""
+        specs = zip(self.declared, self.shapes(args))
+        if not self.undeclared:
+            return specs
+        return itertools.chain(specs, [((k, args[i + 1], zeros), args[i])
+                                       for k, i, zeros in self.undeclared])
 
     def run(self, *args, eager=False):
         first = args[self.first_input]
@@ -151,7 +152,9 @@ class DerivedOp:
                 if call[k] is not None and call[k].dtype in _LOW_PRECISION:
                     call[k] = call[k].float()
         wanted = {}   # output -> its dtype, where the kernel computes it in float32
-        for k, shape, dtype, zeros in self.output_specs(args):
+        first_dtype = first.dtype
+        for (k, dtype, zeros), shape in self.output_specs(args):
+            dtype = dtype or first_dtype
             if upcast and dtype in _LOW_PRECISION:
                 wanted[k], dtype = dtype, torch.float32
             if eager and tuple(shape) == _EMPTY_SHAPE:   # an output the call leaves unused
@@ -215,7 +218,9 @@ class DerivedOp:
 
     def fake(self, *args):
         device = args[self.first_input].device
-        specs = {k: (shape, dtype) for k, shape, dtype, _ in self.output_specs(args)}
+        first_dtype = args[self.first_input].dtype
+        specs = {k: (shape, dtype or first_dtype)
+                 for (k, dtype, _), shape in self.output_specs(args)}
         results = []
         for k, length in self.returns:
             shape, dtype = specs[k]

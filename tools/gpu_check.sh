@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The checks a GPU machine is for, each part one command: a borrowed GPU
+# machine goes cold soon after a command ends, and one command may run
+# about 10 minutes, so each part builds what it needs and logs under $OUT.
+#
+#   tools/gpu_check.sh tests      build, then the whole suite from outside the tree
+#   tools/gpu_check.sh sanitize   build, then compute-sanitizer memcheck on the CUDA
+#                                 tests and racecheck on the deterministic backend
+#   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
+#
+# Environment: OUT (logs; default ./gpu-logs), PYTHON (default python3),
+# MMDISPATCH_CUDA_ARCH_LIST (default 9.0: one arch builds in about a minute),
+# SKIP_BUILD=1 to use the mmdispatch already installed, JOBS (pytest -n,
+# default 12). The last lines of each log are printed at the end.
+set -uo pipefail
+part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$PWD/gpu-logs}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    start=$(date +%s)
+    (cd "$repo" && MMDISPATCH_CUDA_ARCH_LIST=${MMDISPATCH_CUDA_ARCH_LIST:-9.0} \
+        "$py" -m pip install --no-build-isolation --no-deps . > "$out/build.log" 2>&1) || {
+        tail -40 "$out/build.log"; exit 1; }
+    echo "build: $(( $(date +%s) - start )) s"
+fi
+# outside the source tree: its mmdispatch/ has no compiled extension
+cd /tmp
+"$py" -c "import mmdispatch; print([d['device'] + ': ' + d['status'] for d in mmdispatch.devices()])"
+
+case "$part" in
+tests)
+    "$py" -m pytest "$repo/tests" -n "${JOBS:-12}" -q -ra -p no:cacheprovider \
+        > "$out/pytest.log" 2>&1
+    echo "pytest exit $?"; tail -25 "$out/pytest.log"
+    ;;
+sanitize)
+    # memcheck: every CUDA test of the ops and of deferred errors (bad data
+    # made harmless must never read or write out of bounds)
+    timeout 420 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
+        "$py" -m pytest "$repo/tests/ops" "$repo/tests/test_deferred.py" -q -k cuda \
+        -p no:cacheprovider > "$out/memcheck.log" 2>&1
+    echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -5
+    timeout 150 compute-sanitizer --tool racecheck --error-exitcode 99 \
+        "$py" -m pytest "$repo/tests/ops/test_roi_align.py" "$repo/tests/ops/test_roi_pool.py" \
+        -q -k "cuda and deterministic" -p no:cacheprovider > "$out/racecheck.log" 2>&1
+    echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" \
+        "$out/racecheck.log" | tail -5
+    ;;
+bench)
+    "$py" -m mmdispatch bench --repeat 5 --json "$out/bench.json" > "$out/bench.txt" 2>&1
+    echo "bench exit $?"; tail -60 "$out/bench.txt"
+    ;;
+*)
+    echo "unknown part: $part (tests, sanitize or bench)" >&2; exit 2
+    ;;
+esac
