@@ -12,11 +12,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Must match the flags in _core.pxd.
+# The array-argument flags and limits: their one source. generate_header
+# writes them into mmdispatch_generated.h as MMD_*, which _core.pxd reads,
+# and asserts MAX_NDIM against tensor.h's MMD_MAX_NDIM (the kernel ABI).
 ARG_OUTPUT = 1
 ARG_OPTIONAL = 2
 ARG_ACCUMULATE = 4   # an output the kernel adds into: callers pass it initialised
 MAX_ARRAY_ARGS = 16
+MAX_NDIM = 8
 
 _ARRAY_TYPES = {"Tensor": 0, "Tensor!": ARG_OUTPUT, "Tensor+": ARG_OUTPUT | ARG_ACCUMULATE,
                 "Tensor?": ARG_OPTIONAL}
@@ -160,8 +163,8 @@ def _check_shape(op, alloc, earlier):
 
     def shape(node):
         if isinstance(node, ast.Tuple):
-            if not 1 <= len(node.elts) <= 8:
-                fail(node, "a shape has 1 to 8 sizes")
+            if not 1 <= len(node.elts) <= MAX_NDIM:
+                fail(node, f"a shape has 1 to {MAX_NDIM} sizes")
             for e in node.elts:
                 size(e)
         elif isinstance(node, ast.IfExp):
@@ -181,8 +184,8 @@ def _check_shape(op, alloc, earlier):
         elif isinstance(node, ast.Subscript):
             array(node.value)
             if not (isinstance(node.slice, ast.Constant) and type(node.slice.value) is int
-                    and 0 <= node.slice.value < 8):
-                fail(node, "index a shape with an int literal in [0, 8)")
+                    and 0 <= node.slice.value < MAX_NDIM):
+                fail(node, f"index a shape with an int literal in [0, {MAX_NDIM})")
         elif isinstance(node, ast.BinOp) and isinstance(
                 node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
             size(node.left)
@@ -297,6 +300,17 @@ def generate_header(ops) -> str:
         '#include "mmdispatch/registry.h"',
         "#ifdef __cplusplus",
         'extern "C" {',
+        "#endif",
+        "",
+        "/* The dispatcher's array-argument flags and limit (_codegen.py). */",
+        f"#define MMD_ARG_OUTPUT {ARG_OUTPUT}",
+        f"#define MMD_ARG_OPTIONAL {ARG_OPTIONAL}",
+        f"#define MMD_ARG_ACCUMULATE {ARG_ACCUMULATE}",
+        f"#define MMD_MAX_ARRAY_ARGS {MAX_ARRAY_ARGS}",
+        "#ifdef __cplusplus",
+        f'static_assert(MMD_MAX_NDIM == {MAX_NDIM}, "_codegen.MAX_NDIM is tensor.h\'s MMD_MAX_NDIM");',
+        "#else",
+        f'_Static_assert(MMD_MAX_NDIM == {MAX_NDIM}, "_codegen.MAX_NDIM is tensor.h\'s MMD_MAX_NDIM");',
         "#endif",
         "",
         "typedef struct {",

@@ -34,8 +34,8 @@ cdef extern from "mmdispatch/tensor.h" nogil:
         MMD_NUM_DTYPES
     ctypedef struct mmd_tensor:
         void *data
-        int64_t shape[8]      # MMD_MAX_NDIM
-        int64_t strides[8]
+        int64_t shape[MMD_MAX_NDIM]
+        int64_t strides[MMD_MAX_NDIM]
         int32_t ndim
         int32_t dtype
         int32_t device_type
@@ -111,11 +111,14 @@ cdef enum:
     DLPACK_FLAG_READ_ONLY = 1    # DLPACK_FLAG_BITMASK_READ_ONLY
     DLPACK_FLAG_IS_COPIED = 2    # DLPACK_FLAG_BITMASK_IS_COPIED
 
-cdef enum:
-    MAX_ARRAY_ARGS = 16  # _codegen.MAX_ARRAY_ARGS
-    ARG_OUTPUT = 1       # _codegen.ARG_OUTPUT
-    ARG_OPTIONAL = 2     # _codegen.ARG_OPTIONAL
-    ARG_ACCUMULATE = 4   # _codegen.ARG_ACCUMULATE (with ARG_OUTPUT: Tensor+)
+# The array-argument flags and limit, written into the generated header by
+# _codegen.py (their one source).
+cdef extern from "mmdispatch_generated.h":
+    enum:
+        MAX_ARRAY_ARGS "MMD_MAX_ARRAY_ARGS"
+        ARG_OUTPUT "MMD_ARG_OUTPUT"
+        ARG_OPTIONAL "MMD_ARG_OPTIONAL"
+        ARG_ACCUMULATE "MMD_ARG_ACCUMULATE"   # with ARG_OUTPUT: Tensor+
 
 cdef enum ArrayKind:
     KIND_NONE = 0   # optional argument given as None
