@@ -17,24 +17,9 @@ except ImportError as _exc:   # the source tree shadows the installed package
             "extension: run Python from another directory to use the installed mmdispatch, or "
             "build in place with `pip install -e .`") from _exc
     raise
-from mmdispatch._core import (
-    DeferredKernelError,
-    DeviceMismatchError,
-    KernelHandle,
-    KernelNotFoundError,
-    backends,
-    device_name,
-    devices,
-    get_backend,
-    is_strict,
-    kernel_capsule_name,
-    op_signatures,
-    register_impl,
-    registry_table,
-    strict,
-    synchronize,
-    use_backend,
-)
+from mmdispatch._names import FROM_CORE as _FROM_CORE, OWN as _OWN
+
+globals().update({name: getattr(_core, name) for name in _FROM_CORE})
 from mmdispatch._version import __version__
 from mmdispatch import _cuda  # resolves __cuda_array_interface__ pointers' devices
 
@@ -51,25 +36,4 @@ def build_info():
     return dict(BUILD_INFO)
 
 
-__all__ = [
-    "DeferredKernelError",
-    "DeviceMismatchError",
-    "KernelHandle",
-    "KernelNotFoundError",
-    "backends",
-    "build_info",
-    "device_name",
-    "devices",
-    "get_backend",
-    "is_strict",
-    "kernel_capsule_name",
-    "op_signatures",
-    "ops",
-    "register_impl",
-    "registry_table",
-    "strict",
-    "synchronize",
-    "use_backend",
-    "__version__",
-    *_core.op_signatures(),
-]
+__all__ = [*_FROM_CORE, *_OWN, *_core.op_signatures()]
