@@ -105,10 +105,11 @@ static void poll_briefly(int (*waiting)(unsigned long), unsigned long arg) {
         if (i % 64 == 0 && nanoseconds_since(&start) > kPollNanoseconds) return;
 }
 
-static void *worker(void *unused) {
-    (void)unused;
+/* `first_unseen`: the generation before the loop that started the worker,
+ * so that it joins that loop too. */
+static void *worker(void *first_unseen) {
+    unsigned long seen = (unsigned long)(uintptr_t)first_unseen;
     pthread_mutex_lock(&pool.lock);
-    unsigned long seen = pool.generation;
     for (;;) {
         if (pool.generation == seen) {
             /* back-to-back calls: a worker still awake joins the next one
@@ -159,7 +160,8 @@ static int start_workers(void) {
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     while (pool.workers < wanted) {
         pthread_t thread;
-        if (pthread_create(&thread, &attr, worker, NULL) != 0) break;
+        if (pthread_create(&thread, &attr, worker, (void *)(uintptr_t)pool.generation) != 0)
+            break;
         pool.workers++;
     }
     pthread_attr_destroy(&attr);
