@@ -1,7 +1,7 @@
-"""A short run of the fuzz harness (tools/fuzz.py): arbitrary Python objects
+"""A short run of the fuzz harness (tests/support/fuzz.py): arbitrary Python objects
 into every dispatch entry point and user function for a few seconds, in a
 child process; no crash and no failure. The long run is
-`python tools/fuzz.py --seconds 600`."""
+`python tests/support/fuzz.py --seconds 600`."""
 import json
 import os
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzz harness draws its bytes with hypothesis")
 
-FUZZ = Path(__file__).resolve().parents[1] / "tools" / "fuzz.py"
+FUZZ = Path(__file__).resolve().parent / "support" / "fuzz.py"
 
 
 def run_fuzz(tmp_path, *extra):

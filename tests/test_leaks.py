@@ -1,6 +1,6 @@
-"""A short run of tools/leakcheck.py (answered and refused dispatches of
+"""A short run of tests/support/leakcheck.py (answered and refused dispatches of
 every kind, RSS from /proc/self/statm) in a fresh process; the long run is
-`python tools/leakcheck.py` (a million calls)."""
+`python tests/support/leakcheck.py` (a million calls)."""
 import json
 import os
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-LEAKCHECK = Path(__file__).resolve().parents[1] / "tools" / "leakcheck.py"
+LEAKCHECK = Path(__file__).resolve().parent / "support" / "leakcheck.py"
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc/self/statm")

@@ -154,6 +154,9 @@ def test_importing_the_source_tree_says_to_run_from_elsewhere(tmp_path):
     import sys
     from pathlib import Path
     source = Path(__file__).resolve().parents[1] / "mmdispatch"
+    if not (source.parent / "setup.py").exists():
+        pytest.skip("no source tree beside tests/ (a copy of tests/ alone, as the wheel "
+                    "build's test step runs it)")
     tree = tmp_path / "mmdispatch"
     tree.mkdir()
     shutil.copy(source / "__init__.py", tree / "__init__.py")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+if not README.exists():   # a copy of tests/ alone, as the wheel build's test step runs it
+    pytest.skip("no README.md beside tests/", allow_module_level=True)
 
 
 def python_blocks():

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Checks that many small dispatches keep the resident set flat.
 
-    python tools/leakcheck.py                  # a million calls
-    python tools/leakcheck.py --calls 20000 --max-growth-kib 8192 --json out.json
+    python tests/support/leakcheck.py                  # a million calls
+    python tests/support/leakcheck.py --calls 20000 --max-growth-kib 8192 --json out.json
 
 Cycles through small calls of every kind the dispatcher handles, answered
 and refused: numpy arrays on the fast path and strided ones, DLPack-only

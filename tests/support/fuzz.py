@@ -2,8 +2,8 @@
 """Fuzzes mmdispatch's dispatch entry points (mmdispatch.<op>_impl) and user
 functions (mmdispatch.ops.*) with arbitrary Python objects, for a fixed time.
 
-    python tools/fuzz.py --seconds 600             # the long run (2 workers)
-    python tools/fuzz.py --seconds 20 --json out   # what tests/test_fuzz.py runs
+    python tests/support/fuzz.py --seconds 600             # the long run (2 workers)
+    python tests/support/fuzz.py --seconds 20 --json out   # what tests/test_fuzz.py runs
 
 Arguments are drawn by hypothesis (one long sequence of fresh examples, no
 shrinking): None, bools, ints up to 2**100, floats with NaN / inf, strings,
@@ -685,7 +685,7 @@ def run_worker(args, worker, seconds, totals):
                                         else f"exit {proc.returncode}")
             totals["crashes"].append(dict(worker=worker, kind=kind,
                                           case=case.split("\n", 1)[-1], saved=saved,
-                                          replay=f"python tools/fuzz.py --replay {saved}",
+                                          replay=f"python tests/support/fuzz.py --replay {saved}",
                                           stderr=stderr[-2000:]))
             totals["cases"] += 1
         os.unlink(case_file)
