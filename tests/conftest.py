@@ -1,9 +1,15 @@
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import mmdispatch
+
+# tests/support on the path (appended: it shadows nothing) for the stand-in
+# arrays that the tests and the tools there share
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from stand_ins import FakeDeviceArray  # noqa: E402
 
 try:
     from hypothesis import HealthCheck, settings
@@ -50,24 +56,10 @@ def torch_cuda():
     mmdispatch.synchronize("cuda")
 
 
-class FakeDeviceArray:
-    """Stand-in for an array on another device: reports its device through
-    __dlpack_device__ and fails the test if anything tries to read it."""
-
-    def __init__(self, device_type=2, device_id=0):
-        self.device = (device_type, device_id)
-        self.exported = False
-
-    def __dlpack_device__(self):
-        return self.device
-
-    def __dlpack__(self, stream=None):
-        self.exported = True
-        raise AssertionError("the dispatcher touched a stand-in array's memory")
-
-
 class DLPackOnly:
-    """Wraps a numpy array so that only the DLPack protocol is visible."""
+    """Wraps a numpy array so that only the DLPack protocol is visible, and
+    only its unversioned form (__dlpack__ takes no max_version): the
+    dispatcher's fallback for pre-1.0 exporters."""
 
     def __init__(self, array):
         self.array = array

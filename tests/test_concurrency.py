@@ -14,23 +14,11 @@ import numpy as np
 import mmdispatch
 from mmdispatch import ops
 from mmdispatch._codegen import parse_signature
+from stand_ins import FakeDeviceArray  # tests/support, see conftest.py
 
 THREADS_DISPATCHING = 4
 THREADS_REGISTERING = 4
 ROUNDS = 150
-
-
-class OnDevice:
-    """An array on another device type, seen only through __dlpack_device__."""
-
-    def __init__(self, device_type):
-        self.device = (device_type, 0)
-
-    def __dlpack_device__(self):
-        return self.device
-
-    def __dlpack__(self, **kwargs):
-        raise AssertionError("the dispatcher read a stand-in array")
 
 
 def workload():
@@ -116,7 +104,7 @@ def test_dispatch_while_other_threads_register_and_remove_kernels():
                                                   override=True)
                 live.append(handle)
                 # the slot now dispatches to this kernel, in this thread's backend
-                arrays = [OnDevice(code) if p.is_array else 0
+                arrays = [FakeDeviceArray(code) if p.is_array else 0
                           for p in parse_signature(mmdispatch.op_signatures()[op_name]).params]
                 with mmdispatch.use_backend(device, backend):
                     got = getattr(mmdispatch, op_name)(*arrays)

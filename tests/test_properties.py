@@ -26,6 +26,7 @@ from hypothesis import event, given, note, strategies as st  # noqa: E402
 import mmdispatch  # noqa: E402
 from mmdispatch import ops  # noqa: E402
 from mmdispatch._codegen import parse_signature  # noqa: E402
+from stand_ins import DLPackOnly, FakeDeviceArray  # noqa: E402  (tests/support, see conftest.py)
 
 ALLOWED_ERRORS = (TypeError, ValueError, mmdispatch.KernelNotFoundError,
                   mmdispatch.DeviceMismatchError, MemoryError)
@@ -86,37 +87,11 @@ def strided_copy(values, how):
     raise ValueError(how)
 
 
-class DLPackOnly:
-    """Only __dlpack__ / __dlpack_device__: an array of some other library."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
-
-
 class ArrayInterfaceOnly:
     """Only numpy's __array_interface__, which the dispatcher does not take."""
 
     def __init__(self, array):
         self.__array_interface__ = array.__array_interface__
-
-
-class FakeDeviceArray:
-    """An array on another device, seen only through __dlpack_device__."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def __dlpack_device__(self):
-        return self.device
-
-    def __dlpack__(self, **kwargs):
-        raise AssertionError("the dispatcher read a stand-in array on another device")
 
 
 class SubArray(np.ndarray):
@@ -705,12 +680,12 @@ def bad_entry_call(draw, op_name):
     if kind == "device":
         p = draw(st.sampled_from(arrays))
         device = draw(st.sampled_from(OTHER_DEVICES))
-        bad[p.name] = FakeDeviceArray(device)
+        bad[p.name] = FakeDeviceArray(*device)
         return bad, f"{kind}: {p.name} on device {device}"
     if kind == "all_devices":
         device = draw(st.sampled_from(OTHER_DEVICES[:-1]))
         for p in arrays:
-            bad[p.name] = FakeDeviceArray(device)
+            bad[p.name] = FakeDeviceArray(*device)
         return bad, f"{kind}: every array on {device}"
     if kind == "dtype":
         p = draw(st.sampled_from(arrays))
@@ -1084,7 +1059,7 @@ def bad_user_call(draw):
         return name, args, f"arg {i} as {how}"
     if kind == "device":
         device = draw(st.sampled_from(OTHER_DEVICES[:-1]))
-        args[i] = FakeDeviceArray(device)
+        args[i] = FakeDeviceArray(*device)
         return name, args, f"arg {i} on {device}"
     if kind == "dtype":
         new = draw(st.sampled_from([np.float16, np.complex64, np.bool_, np.dtype(">f8")]

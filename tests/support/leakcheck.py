@@ -27,6 +27,7 @@ import numpy as np
 
 import mmdispatch
 from mmdispatch import _benchkit, ops
+from stand_ins import DLPackOnly, FakeDeviceArray   # beside this file
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -34,28 +35,6 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 def rss_kib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE // 1024
-
-
-class OnDevice:
-    def __init__(self, device):
-        self.device = device
-
-    def __dlpack_device__(self):
-        return self.device
-
-    def __dlpack__(self, **kwargs):
-        raise AssertionError("not read")
-
-
-class DLPackOnly:
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
 
 
 def calls():
@@ -75,12 +54,12 @@ def calls():
     read_only = out.copy()
     read_only.flags.writeable = False
     shared = np.zeros(64, np.float32)
-    fake = [OnDevice((7, 0)) for _ in range(5)]
+    fake = [FakeDeviceArray(7, 0) for _ in range(5)]
     fwd = mmdispatch.roi_align_forward_impl
     capsule = _benchkit.noop_roi_align_forward_kernel()
     python_kernel = mmdispatch.register_impl("bbox_overlaps_impl", "metal",
                                              lambda *args: None)
-    metal = [OnDevice((8, 0)) for _ in range(3)]
+    metal = [FakeDeviceArray(8, 0) for _ in range(3)]
     bad_rois = np.array([[0, np.nan, 0, 3, 3]], np.float32)
 
     def register_and_remove():
@@ -122,7 +101,8 @@ def calls():
         ("bad scalar", lambda: fwd(x, rois, out, empty, empty, 2, 2, "1.0", 2, 1, True),
          TypeError),
         ("bad roi", lambda: fwd(x, bad_rois, out, empty, empty, *scalars), ValueError),
-        ("device mismatch", lambda: fwd(x, rois, OnDevice((2, 0)), empty, empty, *scalars),
+        ("device mismatch",
+         lambda: fwd(x, rois, FakeDeviceArray(2, 0), empty, empty, *scalars),
          mmdispatch.DeviceMismatchError),
         ("kernel not found", lambda: fwd(*fake, *scalars), mmdispatch.KernelNotFoundError),
         ("ops error", lambda: ops.roi_align(x, rois, 0), ValueError),
