@@ -122,14 +122,14 @@ CUDA_SOURCES = sorted((ROOT / "src" / "cuda").glob("*.cu")) if NVCC else []
 def device_modules(codegen):
     modules = []
     for name, code in DEVICE_DIRS.items():
-        stems = sorted(p.stem for p in (ROOT / "src" / name).glob("*.c*") if p.stem != "device")
+        registrations = codegen.find_registrations(ROOT / "src" / name, name)
         reason = None
         if name == "cuda" and NVCC is None:
             reason = (f"this mmdispatch build has no CUDA kernels ({NO_CUDA_REASON}). "
                       "No GPU is needed to build them, only nvcc: reinstall from source with "
                       "MMDISPATCH_WITH_CUDA=1 and nvcc on PATH, e.g. MMDISPATCH_WITH_CUDA=1 "
                       "pip install --force-reinstall --no-binary mmdispatch mmdispatch")
-        modules.append(codegen.DeviceModule(name, code, tuple(stems), reason))
+        modules.append(codegen.DeviceModule(name, code, registrations, reason))
     return modules
 
 
@@ -138,6 +138,7 @@ class BuildExt(build_ext):
     the build configuration in mmdispatch/_build_info.py."""
 
     def build_extensions(self):
+        self._compile_cpp_as_cpp17()
         for ext in self.extensions:
             self._export_only_module_init(ext)
             if ext.name != "mmdispatch._core":
@@ -151,6 +152,20 @@ class BuildExt(build_ext):
                                         "-lstdc++"]
         super().build_extensions()
         self._write_build_info()
+
+    def _compile_cpp_as_cpp17(self):
+        """The CPU kernels (src/cpu/*.cpp) are C++17 templates behind a C
+        ABI: no exceptions or RTTI, as in the CUDA files. The C sources
+        (the Cython module, src/core) keep the C defaults."""
+        compile_one = self.compiler._compile
+
+        def compile_with_std(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            if ext == ".cpp":
+                extra_postargs = [*extra_postargs, "-std=c++17", "-fno-exceptions",
+                                  "-fno-rtti"]
+            compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        self.compiler._compile = compile_with_std
 
     def _export_only_module_init(self, ext):
         """Keeps the mmd_* helpers, the kernel tables and the static CUDA
@@ -232,13 +247,13 @@ core = Extension(
     sources=["mmdispatch/_core.pyx",
              *map(rel, sorted((ROOT / "src" / "core").glob("*.c"))),
              *map(rel, sorted((ROOT / "src" / "cpu").glob("*.c"))),
+             *map(rel, sorted((ROOT / "src" / "cpu").glob("*.cpp"))),
              rel(GEN_DIR / "mmdispatch_generated.c")],
-    # src/cpu: its kernel files instantiate themselves per float type through
-    # mmdispatch/typed.h, which includes them back by name.
-    include_dirs=[str(ROOT / "include"), str(ROOT / "src" / "cpu"), str(ROOT / "mmdispatch"),
-                  str(GEN_DIR), numpy.get_include()],
-    # headers and shared math (.inc): editing one rebuilds the C sources
+    include_dirs=[str(ROOT / "include"), str(ROOT / "mmdispatch"), str(GEN_DIR),
+                  numpy.get_include()],
+    # headers (the shared ones and src/cpu's own): editing one rebuilds the sources
     depends=[rel(p) for p in sorted((ROOT / "include").rglob("*")) if p.is_file()]
+    + [rel(p) for p in sorted((ROOT / "src" / "cpu").glob("*.h"))]
     + ["mmdispatch/_pyarray.h"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O3"],

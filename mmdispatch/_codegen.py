@@ -282,14 +282,38 @@ def _c_params(op: Op) -> str:
 
 @dataclass(frozen=True)
 class DeviceModule:
-    """A kernel directory src/<name>/: `files` are its op file stems (each
-    defines MMD_REGISTRATIONS(<name>, <stem>)); `unbuilt_reason` is set when
-    the directory was not compiled into this build."""
+    """A kernel directory src/<name>/: `files` are the names of its
+    MMD_REGISTRATIONS(<name>, <file>) blocks (find_registrations);
+    `unbuilt_reason` is set when the directory was not compiled into this
+    build."""
 
     name: str
     device_type: int
     files: tuple
     unbuilt_reason: str | None = None
+
+
+_REGISTRATIONS_RE = re.compile(r"^\s*MMD_REGISTRATIONS\(\s*(\w+)\s*,\s*(\w+)\s*\)", re.M)
+
+
+def find_registrations(directory, device: str) -> tuple:
+    """The names of the MMD_REGISTRATIONS(device, name) blocks in the source
+    files (.c, .cpp, .cu) of a kernel directory, sorted. A file holds any
+    number of blocks, helpers none; names need not match file names, but
+    must be unique within the device."""
+    found = {}
+    for path in sorted(Path(directory).iterdir()):
+        if path.suffix not in (".c", ".cpp", ".cu"):
+            continue
+        for dev, name in _REGISTRATIONS_RE.findall(path.read_text()):
+            if dev != device:
+                raise ValueError(f"{path}: MMD_REGISTRATIONS({dev}, {name}) in the {device} "
+                                 f"kernel directory")
+            if name in found:
+                raise ValueError(f"{path}: MMD_REGISTRATIONS({dev}, {name}) is also defined "
+                                 f"in {found[name]}")
+            found[name] = path
+    return tuple(sorted(found))
 
 
 def generate_header(ops) -> str:
@@ -367,13 +391,13 @@ def generate_source(ops, devices) -> str:
             continue
         out.append(f"int mmd_{dev.name}_init(char *status, size_t size, int *device_count);")
         out.append(f"int mmd_{dev.name}_synchronize(int device_id);")
-        out += [f"void mmd_register_{dev.name}__{stem}(void);" for stem in dev.files]
+        out += [f"void mmd_register_{dev.name}__{name}(void);" for name in dev.files]
         out += [
             f"static int mmd_register_{dev.name}(char *status, size_t size, "
             "int *device_count) {",
             f"    if (mmd_{dev.name}_init(status, size, device_count) != 0) return 1;",
         ]
-        out += [f"    mmd_register_{dev.name}__{stem}();" for stem in dev.files]
+        out += [f"    mmd_register_{dev.name}__{name}();" for name in dev.files]
         out += ["    return 0;", "}"]
     out += ["", "static const mmd_device_module mmd_device_modules[] = {"]
     out += [f'    {{"{d.name}", {d.device_type}, mmd_register_{d.name}, '

@@ -52,6 +52,27 @@ def test_device_modules_are_generated_with_reasons_for_unbuilt_ones():
     assert '{"cpu", 1, mmd_register_cpu, mmd_cpu_synchronize},' in source
 
 
+def test_registrations_are_found_by_their_blocks_not_by_file_names(tmp_path):
+    (tmp_path / "toy.cpp").write_text(
+        "MMD_REGISTRATIONS(cpu, toy) {}\n/* MMD_REGISTRATIONS(cpu, in_a_comment) */\n")
+    (tmp_path / "toy_math.cpp").write_text("int helper(void) { return 0; }\n")
+    (tmp_path / "two.c").write_text("MMD_REGISTRATIONS(cpu, first) {}\n"
+                                    "MMD_REGISTRATIONS( cpu , second ) {}\n")
+    (tmp_path / "notes.txt").write_text("MMD_REGISTRATIONS(cpu, not_source) {}\n")
+    assert _codegen.find_registrations(tmp_path, "cpu") == ("first", "second", "toy")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("MMD_REGISTRATIONS(cpu, toy) {}", "is also defined in"),
+    ("MMD_REGISTRATIONS(cuda, other) {}", "in the cpu kernel directory"),
+])
+def test_duplicate_or_misplaced_registrations_are_refused(tmp_path, extra, message):
+    (tmp_path / "toy.cpp").write_text("MMD_REGISTRATIONS(cpu, toy) {}\n")
+    (tmp_path / "more.cu").write_text(extra + "\n")
+    with pytest.raises(ValueError, match=message):
+        _codegen.find_registrations(tmp_path, "cpu")
+
+
 def test_shipped_signatures_parse():
     from importlib.resources import files
 

@@ -133,7 +133,7 @@ def test_registry_table_lists_c_and_python_slots():
     rows = mmdispatch.registry_table()
     c_rows = {(r["op"], r["device"], r["backend"]): r for r in rows if r["kind"] == "C"}
     row = c_rows["roi_align_forward_impl", "cpu", "default"]
-    assert row["origin"] == "src/cpu/roi_align.c:roi_align_forward_cpu" and row["active"]
+    assert row["origin"] == "src/cpu/roi_align.cpp:roi_align_forward_cpu" and row["active"]
     assert ("roi_align_backward_impl", "cpu", "reference") in c_rows
 
     def my_kernel(*args):

@@ -50,6 +50,16 @@ static inline int64_t mmd_even_chunk(int64_t items) {
 
 #ifdef __cplusplus
 }
+
+/* mmd_parallel_for over a callable: range(begin, end) returns MMD_OK or an
+ * error status, as an mmd_range_fn does. */
+template <typename Range>
+inline int mmd_parallel_for(int64_t items, int64_t chunk, int parallel, const Range &range) {
+    const mmd_range_fn run = [](const void *loop, int64_t begin, int64_t end) -> int {
+        return (*static_cast<const Range *>(loop))(begin, end);
+    };
+    return mmd_parallel_for(items, chunk, parallel, run, &range);
+}
 #endif
 
 #endif

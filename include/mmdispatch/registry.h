@@ -35,9 +35,11 @@ enum {
             __FILE__ ":" #fn;                                                      \
     } while (0)
 
-/* Each kernel file src/<device>/<name>.{c,cu} defines its registrations with
+/* Kernel files in src/<device>/ define their registrations with
  *     MMD_REGISTRATIONS(cpu, roi_align) { MMD_REGISTER_DEVICE_IMPL(...); }
- * The build collects every such block into mmd_register_<device>(). */
+ * The build finds every such block (the name is the block's, unique per
+ * device, whatever the file is called) and calls them all from
+ * mmd_register_<device>(). */
 #ifdef __cplusplus
 #define MMD_REGISTRATIONS(device, name) extern "C" void mmd_register_##device##__##name(void)
 #else

@@ -122,10 +122,6 @@ __global__ void reduce_kernel(const unsigned long long *mask, const int64_t *ord
     if (threadIdx.x == 0) *num_kept = count;
 }
 
-template <typename A> A threshold_below(double t);
-template <> float threshold_below<float>(double t) { return mmd_threshold_below_f32(t); }
-template <> double threshold_below<double>(double t) { return mmd_threshold_below_f64(t); }
-
 int allocate(StreamBuffer &buffer, size_t bytes, const char *what, int64_t n) {
     cudaError_t err = buffer.allocate(bytes);
     if (err == cudaSuccess) return MMD_OK;
@@ -183,7 +179,7 @@ int nms_run(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor 
         order.as<int64_t>(), n, sorted.as<A>(), classes.as<int64_t>());
     mask_kernel<A><<<dim3((unsigned)col_blocks, (unsigned)col_blocks), kBlockBoxes, 0, stream>>>(
         sorted.as<A>(), classes.as<int64_t>(), n, col_blocks,
-        threshold_below<A>(iou_threshold), (A)offset, mask.as<unsigned long long>());
+        mmd_threshold_below<A>(iou_threshold), (A)offset, mask.as<unsigned long long>());
     err = cudaMemsetAsync(removed.as<void>(), 0, col_blocks * sizeof(unsigned long long), stream);
     if (err != cudaSuccess) return cuda_error(err, "nms");
     reduce_kernel<<<1, kReduceThreads, 0, stream>>>(

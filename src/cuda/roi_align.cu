@@ -20,45 +20,9 @@ namespace {
 
 using namespace mmd_cuda;
 
-/* The shared C math, selected by compute type. */
-template <typename A> struct Math;
-template <> struct Math<float> {
-    typedef mmd_roi_geometry_f32 Geometry;
-    typedef mmd_interp_axis_f32 Axis;
-    typedef mmd_max_state_f32 MaxState;
-    static __host__ __device__ int geometry(const float *r, int64_t n, float s, int64_t ph,
-                                            int64_t pw, int64_t sr, int al, Geometry *g) {
-        return mmd_roi_align_geometry_f32(r, n, s, ph, pw, sr, al, g);
-    }
-    static __device__ float sample(float start, float bin, int64_t b, int64_t i, int64_t grid) {
-        return mmd_roi_align_sample_f32(start, bin, b, i, grid);
-    }
-    static __device__ void interp(float v, int64_t size, Axis *a) { mmd_interp_f32(v, size, a); }
-    static __device__ void max_init(MaxState *m) { mmd_max_init_f32(m); }
-    static __device__ void max_update(MaxState *m, float v, float y, float x) {
-        mmd_max_update_f32(m, v, y, x);
-    }
-    static __device__ float max_value(const MaxState *m) { return mmd_max_value_f32(m); }
-};
-template <> struct Math<double> {
-    typedef mmd_roi_geometry_f64 Geometry;
-    typedef mmd_interp_axis_f64 Axis;
-    typedef mmd_max_state_f64 MaxState;
-    static __host__ __device__ int geometry(const double *r, int64_t n, double s, int64_t ph,
-                                            int64_t pw, int64_t sr, int al, Geometry *g) {
-        return mmd_roi_align_geometry_f64(r, n, s, ph, pw, sr, al, g);
-    }
-    static __device__ double sample(double start, double bin, int64_t b, int64_t i,
-                                    int64_t grid) {
-        return mmd_roi_align_sample_f64(start, bin, b, i, grid);
-    }
-    static __device__ void interp(double v, int64_t size, Axis *a) { mmd_interp_f64(v, size, a); }
-    static __device__ void max_init(MaxState *m) { mmd_max_init_f64(m); }
-    static __device__ void max_update(MaxState *m, double v, double y, double x) {
-        mmd_max_update_f64(m, v, y, x);
-    }
-    static __device__ double max_value(const MaxState *m) { return mmd_max_value_f64(m); }
-};
+/* The shared math's types (mmdispatch/ops/roi_align.h) of compute type A. */
+template <typename A> using Geometry = mmd_roi_geometry<A>;
+template <typename A> using Axis = mmd_interp_axis<A>;
 
 template <typename T, typename A>
 __device__ inline void load_roi(const T *rois, int64_t k, A roi[5]) {
@@ -75,16 +39,16 @@ __global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch
     MMD_GRID_STRIDE_LOOP(k, num_rois) {
         A roi[5];
         load_roi(rois, k, roi);
-        typename Math<A>::Geometry g;
-        int code = Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
+        Geometry<A> g;
+        int code = mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
                                      aligned, &g);
         if (code != MMD_ROI_OK) sink.report(k, code);
     }
 }
 
 template <typename T, typename A>
-__device__ inline A bilinear(const T *plane, int64_t width, const typename Math<A>::Axis &ay,
-                             const typename Math<A>::Axis &ax) {
+__device__ inline A bilinear(const T *plane, int64_t width, const Axis<A> &ay,
+                             const Axis<A> &ax) {
     const T *lo = plane + ay.low * width;
     const T *hi = plane + ay.high * width;
     return ay.w_low * (ax.w_low * to_compute(lo[ax.low]) + ax.w_high * to_compute(lo[ax.high])) +
@@ -98,7 +62,7 @@ __device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels
                                   int64_t pooled_h, int64_t pooled_w, int64_t batch, A scale,
                                   int64_t sampling_ratio, int aligned, const ErrorSink &sink,
                                   int64_t *c, int64_t *ph, int64_t *pw,
-                                  typename Math<A>::Geometry *g) {
+                                  Geometry<A> *g) {
     *pw = index % pooled_w;
     *ph = (index / pooled_w) % pooled_h;
     *c = (index / pooled_w / pooled_h) % channels;
@@ -106,7 +70,7 @@ __device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels
     A roi[5];
     load_roi(rois, k, roi);
     const int code =
-        Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
+        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
     if (code == MMD_ROI_OK) return true;
     if (index % (channels * pooled_h * pooled_w) == 0) sink.report(k, code);
     return false;
@@ -119,10 +83,9 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
                                typename Compute<T>::type scale, int64_t sampling_ratio,
                                int64_t pool_mode, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    typedef Math<A> M;
     MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
-        typename M::Geometry g;
+        Geometry<A> g;
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
                               sampling_ratio, aligned, sink, &c, &ph, &pw, &g)) {
             output[index] = from_compute<T>((A)NAN);
@@ -134,33 +97,33 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
         if (pool_mode == MMD_POOL_AVG) {
             A sum = 0;
             for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                typename M::Axis ay;
-                M::interp(M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+                Axis<A> ay;
+                mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
                 if (!ay.valid) continue;
                 for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                    typename M::Axis ax;
-                    M::interp(M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+                    Axis<A> ax;
+                    mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
                     if (ax.valid) sum += bilinear<T, A>(plane, width, ay, ax);
                 }
             }
             const int64_t count = g.grid_h * g.grid_w;
             output[index] = from_compute<T>(sum / (A)(count > 1 ? count : 1));
         } else {
-            typename M::MaxState m;
-            M::max_init(&m);
+            mmd_max_state<A> m;
+            mmd_max_init(&m);
             for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                const A y = M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h);
-                typename M::Axis ay;
-                M::interp(y, height, &ay);
+                const A y = mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h);
+                Axis<A> ay;
+                mmd_interp(y, height, &ay);
                 for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                    const A x = M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w);
-                    typename M::Axis ax;
-                    M::interp(x, width, &ax);
+                    const A x = mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w);
+                    Axis<A> ax;
+                    mmd_interp(x, width, &ax);
                     const A v = (ay.valid && ax.valid) ? bilinear<T, A>(plane, width, ay, ax) : (A)0;
-                    M::max_update(&m, v, y, x);
+                    mmd_max_update(&m, v, y, x);
                 }
             }
-            output[index] = from_compute<T>(M::max_value(&m));
+            output[index] = from_compute<T>(mmd_max_value(&m));
             argmax_y[index] = from_compute<T>(m.y);
             argmax_x[index] = from_compute<T>(m.x);
         }
@@ -168,8 +131,8 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
 }
 
 template <typename T, typename A>
-__device__ inline void scatter(T *plane, int64_t width, const typename Math<A>::Axis &ay,
-                               const typename Math<A>::Axis &ax, A grad) {
+__device__ inline void scatter(T *plane, int64_t width, const Axis<A> &ay,
+                               const Axis<A> &ax, A grad) {
     atomicAdd(plane + ay.low * width + ax.low, from_compute<T>(grad * ay.w_low * ax.w_low));
     atomicAdd(plane + ay.low * width + ax.high, from_compute<T>(grad * ay.w_low * ax.w_high));
     atomicAdd(plane + ay.high * width + ax.low, from_compute<T>(grad * ay.w_high * ax.w_low));
@@ -184,10 +147,9 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
                                 typename Compute<T>::type scale, int64_t sampling_ratio,
                                 int64_t pool_mode, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    typedef Math<A> M;
     MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
-        typename M::Geometry g;
+        Geometry<A> g;
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
                               sampling_ratio, aligned, sink, &c, &ph, &pw, &g))
             continue;   /* a bad roi adds nothing */
@@ -196,21 +158,21 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
         if (pool_mode == MMD_POOL_MAX) {
             const A y = to_compute(argmax_y[index]);
             if (y == (A)-1) continue;
-            typename M::Axis ay, ax;
-            M::interp(y, height, &ay);
-            M::interp(to_compute(argmax_x[index]), width, &ax);
+            Axis<A> ay, ax;
+            mmd_interp(y, height, &ay);
+            mmd_interp(to_compute(argmax_x[index]), width, &ax);
             if (ay.valid && ax.valid) scatter<T, A>(plane, width, ay, ax, grad);
             continue;
         }
         const int64_t count = g.grid_h * g.grid_w;
         const A share = grad / (A)(count > 1 ? count : 1);
         for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-            typename M::Axis ay;
-            M::interp(M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+            Axis<A> ay;
+            mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
             if (!ay.valid) continue;
             for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                typename M::Axis ax;
-                M::interp(M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+                Axis<A> ax;
+                mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
                 if (ax.valid) scatter<T, A>(plane, width, ay, ax, share);
             }
         }
@@ -254,11 +216,11 @@ template <typename T, typename A>
 __device__ inline bool roi_in_plane(const T *rois, int64_t k, int64_t n, int64_t batch, A scale,
                                     int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio,
                                     int aligned, const ErrorSink &sink,
-                                    typename Math<A>::Geometry *g) {
+                                    Geometry<A> *g) {
     A roi[5];
     load_roi(rois, k, roi);
     const int code =
-        Math<A>::geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
+        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
     if (code != MMD_ROI_OK) {
         if (blockIdx.x == 0 && threadIdx.x == 0) sink.report(k, code);
         return false;
@@ -272,7 +234,6 @@ __global__ void deterministic_avg_backward_kernel(
     int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
     typename Compute<T>::type scale, int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    typedef Math<A> M;
     extern __shared__ unsigned char shared_bytes[];
     A *grad = (A *)shared_bytes;              /* pooled_h * pooled_w */
     A *wy = grad + pooled_h * pooled_w;       /* pooled_h * height */
@@ -283,7 +244,7 @@ __global__ void deterministic_avg_backward_kernel(
     const int64_t bins = pooled_h * pooled_w;
     T *plane = grad_input + (int64_t)blockIdx.x * height * width;
     for (int64_t k = 0; k < num_rois; ++k) {
-        typename M::Geometry g;
+        Geometry<A> g;
         if (!roi_in_plane(rois, k, n, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
                           sink, &g))
             continue;
@@ -309,12 +270,12 @@ __global__ void deterministic_avg_backward_kernel(
                 for (int64_t b = 0; b < bins; ++b) {
                     const int64_t ph = b / pooled_w, pw = b % pooled_w;
                     for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                        typename M::Axis ay;
-                        M::interp(M::sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+                        Axis<A> ay;
+                        mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
                         if (!ay.valid) continue;
                         for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                            typename M::Axis ax;
-                            M::interp(M::sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+                            Axis<A> ax;
+                            mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
                             if (!ax.valid) continue;
                             const int64_t at[4] = {ay.low * width + ax.low, ay.low * width + ax.high,
                                                    ay.high * width + ax.low,
@@ -337,9 +298,9 @@ __global__ void deterministic_avg_backward_kernel(
             const int64_t grid = is_row ? g.grid_h : g.grid_w;
             A *weights = is_row ? wy + bin * height : wx + bin * width;
             for (int64_t i = 0; i < grid; ++i) {
-                typename M::Axis a;
-                M::interp(is_row ? M::sample(g.start_h, g.bin_h, bin, i, grid)
-                                 : M::sample(g.start_w, g.bin_w, bin, i, grid),
+                Axis<A> a;
+                mmd_interp(is_row ? mmd_roi_align_sample(g.start_h, g.bin_h, bin, i, grid)
+                                 : mmd_roi_align_sample(g.start_w, g.bin_w, bin, i, grid),
                           is_row ? height : width, &a);
                 if (!a.valid) continue;
                 weights[a.low] += a.w_low;
@@ -373,26 +334,25 @@ __global__ void deterministic_max_backward_kernel(
     int64_t pooled_w, int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio,
     int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    typedef Math<A> M;
     const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
     const int lane = threadIdx.x;
     const int64_t bins = pooled_h * pooled_w;
     T *plane = grad_input + (int64_t)blockIdx.x * height * width;
     for (int64_t k = 0; k < num_rois; ++k) {
-        typename M::Geometry g;
+        Geometry<A> g;
         if (!roi_in_plane(rois, k, n, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
                           sink, &g))
             continue;
         const int64_t base = (k * channels + c) * bins;
         for (int64_t b0 = 0; b0 < bins; b0 += 32) {
             const int64_t b = b0 + lane;
-            typename M::Axis ay = {}, ax = {};   /* invalid, zero weights */
+            Axis<A> ay = {}, ax = {};   /* invalid, zero weights */
             A grad = 0;
             if (b < bins) {
                 const A y = to_compute(argmax_y[base + b]);
                 if (y != (A)-1) {
-                    M::interp(y, height, &ay);
-                    M::interp(to_compute(argmax_x[base + b]), width, &ax);
+                    mmd_interp(y, height, &ay);
+                    mmd_interp(to_compute(argmax_x[base + b]), width, &ax);
                 }
                 grad = to_compute(grad_output[base + b]);
             }

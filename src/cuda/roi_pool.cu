@@ -30,13 +30,13 @@ enum { kBadArgmax = 0x80 };
 template <typename T, typename A = typename Compute<T>::type>
 __device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, A scale,
                                    int64_t pooled_h, int64_t pooled_w,
-                                   typename mmd_pool_geometry<A>::type *g) {
+                                   mmd_pool_geometry<A> *g) {
     A roi[5];
     for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
     return mmd_roi_pool_geometry(roi, batch, scale, pooled_h, pooled_w, g);
 }
 
-template <typename T> using Geometry = typename mmd_pool_geometry<typename Compute<T>::type>::type;
+template <typename T> using Geometry = mmd_pool_geometry<typename Compute<T>::type>;
 
 /* Items [0, num_rois) are rois, the next `num_argmax` are argmax entries;
  * roi errors have lower item numbers, so they are reported first. */

@@ -1,13 +1,14 @@
-/* roi_pool (Fast R-CNN RoIPool, MMCV / torchvision semantics): host-side
- * checks and the per-roi math shared by the CPU kernels (src/cpu/roi_pool.c)
- * and the CUDA kernels (src/cuda/roi_pool.cu).
+/* roi_pool (Fast R-CNN RoIPool, MMCV / torchvision semantics): the argument
+ * checks and the per-roi math shared by the CPU kernels
+ * (src/cpu/roi_pool.cpp) and the CUDA kernels (src/cuda/roi_pool.cu).
  *
  * Roi corners are scaled and rounded to the nearest integer (halves away
  * from zero); the roi spans max(end - start + 1, 1) cells per axis; bin k
  * covers [floor(k * bin), ceil((k + 1) * bin)) from the roi start, clipped
  * to the map. A bin's output is its maximum and argmax the flat h * W + w
  * index of it; NaN values are skipped, an empty bin gives 0 and a bin of
- * only NaN gives NaN, both with argmax -1 (no gradient). */
+ * only NaN gives NaN, both with argmax -1 (no gradient). T, the compute
+ * type, is float or double. */
 #ifndef MMDISPATCH_OPS_ROI_POOL_H
 #define MMDISPATCH_OPS_ROI_POOL_H
 
@@ -16,47 +17,115 @@
 #include "mmdispatch/checks.h"
 #include "mmdispatch/ops/rois.h"
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-int mmd_roi_pool_forward_check(const mmd_tensor *input, const mmd_tensor *rois,
-                               const mmd_tensor *output, const mmd_tensor *argmax,
-                               int64_t pooled_height, int64_t pooled_width,
-                               double spatial_scale, unsigned float_mask);
-int mmd_roi_pool_backward_check(const mmd_tensor *grad_output, const mmd_tensor *rois,
-                                const mmd_tensor *argmax, const mmd_tensor *grad_input,
-                                int64_t pooled_height, int64_t pooled_width,
-                                double spatial_scale, unsigned float_mask);
-/* Message for an argmax entry outside [-1, H * W) (backward). */
-int mmd_roi_pool_argmax_error(int64_t flat_index, int64_t value, int64_t plane_size);
-
-#ifdef __cplusplus
+/* Forward and backward take the same arrays under different names: a
+ * feature map (input / grad_input), the rois, a pooled array (output /
+ * grad_output) and argmax. */
+inline int mmd_roi_pool_check_arrays(const mmd_tensor *feature, const char *feature_name,
+                                     const mmd_tensor *rois, const mmd_tensor *pooled,
+                                     const char *pooled_name, const mmd_tensor *argmax,
+                                     int64_t pooled_height, int64_t pooled_width,
+                                     double spatial_scale, unsigned float_mask) {
+    if (pooled_height < 1 || pooled_width < 1)
+        return mmd_error(MMD_ERR_VALUE,
+                         "pooled_height and pooled_width must be >= 1, got %lld and %lld",
+                         (long long)pooled_height, (long long)pooled_width);
+    if (!(isfinite(spatial_scale) && spatial_scale > 0))
+        return mmd_error(MMD_ERR_VALUE, "spatial_scale must be finite and > 0, got %g",
+                         spatial_scale);
+    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
+    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
+    int s = mmd_check_shape(feature, feature_name, 4, any4);
+    if (!s) s = mmd_check_dtype(feature, feature_name, float_mask);
+    if (!s) s = mmd_check_contiguous(feature, feature_name);
+    if (!s) s = mmd_check_shape(rois, "rois", 2, roi_shape);
+    if (!s) s = mmd_check_same_dtype(rois, "rois", feature, feature_name);
+    if (!s) s = mmd_check_contiguous(rois, "rois");
+    if (s) return s;
+    const int64_t pooled_shape[4] = {rois->shape[0], feature->shape[1], pooled_height,
+                                     pooled_width};
+    s = mmd_check_shape(pooled, pooled_name, 4, pooled_shape);
+    if (!s) s = mmd_check_same_dtype(pooled, pooled_name, feature, feature_name);
+    if (!s) s = mmd_check_contiguous(pooled, pooled_name);
+    if (!s) s = mmd_check_shape(argmax, "argmax", 4, pooled_shape);
+    if (!s) s = mmd_check_dtype(argmax, "argmax", MMD_DTYPE_BIT(MMD_INT64));
+    if (!s) s = mmd_check_contiguous(argmax, "argmax");
+    return s;
 }
-#endif
 
-#define MMD_TYPED_FILE "mmdispatch/ops/roi_pool_math.inc"
-#include "mmdispatch/typed.h"
+/* Shape/dtype/scalar checks; `float_mask` is the device's supported dtypes. */
+inline int mmd_roi_pool_forward_check(const mmd_tensor *input, const mmd_tensor *rois,
+                                      const mmd_tensor *output, const mmd_tensor *argmax,
+                                      int64_t pooled_height, int64_t pooled_width,
+                                      double spatial_scale, unsigned float_mask) {
+    return mmd_roi_pool_check_arrays(input, "input", rois, output, "output", argmax,
+                                     pooled_height, pooled_width, spatial_scale, float_mask);
+}
 
-#ifdef __cplusplus
-/* The same math overloaded by type, for CUDA templates:
- * mmd_pool_geometry<A>::type is the geometry struct of compute type A. */
-template <typename A> struct mmd_pool_geometry;
-#define MMD_ROI_POOL_OVERLOADS(A, sfx)                                                      \
-    template <> struct mmd_pool_geometry<A> { typedef mmd_pool_geometry_##sfx type; };      \
-    MMD_HOSTDEV inline int mmd_roi_pool_geometry(const A roi[5], int64_t batch_size,        \
-                                                 A spatial_scale, int64_t pooled_h,         \
-                                                 int64_t pooled_w, mmd_pool_geometry_##sfx *g) { \
-        return mmd_roi_pool_geometry_##sfx(roi, batch_size, spatial_scale, pooled_h, pooled_w, \
-                                           g);                                              \
-    }                                                                                       \
-    MMD_HOSTDEV inline void mmd_roi_pool_bin(A start, A bin, int64_t index, int64_t size,   \
-                                             int64_t *lo, int64_t *hi) {                    \
-        mmd_roi_pool_bin_##sfx(start, bin, index, size, lo, hi);                            \
-    }
-MMD_ROI_POOL_OVERLOADS(float, f32)
-MMD_ROI_POOL_OVERLOADS(double, f64)
-#undef MMD_ROI_POOL_OVERLOADS
-#endif
+inline int mmd_roi_pool_backward_check(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                                       const mmd_tensor *argmax, const mmd_tensor *grad_input,
+                                       int64_t pooled_height, int64_t pooled_width,
+                                       double spatial_scale, unsigned float_mask) {
+    /* dtypes are reported against grad_output, which the user passed (the op
+     * layer allocates grad_input like it) */
+    int s = mmd_check_dtype(grad_output, "grad_output", float_mask);
+    if (!s) s = mmd_check_same_dtype(rois, "rois", grad_output, "grad_output");
+    if (!s) s = mmd_roi_pool_check_arrays(grad_input, "grad_input", rois, grad_output,
+                                          "grad_output", argmax, pooled_height, pooled_width,
+                                          spatial_scale, float_mask);
+    return s;
+}
+
+/* Message for an argmax entry outside [-1, H * W) (backward). */
+inline int mmd_roi_pool_argmax_error(int64_t flat_index, int64_t value, int64_t plane_size) {
+    return mmd_error(MMD_ERR_VALUE,
+                     "argmax holds %lld at flat index %lld; entries must be -1 or in [0, %lld) "
+                     "(H * W of grad_input)",
+                     (long long)value, (long long)flat_index, (long long)plane_size);
+}
+
+/* One roi's start cell and bin size along each axis, in map cells. */
+template <typename T> struct mmd_pool_geometry {
+    int64_t batch;
+    T start_h, start_w;
+    T bin_h, bin_w;
+};
+
+/* Validates one roi ([batch, x1, y1, x2, y2]) and computes its geometry.
+ * Returns MMD_ROI_OK or the reason it is rejected. */
+template <typename T>
+MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size, T spatial_scale,
+                                             int64_t pooled_h, int64_t pooled_w,
+                                             mmd_pool_geometry<T> *g) {
+    for (int i = 0; i < 5; ++i)
+        if (!isfinite(roi[i])) return MMD_ROI_NONFINITE;
+    if (!(roi[0] >= 0 && roi[0] < (T)batch_size && roi[0] == floor(roi[0])))
+        return MMD_ROI_BAD_BATCH;
+    const T x1 = round(roi[1] * spatial_scale), y1 = round(roi[2] * spatial_scale);
+    const T x2 = round(roi[3] * spatial_scale), y2 = round(roi[4] * spatial_scale);
+    T width = x2 - x1 + 1, height = y2 - y1 + 1;
+    if (!(isfinite(width) && isfinite(height))) return MMD_ROI_NONFINITE;
+    width = width > 1 ? width : (T)1;
+    height = height > 1 ? height : (T)1;
+    g->batch = (int64_t)roi[0];
+    g->start_w = x1;
+    g->start_h = y1;
+    g->bin_w = width / (T)pooled_w;
+    g->bin_h = height / (T)pooled_h;
+    return MMD_ROI_OK;
+}
+
+/* Cells [*lo, *hi) of bin `index` along an axis of `size` cells; clipped in
+ * floating point first, so huge rois cannot overflow the integer cast. */
+template <typename T>
+MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T bin, int64_t index, int64_t size,
+                                         int64_t *lo, int64_t *hi) {
+    T a = floor((T)index * bin) + start;
+    T b = ceil((T)(index + 1) * bin) + start;
+    const T top = (T)size;
+    a = a < 0 ? (T)0 : (a > top ? top : a);
+    b = b < 0 ? (T)0 : (b > top ? top : b);
+    *lo = (int64_t)a;
+    *hi = (int64_t)b;
+}
 
 #endif

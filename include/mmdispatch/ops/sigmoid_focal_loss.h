@@ -1,5 +1,5 @@
-/* sigmoid_focal_loss: host-side checks and the per-element math shared by
- * the CPU kernels (src/cpu/sigmoid_focal_loss.c) and the CUDA kernels
+/* sigmoid_focal_loss: the argument checks and the per-element math shared
+ * by the CPU kernels (src/cpu/sigmoid_focal_loss.cpp) and the CUDA kernels
  * (src/cuda/sigmoid_focal_loss.cu).
  *
  * input (N, C) logits, target (N,) int64 class indices in [0, C] where C
@@ -9,7 +9,8 @@
  * times weight[target] when a (C,) weight is given (MMCV's CUDA kernel),
  * and times 1 for background rows, whose target has no weight entry.
  * -log(p) and -log(1 - p) are computed as softplus(-x) and softplus(x), so
- * large |x| neither takes log(0) nor overflows. */
+ * large |x| neither takes log(0) nor overflows. T, the compute type, is
+ * float or double; the overloads of exp, log1p, fabs and pow take T. */
 #ifndef MMDISPATCH_OPS_SIGMOID_FOCAL_LOSS_H
 #define MMDISPATCH_OPS_SIGMOID_FOCAL_LOSS_H
 
@@ -17,37 +18,72 @@
 
 #include "mmdispatch/checks.h"
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-/* `output` is the loss (forward) or grad_input (backward). */
-int mmd_sigmoid_focal_loss_check(const mmd_tensor *input, const mmd_tensor *target,
-                                 const mmd_tensor *weight, const mmd_tensor *output,
-                                 const char *output_name, double gamma, double alpha,
-                                 unsigned float_mask);
-/* Message for a target outside [0, C]. */
-int mmd_sigmoid_focal_loss_target_error(int64_t row, int64_t value, int64_t num_classes);
-
-#ifdef __cplusplus
+/* Shape/dtype/scalar checks; `output` is the loss (forward) or grad_input
+ * (backward), `float_mask` the device's supported dtypes. */
+inline int mmd_sigmoid_focal_loss_check(const mmd_tensor *input, const mmd_tensor *target,
+                                        const mmd_tensor *weight, const mmd_tensor *output,
+                                        const char *output_name, double gamma, double alpha,
+                                        unsigned float_mask) {
+    const int64_t any2[2] = {MMD_ANY_DIM, MMD_ANY_DIM};
+    int s = mmd_check_shape(input, "input", 2, any2);
+    if (!s) s = mmd_check_dtype(input, "input", float_mask);
+    if (!s) s = mmd_check_contiguous(input, "input");
+    if (s) return s;
+    /* float16/float32 kernels compute in float: the scalars must fit it. */
+    const int in_float = input->dtype != MMD_FLOAT64;
+    if (!(isfinite(gamma) && gamma >= 0 && (!in_float || isfinite((float)gamma))))
+        return mmd_error(MMD_ERR_VALUE, "gamma must be finite%s and >= 0, got %g",
+                         in_float ? " in float32" : "", gamma);
+    if (!(isfinite(alpha) && (!in_float || isfinite((float)alpha))))
+        return mmd_error(MMD_ERR_VALUE, "alpha must be finite%s, got %g",
+                         in_float ? " in float32" : "", alpha);
+    const int64_t rows[1] = {input->shape[0]}, classes[1] = {input->shape[1]};
+    s = mmd_check_shape(target, "target", 1, rows);
+    if (!s) s = mmd_check_dtype(target, "target", MMD_DTYPE_BIT(MMD_INT64));
+    if (!s) s = mmd_check_contiguous(target, "target");
+    if (!s && weight) s = mmd_check_shape(weight, "weight", 1, classes);
+    if (!s && weight) s = mmd_check_same_dtype(weight, "weight", input, "input");
+    if (!s && weight) s = mmd_check_contiguous(weight, "weight");
+    if (!s) s = mmd_check_shape(output, output_name, 2, input->shape);
+    if (!s) s = mmd_check_same_dtype(output, output_name, input, "input");
+    if (!s) s = mmd_check_contiguous(output, output_name);
+    return s;
 }
-#endif
 
-#define MMD_TYPED_FILE "mmdispatch/ops/sigmoid_focal_loss_math.inc"
-#include "mmdispatch/typed.h"
+/* Message for a target outside [0, C]. */
+inline int mmd_sigmoid_focal_loss_target_error(int64_t row, int64_t value, int64_t num_classes) {
+    return mmd_error(MMD_ERR_VALUE,
+                     "target[%lld] = %lld is not a class index in [0, %lld] (%lld = background)",
+                     (long long)row, (long long)value, (long long)num_classes,
+                     (long long)num_classes);
+}
 
-#ifdef __cplusplus
-/* The same math overloaded by type, for CUDA templates. */
-#define MMD_FOCAL_OVERLOADS(A, sfx)                                                \
-    MMD_HOSTDEV inline A mmd_focal_loss(A x, int positive, A gamma, A alpha) {     \
-        return mmd_focal_loss_##sfx(x, positive, gamma, alpha);                    \
-    }                                                                              \
-    MMD_HOSTDEV inline A mmd_focal_loss_grad(A x, int positive, A gamma, A alpha) { \
-        return mmd_focal_loss_grad_##sfx(x, positive, gamma, alpha);               \
-    }
-MMD_FOCAL_OVERLOADS(float, f32)
-MMD_FOCAL_OVERLOADS(double, f64)
-#undef MMD_FOCAL_OVERLOADS
-#endif
+/* log(1 + exp(z)) without overflow. */
+template <typename T> MMD_HOSTDEV inline T mmd_softplus(T z) {
+    return (z > 0 ? z : (T)0) + log1p(exp(-fabs(z)));
+}
+
+/* 1 / (1 + exp(-z)) without overflow. */
+template <typename T> MMD_HOSTDEV inline T mmd_sigmoid(T z) {
+    if (z >= 0) return (T)1 / ((T)1 + exp(-z));
+    const T e = exp(z);
+    return e / ((T)1 + e);
+}
+
+/* Loss of one element; `positive` says whether its column is the target. */
+template <typename T> MMD_HOSTDEV inline T mmd_focal_loss(T x, int positive, T gamma, T alpha) {
+    if (positive) return alpha * pow(mmd_sigmoid(-x), gamma) * mmd_softplus(-x);
+    return ((T)1 - alpha) * pow(mmd_sigmoid(x), gamma) * mmd_softplus(x);
+}
+
+/* d loss / d x of one element, with q = 1 - p = sigmoid(-x):
+ *   positive: -alpha * q^gamma * (q + gamma * p * softplus(-x))
+ *   negative: (1 - alpha) * p^gamma * (p + gamma * q * softplus(x)) */
+template <typename T>
+MMD_HOSTDEV inline T mmd_focal_loss_grad(T x, int positive, T gamma, T alpha) {
+    const T p = mmd_sigmoid(x), q = mmd_sigmoid(-x);
+    if (positive) return -alpha * pow(q, gamma) * (q + gamma * p * mmd_softplus(-x));
+    return ((T)1 - alpha) * pow(p, gamma) * (p + gamma * q * mmd_softplus(x));
+}
 
 #endif
