@@ -1,11 +1,17 @@
-"""User-facing ops: validate, allocate outputs like the input, dispatch."""
-from mmdispatch.ops.bbox_overlaps import bbox_overlaps
-from mmdispatch.ops.nms import batched_nms, nms
-from mmdispatch.ops.roi_align import roi_align, roi_align_backward, roi_align_forward
-from mmdispatch.ops.roi_pool import roi_pool, roi_pool_backward, roi_pool_forward
-from mmdispatch.ops.sigmoid_focal_loss import (sigmoid_focal_loss, sigmoid_focal_loss_backward,
-                                               sigmoid_focal_loss_forward)
+"""User-facing ops: validate, allocate outputs like the input, dispatch.
 
-__all__ = ["batched_nms", "bbox_overlaps", "nms", "roi_align", "roi_align_backward",
-           "roi_align_forward", "roi_pool", "roi_pool_backward", "roi_pool_forward",
-           "sigmoid_focal_loss", "sigmoid_focal_loss_backward", "sigmoid_focal_loss_forward"]
+Each public module here is one op and lists its functions in `__all__`;
+this package exports them all, so adding an op module needs no edit here."""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+__all__ = []
+for _info in _pkgutil.iter_modules(__path__):
+    if _info.name.startswith("_"):
+        continue
+    _module = _importlib.import_module(f"{__name__}.{_info.name}")
+    for _name in _module.__all__:
+        globals()[_name] = getattr(_module, _name)
+    __all__ += _module.__all__
+__all__.sort()
+del _info, _module, _name

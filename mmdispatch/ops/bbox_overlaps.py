@@ -13,6 +13,10 @@ import numpy as np
 from mmdispatch import _core
 from mmdispatch.ops._arrays import choice, explain
 
+__all__ = ["bbox_overlaps"]
+# the dispatch entry points (signatures.txt) these functions call
+ENTRY_POINTS = ("bbox_overlaps_impl",)
+
 _MODES = {"iou": 0, "iof": 1}
 _impl = _core.bbox_overlaps_impl
 

@@ -16,6 +16,10 @@ through nms_impl.
 from mmdispatch import _core
 from mmdispatch.ops._arrays import explain, index_array
 
+__all__ = ["batched_nms", "nms"]
+# the dispatch entry points (signatures.txt) these functions call
+ENTRY_POINTS = ("nms_impl",)
+
 _nms_impl = _core.nms_impl
 
 

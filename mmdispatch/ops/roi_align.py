@@ -14,6 +14,10 @@ from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, explain, like,
                                     namespace, native, pair, shape_arg, unused_output)
 
+__all__ = ["roi_align", "roi_align_backward", "roi_align_forward"]
+# the dispatch entry points (signatures.txt) these functions call
+ENTRY_POINTS = ("roi_align_forward_impl", "roi_align_backward_impl")
+
 _OP = "roi_align_forward"
 _POOL_MODES = {"avg": 1, "max": 0}
 # the default pool_mode is this interned string: one identity test

@@ -14,6 +14,10 @@ from mmdispatch import _core
 from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, explain, index_array, like,
                                     namespace, native, output_pair, shape_arg)
 
+__all__ = ["roi_pool", "roi_pool_backward", "roi_pool_forward"]
+# the dispatch entry points (signatures.txt) these functions call
+ENTRY_POINTS = ("roi_pool_forward_impl", "roi_pool_backward_impl")
+
 # The gradient of `input` for the PyTorch layer's autograd (see
 # mmdispatch/ops/roi_align.py): roi_pool_backward_impl's result, with
 # `grad_output` the gradient of `output`, the other parameters the forward's.

@@ -17,6 +17,10 @@ import numpy as np
 from mmdispatch import _core
 from mmdispatch.ops._arrays import choice, explain, index_array
 
+__all__ = ["sigmoid_focal_loss", "sigmoid_focal_loss_backward", "sigmoid_focal_loss_forward"]
+# the dispatch entry points (signatures.txt) these functions call
+ENTRY_POINTS = ("sigmoid_focal_loss_forward_impl", "sigmoid_focal_loss_backward_impl")
+
 _REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
 
 # The gradient of `input` for the PyTorch layer's autograd (see
