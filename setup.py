@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 GEN_DIR = ROOT / "build" / "generated"
+CYTHON_DIR = ROOT / "build" / "cython"
 CUDA_OBJ_DIR = ROOT / "build" / "cuda"
 # SASS for every arch nvcc 13 supports that we test on, PTX for the newest so
 # later GPUs can JIT it (a PTX needs a driver at least as new as the toolkit).
@@ -134,8 +136,41 @@ def device_modules(codegen):
 
 
 class BuildExt(build_ext):
-    """Adds nvcc-compiled objects and the static CUDA runtime, and records
-    the build configuration in mmdispatch/_build_info.py."""
+    """Generates the op tables, entry points and stubs from signatures.txt,
+    cythonizes, adds nvcc-compiled objects and the static CUDA runtime, and
+    records the build configuration in mmdispatch/_build_info.py. Generated
+    sources and objects go to build/ only; the files a package needs
+    (_build_info.py, the .pyi stubs) go to build_lib, and into the source
+    tree only for in-place (editable) builds, as the extensions do."""
+
+    def run(self):
+        codegen = load_codegen()
+        codegen.generate(ROOT / "mmdispatch" / "signatures.txt", GEN_DIR,
+                         device_modules(codegen))
+        cythonized = cythonize(
+            self.extensions, build_dir=rel(CYTHON_DIR),
+            include_path=[str(GEN_DIR), str(ROOT / "mmdispatch")],
+            compiler_directives={"language_level": 3, "embedsignature": True})
+        # the .pyx sources become the generated .c; the Extension objects
+        # stay (finalize_options has annotated them)
+        sources = {ext.name: ext.sources for ext in cythonized}
+        for ext in self.extensions:
+            ext.sources = sources[ext.name]
+        super().run()   # setuptools copies in-place builds' extensions into the tree here
+        self._write_build_info()
+        for package_dir in self._package_dirs():
+            codegen.generate_stubs(ROOT / "mmdispatch" / "signatures.txt", package_dir,
+                                   ROOT / "mmdispatch" / "ops")
+
+    def _package_dirs(self):
+        """Where the built package's own files go: build_lib (wheels), and
+        the source tree when building in place."""
+        dirs = [Path(self.build_lib) / "mmdispatch"]
+        if self.inplace:
+            dirs.append(ROOT / "mmdispatch")
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        return dirs
 
     def build_extensions(self):
         self._compile_cpp_as_cpp17()
@@ -151,7 +186,6 @@ class BuildExt(build_ext):
                 ext.extra_link_args += [str(cudart_static(NVCC)), "-lrt", "-lpthread", "-ldl",
                                         "-lstdc++"]
         super().build_extensions()
-        self._write_build_info()
 
     def _compile_cpp_as_cpp17(self):
         """The CPU kernels (src/cpu/*.cpp) are C++17 templates behind a C
@@ -184,6 +218,8 @@ class BuildExt(build_ext):
             ext.extra_link_args.append(f"-Wl,--version-script={script}")
 
     def _compile_cuda(self):
+        """Compiles the stale .cu files, one nvcc per file in parallel (each
+        nvcc compiles its architectures on the CPUs left over)."""
         flags, _ = gencode_flags(CUDA_ARCH_SPEC)
         CUDA_OBJ_DIR.mkdir(parents=True, exist_ok=True)
         # -fmad=false: no fused multiply-adds, so kernels that share their
@@ -195,22 +231,31 @@ class BuildExt(build_ext):
         stamp = CUDA_OBJ_DIR / "flags.txt"
         stamp_text = " ".join([str(NVCC), *options, "relative-sources"])
         options_changed = not stamp.exists() or stamp.read_text() != stamp_text
-        objects = []
-        for src in CUDA_SOURCES:
-            obj = CUDA_OBJ_DIR / (src.stem + ".o")
-            objects.append(str(obj))
-            if (not options_changed and obj.exists()
-                    and obj.stat().st_mtime > max(src.stat().st_mtime, newest_header)):
-                continue
+        objects = [CUDA_OBJ_DIR / (src.stem + ".o") for src in CUDA_SOURCES]
+        stale = [(src, obj) for src, obj in zip(CUDA_SOURCES, objects)
+                 if options_changed or not obj.exists()
+                 or obj.stat().st_mtime <= max(src.stat().st_mtime, newest_header)]
+        cpus = os.cpu_count() or 1
+        jobs = max(1, min(len(stale), cpus))
+        threads = max(1, cpus // jobs)
+
+        def compile_one(item):
+            src, obj = item
             # The source path relative to the tree, as gcc gets its sources:
             # it is the kernels' registry origin (__FILE__), which must not
             # record the build machine's directories.
-            cmd = [str(NVCC), "-c", rel(src), "-o", str(obj), *options,
-                   f"--threads={os.cpu_count() or 1}"]
-            print("mmdispatch: nvcc", src.name, flush=True)
-            subprocess.run(cmd, check=True, cwd=ROOT)
+            cmd = [str(NVCC), "-c", rel(src), "-o", str(obj), *options, f"--threads={threads}"]
+            sys.stdout.write(f"mmdispatch: nvcc {src.name}\n")
+            return src.name, subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+
+        with ThreadPoolExecutor(jobs) as pool:
+            for name, done in pool.map(compile_one, stale):
+                sys.stdout.write(done.stdout)
+                sys.stderr.write(done.stderr)
+                if done.returncode:
+                    raise SystemExit(f"nvcc failed on {name} (exit {done.returncode})")
         stamp.write_text(stamp_text)
-        return objects
+        return [str(obj) for obj in objects]
 
     def _write_build_info(self):
         archs = gencode_flags(CUDA_ARCH_SPEC)[1] if NVCC else []
@@ -227,19 +272,12 @@ class BuildExt(build_ext):
             "python_build": sys.version.split()[0],
         }
         text = f'"""Written by setup.py at build time."""\nBUILD_INFO = {info!r}\n'
-        # build_lib feeds wheels; the source tree serves in-place/editable builds.
-        for package_dir in (Path(self.build_lib) / "mmdispatch", ROOT / "mmdispatch"):
-            package_dir.mkdir(parents=True, exist_ok=True)
+        for package_dir in self._package_dirs():
             (package_dir / "_build_info.py").write_text(text)
 
 
 VERSION = re.search(r'__version__ = "([^"]+)"',
                     (ROOT / "mmdispatch" / "_version.py").read_text()).group(1)
-
-codegen = load_codegen()
-codegen.generate(ROOT / "mmdispatch" / "signatures.txt", GEN_DIR, device_modules(codegen))
-# Type stubs of the extension (package data, like _build_info.py not in git).
-codegen.generate_stubs(ROOT / "mmdispatch" / "signatures.txt", ROOT / "mmdispatch")
 
 rel = lambda p: str(Path(p).relative_to(ROOT))  # noqa: E731
 core = Extension(
@@ -280,10 +318,6 @@ benchkit = cython_module("mmdispatch._benchkit", "mmdispatch/_benchkit.pyx")
 
 setup(
     version=VERSION,
-    ext_modules=cythonize(
-        [core, benchkit],
-        include_path=[str(GEN_DIR), str(ROOT / "mmdispatch")],
-        compiler_directives={"language_level": 3, "embedsignature": True},
-    ),
+    ext_modules=[core, benchkit],   # cythonized by BuildExt.run, after code generation
     cmdclass={"build_ext": BuildExt},
 )

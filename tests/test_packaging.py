@@ -137,7 +137,7 @@ def test_kernel_origins_name_sources_relative_to_the_tree():
     build machine's directories are recorded in the extension."""
     import re
     data = open(mmdispatch._core.__file__, "rb").read()
-    origins = re.findall(rb"[\x20-\x7e]*src/(?:cpu|cuda)/\w+\.cu?:\w+", data)
+    origins = re.findall(rb"[\x20-\x7e]*src/(?:cpu|cuda)/\w+\.(?:c|cpp|cu):\w+", data)
     assert origins
     assert all(origin.startswith((b"src/cpu/", b"src/cuda/")) for origin in origins), [
         o for o in origins if not o.startswith(b"src/")]
