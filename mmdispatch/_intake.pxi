@@ -1,10 +1,11 @@
 # Array intake: views of numpy, CuPy, torch, DLPack and
-# __cuda_array_interface__ arrays as mmd_tensor, without copies. Order
-# follows measured costs: the numpy C struct (~2 ns), CuPy's and torch's
-# attributes (tens of ns each; torch's own __dlpack__ and __dlpack_device__
-# cost ~3 us each), __dlpack_device__/__dlpack__, then
-# __cuda_array_interface__ (~1 us). Neither CuPy nor torch is imported here:
-# their types are looked up only once the user has imported them.
+# __cuda_array_interface__ arrays as mmd_tensor, without copies. Cheapest
+# first: the numpy C struct (a few field reads), CuPy's and torch's
+# attributes (a few attribute lookups each; torch's own __dlpack__ and
+# __dlpack_device__ cost far more, microseconds), __dlpack_device__ /
+# __dlpack__, then __cuda_array_interface__ (a dict to parse). Neither CuPy
+# nor torch is imported here: their types are looked up only once the user
+# has imported them.
 
 cdef object _cupy_ndarray_type = None
 # cupy.cuda.get_current_stream(device_id), looked up with the ndarray type

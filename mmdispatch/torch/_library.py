@@ -111,10 +111,10 @@ class DerivedOp:
     def __call__(self, *args):
         """The op; in eager code on plain tensors (no tracing, no subclass,
         no dispatch mode) its implementation straight away, through
-        _EagerAutograd when a gradient is needed: torch.library's machinery
-        costs ~20 us a call on the CPU, and its autograd wrapper ~100 us more
-        for our schemas (it rebuilds the argument list per argument), several
-        times what a tiny call's work costs."""
+        _EagerAutograd when a gradient is needed: torch.library's machinery,
+        and even more its autograd wrapper (which rebuilds the argument list
+        per argument), costs several times what a tiny call's work does
+        (the bench's torch rows measure it)."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
             return self.op(*args)
