@@ -28,9 +28,7 @@ Each entry point `E(...)` becomes a functional custom op
   array's dtype cast back to it (DerivedOp.autocast).
 """
 import functools
-import importlib
 import itertools
-import pkgutil
 
 import torch
 
@@ -362,10 +360,8 @@ class Gradient:
 def _gradient_tables():
     """{forward entry point: {argument: rule}} from every op module."""
     tables = {}
-    for info in pkgutil.iter_modules(_ops.__path__):
-        if not info.name.startswith("_"):
-            module = importlib.import_module(f"{_ops.__name__}.{info.name}")
-            tables.update(getattr(module, "GRADIENTS", {}))
+    for module in _ops._MODULES:
+        tables.update(getattr(module, "GRADIENTS", {}))
     return tables
 
 

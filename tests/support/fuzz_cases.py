@@ -6,9 +6,7 @@ and plausible calls of every entry point (signatures.txt) and user function
 is replayed from its bytes."""
 import collections
 import ctypes
-import importlib
 import math
-import pkgutil
 import types
 from fractions import Fraction
 
@@ -438,14 +436,8 @@ def entry_call(r, op_name):
 # user function -> the op names its errors may start with: any function of
 # its op module (a function may delegate to another) and the module's entry
 # points (mmdispatch/ops/<op>.py: __all__, ENTRY_POINTS)
-def op_modules():
-    for info in pkgutil.iter_modules(ops.__path__):
-        if not info.name.startswith("_"):
-            yield importlib.import_module(f"{ops.__name__}.{info.name}")
-
-
 user_prefixes = {name: tuple(module.__all__) + tuple(module.ENTRY_POINTS)
-                 for module in op_modules() for name in module.__all__}
+                 for module in ops._MODULES for name in module.__all__}
 user_functions = sorted(user_prefixes)
 
 def user_call(r, name):
