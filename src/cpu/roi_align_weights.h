@@ -32,9 +32,10 @@ template <typename T> struct Call {
 
     int64_t bins() const { return pooled_h * pooled_w; }
     const T *roi(int64_t k) const { return rois + 5 * k; }
-    void geometry(int64_t k, Geometry<T> *g) const {
-        mmd_roi_align_geometry(roi(k), batch, spatial_scale, pooled_h, pooled_w, sampling_ratio,
-                               aligned, g);
+    /* Roi k's geometry; MMD_ROI_OK or why the roi is rejected. */
+    int geometry(int64_t k, Geometry<T> *g) const {
+        return mmd_roi_align_geometry(roi(k), batch, spatial_scale, pooled_h, pooled_w,
+                                      sampling_ratio, aligned, g);
     }
 };
 
@@ -43,9 +44,7 @@ template <typename T> struct Call {
 template <typename T> int check_rois(const Call<T> &call) {
     for (int64_t k = 0; k < call.num_rois; ++k) {
         Geometry<T> g{};
-        int code = mmd_roi_align_geometry(call.roi(k), call.batch, call.spatial_scale,
-                                          call.pooled_h, call.pooled_w, call.sampling_ratio,
-                                          call.aligned, &g);
+        const int code = call.geometry(k, &g);
         if (code != MMD_ROI_OK) return mmd_roi_error(code, k, call.batch);
     }
     return MMD_OK;
