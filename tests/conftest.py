@@ -19,10 +19,15 @@ except ImportError:  # the property and fuzz tests skip themselves without hypot
 if settings is not None:
     # "ci" (the default) keeps the whole suite within seconds on a 2-core
     # machine and is derandomized, so a CI run is reproducible; "thorough"
-    # is for a long local run: HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py
+    # is for a long local run: HYPOTHESIS_PROFILE=thorough pytest tests/ops -k Properties
     # (HYPOTHESIS_MAX_EXAMPLES sets its examples per test, 2000 by default).
+    # differing_executors: the property tests are methods that every op's
+    # test class inherits (tests/support/properties.py), and pytest makes an
+    # instance per test; none defines an executor (execute_example,
+    # setup_example), so every call runs the same way.
     _common = dict(deadline=None, print_blob=True,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                          HealthCheck.differing_executors])
     settings.register_profile("ci", max_examples=40, derandomize=True, database=None, **_common)
     settings.register_profile(
         "thorough", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "2000")), **_common)

@@ -75,6 +75,10 @@ def test_dispatch_while_other_threads_register_and_remove_kernels():
     devices = {0: ("vulkan", 7), 1: ("metal", 8), 2: ("opencl", 4), 3: ("oneapi", 14)}
     backends = ["default", "concurrent_a", "concurrent_b"]
     op_names = sorted(mmdispatch.op_signatures())
+    # parsed here: ast.parse in several threads at once can fail inside
+    # CPython 3.11 ("AST constructor recursion depth mismatch")
+    array_params = {name: [p.is_array for p in parse_signature(
+        mmdispatch.op_signatures()[name]).params] for name in op_names}
     failures, kept = [], {}
     start = threading.Barrier(THREADS_DISPATCHING + THREADS_REGISTERING)
 
@@ -90,7 +94,7 @@ def test_dispatch_while_other_threads_register_and_remove_kernels():
 
     def registrar(index):
         device, code = devices[index]
-        live = []
+        live = kept[index] = []
         start.wait()
         try:
             for round_ in range(ROUNDS):
@@ -104,8 +108,8 @@ def test_dispatch_while_other_threads_register_and_remove_kernels():
                                                   override=True)
                 live.append(handle)
                 # the slot now dispatches to this kernel, in this thread's backend
-                arrays = [FakeDeviceArray(code) if p.is_array else 0
-                          for p in parse_signature(mmdispatch.op_signatures()[op_name]).params]
+                arrays = [FakeDeviceArray(code) if is_array else 0
+                          for is_array in array_params[op_name]]
                 with mmdispatch.use_backend(device, backend):
                     got = getattr(mmdispatch, op_name)(*arrays)
                 if got != marker:
@@ -113,7 +117,6 @@ def test_dispatch_while_other_threads_register_and_remove_kernels():
                                     f"called {got}, expected {marker}")
                 if round_ % 3 != 2:   # remove two of every three, in mixed order
                     live.pop(round_ % len(live)).remove()
-            kept[index] = live
         except Exception as exc:
             failures.append(f"registrar {index}: {type(exc).__name__}: {exc}")
 
@@ -125,21 +128,24 @@ def test_dispatch_while_other_threads_register_and_remove_kernels():
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    assert failures == []
-
-    # no lost registration: exactly the handles still held are in the table,
-    # and in each slot the newest one is active
     live = [h for handles in kept.values() for h in handles]
-    assert live and all(h.kind == "python" for h in live)
-    expected_rows = []
-    for h in live:
-        same_slot = [o for o in live if (o.op, o.device, o.backend) == (h.op, h.device, h.backend)]
-        expected_rows.append((h.op, h.device, h.backend, h.origin, h.active))
-        assert sum(o.active for o in same_slot) == 1
-    assert python_rows() == sorted(expected_rows)
-    for h in live:
-        h.remove()
+    try:
+        assert not any(t.is_alive() for t in threads), "a thread hung"
+        assert failures == []
+
+        # no lost registration: exactly the handles still held are in the
+        # table, and in each slot the newest one is active
+        assert live and all(h.kind == "python" for h in live)
+        expected_rows = []
+        for h in live:
+            same_slot = [o for o in live
+                         if (o.op, o.device, o.backend) == (h.op, h.device, h.backend)]
+            expected_rows.append((h.op, h.device, h.backend, h.origin, h.active))
+            assert sum(o.active for o in same_slot) == 1
+        assert python_rows() == sorted(expected_rows)
+    finally:   # a failure here must not leave kernels for later tests
+        for h in live:
+            h.remove()
     assert mmdispatch.registry_table() == table_before
     # the dispatchers' kernels were never replaced: results still identical
     assert {name: as_bytes(fn()) for name, fn in calls} == expected

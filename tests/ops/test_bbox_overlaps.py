@@ -1,14 +1,20 @@
 """bbox_overlaps (MMCV semantics): a slow loop reference, published values,
 degenerate and NaN boxes, output properties, device consistency, bad input,
 and CPU/CUDA agreement."""
+import importlib
 import math
 import re
 
 import numpy as np
 import pytest
 
+from hypothesis import strategies as st
+
 import mmdispatch
 from mmdispatch.ops import bbox_overlaps
+from properties import OpProperties, boxes_for, guarded, sentinel
+
+bbox_overlaps_module = importlib.import_module("mmdispatch.ops.bbox_overlaps")
 
 # MMCV's tests/test_ops/test_bbox.py, offset=1
 MMCV_B1 = np.array([[1.0, 1.0, 3.0, 4.0], [2.0, 2.0, 3.0, 4.0], [7.0, 7.0, 8.0, 8.0]])
@@ -567,3 +573,58 @@ def test_cuda_large_input_matches_cpu(cupy):
     out = bbox_overlaps(cupy.asarray(b1), cupy.asarray(b2), offset=1)
     np.testing.assert_allclose(cupy.asnumpy(out), bbox_overlaps(b1, b2, offset=1), rtol=1e-13,
                                atol=1e-14)
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+
+@st.composite
+def overlaps_case(draw, dtype):
+    n = draw(st.integers(0, 5))
+    aligned = draw(st.booleans())
+    m = n if aligned else draw(st.integers(0, 5))
+    b1, b2 = draw(boxes_for(n, dtype)), draw(boxes_for(m, dtype))
+    mode, offset = draw(st.sampled_from([0, 1])), draw(st.sampled_from([0, 1]))
+    shape = (n,) if aligned else (n, m)
+    args = dict(bboxes1=guarded(b1), bboxes2=guarded(b2), ious=guarded(sentinel(shape, dtype)),
+                mode=mode, aligned=aligned, offset=offset)
+
+    def check(a):
+        expected = ref_bbox_overlaps(b1, b2, ["iou", "iof"][mode], aligned, offset)
+        np.testing.assert_allclose(a["ious"], expected, equal_nan=True, **TOL[dtype])
+    return args, check
+
+
+def user_case(draw, name, dtype, layout):
+    a, check = draw(overlaps_case(dtype))
+    inputs = dict(bboxes1=layout(a["bboxes1"]), bboxes2=layout(a["bboxes2"]))
+
+    def run():
+        return bbox_overlaps(inputs["bboxes1"], inputs["bboxes2"], ["iou", "iof"][a["mode"]],
+                             a["aligned"], a["offset"])
+    return run, inputs, lambda result: check(dict(a, ious=result))
+
+
+class TestProperties(OpProperties):
+    module = bbox_overlaps_module
+    entry_cases = {"bbox_overlaps_impl": overlaps_case}
+    fixed_axes = {"bbox_overlaps_impl": {"bboxes1": [1], "bboxes2": [1], "ious": [0, 1]}}
+    bad_scalars = {"offset": [2, -1], "mode": [2, -1]}
+    user_cases = {"bbox_overlaps": user_case}
+    good_user_args = {"bbox_overlaps": lambda: [
+        np.array([[0, 0, 2, 2], [1, 1, 3, 3], [5, 5, 6, 7]], dtype=np.float64),
+        np.array([[0, 0, 2, 2], [1, 1, 3, 3]], dtype=np.float64), "iou", False, 0]}
+    user_bad_values = {
+        ("bbox_overlaps", 2): ["giou", None, 0, "IOU"],
+        ("bbox_overlaps", 3): ["yes", 2, None, 1.0],
+        ("bbox_overlaps", 4): [2, -1, 0.5, None],
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_iof_with_a_nan_in_bboxes2_is_nan_even_when_the_bboxes1_area_is_zero(dtype):
+    # the zero-area rule ("a base <= 0 gives 0") used to win over NaN
+    b1 = np.zeros((2, 4), dtype)
+    b2 = np.array([[np.nan, 0, 0, 0]], dtype)
+    assert np.isnan(bbox_overlaps(b1, b2, "iof")).all()
+    assert np.isnan(bbox_overlaps(b1[:1], b2, "iof", aligned=True)).all()
+    assert np.isnan(bbox_overlaps(b1, b2, "iou")).all()

@@ -1,14 +1,20 @@
 """nms / batched_nms (MMCV semantics): a slow greedy reference, published
 values, threshold boundaries, NaN / inf / ties, output properties, device
 consistency, bad input, and CPU/CUDA agreement."""
+import importlib
 import math
 import re
 
 import numpy as np
 import pytest
 
+from hypothesis import strategies as st
+
 import mmdispatch
 from mmdispatch.ops import batched_nms, nms
+from properties import OpProperties, boxes_for, float_arrays, guarded, sentinel
+
+nms_module = importlib.import_module("mmdispatch.ops.nms")
 
 MMCV_BOXES = np.array([[6, 3, 8, 7], [3, 6, 9, 11], [3, 7, 10, 12], [1, 4, 13, 7]],
                       dtype=np.float32)
@@ -839,3 +845,82 @@ def test_cuda_rejects_bad_dtypes_like_the_cpu(cupy):
         nms(cupy.zeros((2, 4), dtype=np.int64), cupy.zeros(2, dtype=np.int64), 0.5)
     with pytest.raises(ValueError, match=re.escape("nms_impl: iou_threshold must not be NaN")):
         nms(cupy.asarray(MMCV_BOXES), cupy.asarray(MMCV_SCORES), float("nan"))
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+
+@st.composite
+def nms_case(draw, dtype):
+    n = draw(st.integers(0, 10))
+    boxes = draw(boxes_for(n, dtype))
+    scores = draw(float_arrays((n,), dtype, -1, 1))
+    idxs = (np.array(draw(st.lists(st.integers(-2, 2), min_size=n, max_size=n)), np.int64)
+            if draw(st.booleans()) else None)
+    threshold = draw(st.one_of(st.floats(-0.5, 1.5), st.sampled_from([0.0, 0.5, 1.0, math.inf,
+                                                                     -math.inf])))
+    offset = draw(st.sampled_from([0, 1]))
+    args = dict(boxes=guarded(boxes), scores=guarded(scores),
+                idxs=None if idxs is None else guarded(idxs),
+                keep=guarded(sentinel((n,), np.int64)), num_kept=guarded(sentinel((1,), np.int64)),
+                iou_threshold=threshold, offset=offset)
+
+    def check(a):
+        expected = ref_nms(boxes, scores, threshold, offset, idxs)
+        kept = int(a["num_kept"][0])
+        np.testing.assert_array_equal(a["keep"][:kept], expected)
+    return args, check
+
+
+def user_case(draw, name, dtype, layout):
+    a, _ = draw(nms_case(dtype))
+    idxs = None
+    if name == "batched_nms":
+        idxs = a["idxs"] if a["idxs"] is not None else np.zeros(len(a["scores"]), np.int64)
+        idxs = idxs.astype(draw(st.sampled_from([np.int64, np.int32, np.int8, np.uint8]))
+                           if idxs.min(initial=0) >= 0 else np.int64)
+    inputs = dict(boxes=layout(a["boxes"]), scores=layout(a["scores"]), idxs=layout(idxs))
+
+    def run():
+        if name == "nms":
+            return nms(inputs["boxes"], inputs["scores"], a["iou_threshold"], a["offset"])
+        return batched_nms(inputs["boxes"], inputs["scores"], inputs["idxs"],
+                           a["iou_threshold"], a["offset"])
+
+    def verify(result):
+        expected = ref_nms(np.asarray(a["boxes"]), np.asarray(a["scores"]), a["iou_threshold"],
+                           a["offset"], None if idxs is None else idxs.astype(np.int64))
+        assert result.dtype == np.int64
+        np.testing.assert_array_equal(result, expected)
+    return run, inputs, verify
+
+
+SMALL_BOXES = np.array([[0, 0, 2, 2], [1, 1, 3, 3], [5, 5, 6, 7]], dtype=np.float64)
+SMALL_SCORES = np.array([0.9, 0.8, 0.1])
+
+
+class TestProperties(OpProperties):
+    module = nms_module
+    entry_cases = {"nms_impl": nms_case}
+    fixed_axes = {"nms_impl": {"boxes": [1], "scores": [0], "idxs": [0], "keep": [0],
+                               "num_kept": [0]}}
+    bad_scalars = {"iou_threshold": [math.nan], "offset": [2, -1]}
+    user_cases = {"nms": user_case, "batched_nms": user_case}
+    good_user_args = {
+        "nms": lambda: [SMALL_BOXES.copy(), SMALL_SCORES.copy(), 0.5, 0],
+        "batched_nms": lambda: [SMALL_BOXES.copy(), SMALL_SCORES.copy(), np.array([0, 1, 0]),
+                                0.5, 0],
+    }
+    user_bad_values = {
+        ("nms", 2): [math.nan, "0.5", None, [0.5], 2j],
+        ("nms", 3): [2, -1, 0.5, "0", 2 ** 64],
+        ("batched_nms", 2): [np.array([0.0, 1.0, 0.0]), np.array([0, 1]), "abc", [0, 1, 0]],
+    }
+
+
+@pytest.mark.parametrize("backend", ["default", "reference"])
+def test_nms_of_boxes_that_are_all_infinite_keeps_them_all(backend):
+    # with no finite box the grid's cell lookup converted NaN (inf - inf) to
+    # an int (undefined behaviour, seen with -fsanitize=float-cast-overflow)
+    boxes = np.array([[0, 0, np.inf, 1], [0, 0, np.inf, 1], [-np.inf, 0, np.inf, 1]])
+    with mmdispatch.use_backend("cpu", backend):
+        np.testing.assert_array_equal(nms(boxes, np.array([1.0, 0.5, 0.2]), 0.5), [0, 1, 2])

@@ -1,13 +1,20 @@
 """roi_align (MMCV semantics): published values, a slow independent
 reference, finite differences, bad input, and CPU/CUDA agreement."""
+import importlib
 import math
 import re
 
 import numpy as np
 import pytest
 
+from hypothesis import strategies as st
+
 import mmdispatch
 from mmdispatch.ops import roi_align, roi_align_backward, roi_align_forward
+from properties import (TOL, OpProperties, assert_close, bad_rois, float_arrays, guarded,
+                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois)
+
+roi_align_module = importlib.import_module("mmdispatch.ops.roi_align")
 
 MMCV_INPUT = np.array([[[[1, 2, 5, 6], [3, 4, 7, 8], [9, 10, 13, 14], [11, 12, 15, 16]]]],
                       dtype=np.float64)
@@ -613,3 +620,270 @@ def test_cuda_deterministic_backward_reports_bad_rois_as_deferred_errors(cupy):
             "roi_align_backward_impl: rois[1, 0] (batch index) must be an integer in [0, 2)")):
         mmdispatch.synchronize()
     assert float(grad.sum()) == pytest.approx(4.0)   # the good roi's gradient, all of it
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+# The references above compute in float64; these replay the kernels'
+# arithmetic in their own dtype (mmd_roi_align_geometry, mmd_interp), so that
+# edge cases (samples on a cell border, rois on the map's edge) agree exactly.
+
+def roi_align_geometry(roi, t, batch, out_h, out_w, scale, sampling_ratio, aligned):
+    """mmd_roi_align_geometry in dtype t: None for a rejected roi, else
+    (batch, start_h, start_w, bin_h, bin_w, grid_h, grid_w)."""
+    with np.errstate(all="ignore"):
+        r = [t(v) for v in roi]
+        if not all(np.isfinite(v) for v in r):
+            return None
+        if not (r[0] >= 0 and r[0] < t(batch) and r[0] == np.floor(r[0])):
+            return None
+        s, off = t(scale), t(0.5 if aligned else 0.0)
+        start_w, start_h = r[1] * s - off, r[2] * s - off
+        roi_w, roi_h = r[3] * s - off - start_w, r[4] * s - off - start_h
+        if aligned and (roi_w < 0 or roi_h < 0):
+            return None
+        if not aligned:
+            roi_w, roi_h = max(roi_w, t(1)), max(roi_h, t(1))
+        bin_h, bin_w = roi_h / t(out_h), roi_w / t(out_w)
+        grid_h = t(sampling_ratio) if sampling_ratio > 0 else np.ceil(bin_h)
+        grid_w = t(sampling_ratio) if sampling_ratio > 0 else np.ceil(bin_w)
+        if not (grid_h <= 32768 and grid_w <= 32768):
+            return None
+        return int(r[0]), start_h, start_w, bin_h, bin_w, int(grid_h), int(grid_w)
+
+
+def roi_align_sample(t, start, bin_size, index, i, grid):
+    return start + t(index) * bin_size + (t(i) + t(0.5)) * bin_size / t(grid)
+
+
+def roi_align_axis(t, v, size):
+    """mmd_interp in dtype t: None outside the map, else (low, high, w_low, w_high)."""
+    if not (v >= t(-1) and v <= t(size)) or size <= 0:
+        return None
+    v = max(v, t(0))
+    low = int(v)
+    if low >= size - 1:
+        low = high = size - 1
+        v = t(low)
+    else:
+        high = low + 1
+    w_high = v - t(low)
+    return low, high, float(t(1) - w_high), float(w_high)
+
+
+@np.errstate(invalid="ignore")   # inf * 0 weights are NaN, as in the kernels
+def roi_align_reference(x, rois, out_h, out_w, scale, sampling_ratio, mode, aligned):
+    """(output, [per bin: list of (value, y, x) samples] for max mode) in float64."""
+    t = x.dtype.type
+    n, c, h, w = x.shape
+    out = np.zeros((len(rois), c, out_h, out_w))
+    samples = {}
+    for k, roi in enumerate(rois):
+        b, start_h, start_w, bin_h, bin_w, grid_h, grid_w = roi_align_geometry(
+            roi, t, n, out_h, out_w, scale, sampling_ratio, aligned)
+        for ph in range(out_h):
+            ys = [roi_align_sample(t, start_h, bin_h, ph, iy, grid_h) for iy in range(grid_h)]
+            for pw in range(out_w):
+                xs = [roi_align_sample(t, start_w, bin_w, pw, ix, grid_w) for ix in range(grid_w)]
+                for ch in range(c):
+                    plane = x[b, ch].astype(np.float64)
+                    values = []
+                    for y in ys:
+                        ay = roi_align_axis(t, y, h)
+                        for xx in xs:
+                            ax = roi_align_axis(t, xx, w)
+                            v = 0.0
+                            if ay and ax:
+                                v = (ay[2] * (ax[2] * plane[ay[0], ax[0]] + ax[3] * plane[ay[0], ax[1]])
+                                     + ay[3] * (ax[2] * plane[ay[1], ax[0]]
+                                                + ax[3] * plane[ay[1], ax[1]]))
+                            values.append((v, float(y), float(xx)))
+                    samples[k, ch, ph, pw] = values
+                    if mode == 1:
+                        out[k, ch, ph, pw] = sum(v for v, _, _ in values) / max(len(values), 1)
+                        continue
+                    numbers = [v for v, _, _ in values if not math.isnan(v)]
+                    out[k, ch, ph, pw] = (max(numbers) if numbers else
+                                          (math.nan if values else 0.0))
+    return out, samples
+
+
+def check_roi_align_argmax(out, arg_y, arg_x, samples, rtol, atol):
+    """Max mode: each argmax is a sample whose value is the bin's maximum
+    (up to rounding, since the kernel interpolates in its own dtype), or -1
+    when the bin took no number."""
+    for index, values in samples.items():
+        numbers = [(v, y, x) for v, y, x in values if not math.isnan(v)]
+        if not numbers:
+            assert arg_y[index] == -1 and arg_x[index] == -1, index
+            continue
+        best = max(v for v, _, _ in numbers)
+        margin = atol + rtol * abs(best) if math.isfinite(best) else 0.0
+        tied = {(y, x) for v, y, x in numbers if v >= best - margin}
+        assert (float(arg_y[index]), float(arg_x[index])) in tied, (index, best)
+
+
+def roi_align_backward_reference(grad_out, rois, arg_y, arg_x, shape, scale, sampling_ratio,
+                                 mode, aligned):
+    t = grad_out.dtype.type
+    n, c, h, w = shape
+    out_h, out_w = grad_out.shape[2:]
+    grad = np.zeros(shape)
+    for k, roi in enumerate(rois):
+        b, start_h, start_w, bin_h, bin_w, grid_h, grid_w = roi_align_geometry(
+            roi, t, n, out_h, out_w, scale, sampling_ratio, aligned)
+        for ch in range(c):
+            for ph in range(out_h):
+                for pw in range(out_w):
+                    g = float(grad_out[k, ch, ph, pw])
+                    if mode == 0:
+                        if arg_y[k, ch, ph, pw] == -1:
+                            continue
+                        points = [(arg_y[k, ch, ph, pw], arg_x[k, ch, ph, pw], g)]
+                    else:
+                        share = g / max(grid_h * grid_w, 1)
+                        points = [(roi_align_sample(t, start_h, bin_h, ph, iy, grid_h),
+                                   roi_align_sample(t, start_w, bin_w, pw, ix, grid_w), share)
+                                  for iy in range(grid_h) for ix in range(grid_w)]
+                    for y, xx, weight in points:
+                        ay, ax = roi_align_axis(t, t(y), h), roi_align_axis(t, t(xx), w)
+                        if not (ay and ax):
+                            continue
+                        for row, wy in ((ay[0], ay[2]), (ay[1], ay[3])):
+                            for col, wx in ((ax[0], ax[2]), (ax[1], ax[3])):
+                                grad[b, ch, row, col] += weight * wy * wx
+    return grad
+
+
+@st.composite
+def forward_case(draw, dtype):
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
+    sampling_ratio = draw(st.integers(-1, 3))
+    mode, aligned = draw(st.sampled_from([0, 1])), draw(st.booleans())
+    x = draw(float_arrays((n, c, h, w), dtype))
+    rois = draw(rois_for(k, n, h, w, scale, aligned, dtype))
+    pooled = (k, c, out_h, out_w)
+    # avg mode does not use argmax_y/argmax_x: they may be empty
+    argmax_shape = pooled if mode == 0 or draw(st.booleans()) else (0,)
+    args = dict(input=guarded(x), rois=guarded(rois), output=guarded(sentinel(pooled, dtype)),
+                argmax_y=guarded(sentinel(argmax_shape, dtype)),
+                argmax_x=guarded(sentinel(argmax_shape, dtype)), aligned_height=out_h,
+                aligned_width=out_w, spatial_scale=scale, sampling_ratio=sampling_ratio,
+                pool_mode=mode, aligned=aligned)
+
+    def check(a):
+        expected, samples = roi_align_reference(x, rois, out_h, out_w, scale, sampling_ratio,
+                                                mode, aligned)
+        assert_close(a["output"], expected, dtype)
+        if mode == 0:
+            check_roi_align_argmax(np.asarray(a["output"], np.float64), a["argmax_y"],
+                                   a["argmax_x"], samples, **TOL[dtype])
+    return args, check
+
+
+@st.composite
+def backward_case(draw, dtype):
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
+    sampling_ratio = draw(st.integers(-1, 3))
+    mode, aligned = draw(st.sampled_from([0, 1])), draw(st.booleans())
+    rois = draw(rois_for(k, n, h, w, scale, aligned, dtype))
+    pooled = (k, c, out_h, out_w)
+    grad_out = draw(float_arrays(pooled, dtype))
+    if mode == 0:
+        # argmax positions anywhere around the map (backward checks them), some -1
+        arg_y = draw(float_arrays(pooled, dtype, -2, h + 2, specials=False))
+        arg_x = draw(float_arrays(pooled, dtype, -2, w + 2, specials=False))
+    else:
+        arg_y = arg_x = np.zeros((0,), dtype)
+    args = dict(grad_output=guarded(grad_out), rois=guarded(rois), argmax_y=guarded(arg_y),
+                argmax_x=guarded(arg_x), grad_input=guarded(np.zeros((n, c, h, w), dtype)),
+                aligned_height=out_h, aligned_width=out_w, spatial_scale=scale,
+                sampling_ratio=sampling_ratio, pool_mode=mode, aligned=aligned)
+
+    def check(a):
+        expected = roi_align_backward_reference(grad_out, rois, arg_y, arg_x, (n, c, h, w),
+                                                scale, sampling_ratio, mode, aligned)
+        assert_close(a["grad_input"], expected, dtype)
+    return args, check
+
+
+def forward_user_case(draw, name, dtype, layout):
+    a, _ = draw(forward_case(dtype))
+    mode = ["max", "avg"][a["pool_mode"]]
+    inputs = dict(input=layout(a["input"]), rois=layout(a["rois"]))
+
+    def run():
+        return getattr(roi_align_module, name)(inputs["input"], inputs["rois"],
+                                               (a["aligned_height"], a["aligned_width"]),
+                                               a["spatial_scale"], a["sampling_ratio"], mode,
+                                               a["aligned"])
+
+    def verify(result):
+        output = result[0] if name == "roi_align_forward" else result
+        expected, samples = roi_align_reference(
+            a["input"], a["rois"], a["aligned_height"], a["aligned_width"],
+            a["spatial_scale"], a["sampling_ratio"], a["pool_mode"], a["aligned"])
+        assert output.dtype == dtype
+        assert_close(output, expected, dtype)
+        if name == "roi_align_forward" and mode == "max":
+            check_roi_align_argmax(np.asarray(output, np.float64), result[1], result[2],
+                                   samples, **TOL[dtype])
+    return run, inputs, verify
+
+
+def backward_user_case(draw, name, dtype, layout):
+    a, check = draw(backward_case(dtype))
+    mode = ["max", "avg"][a["pool_mode"]]
+    unused = mode == "avg" and draw(st.booleans())
+    inputs = dict(grad_output=layout(a["grad_output"]), rois=layout(a["rois"]),
+                  argmax_y=None if unused else layout(a["argmax_y"]),
+                  argmax_x=None if unused else layout(a["argmax_x"]))
+
+    def run():
+        return roi_align_backward(inputs["grad_output"], inputs["rois"], inputs["argmax_y"],
+                                  inputs["argmax_x"], a["grad_input"].shape, a["spatial_scale"],
+                                  a["sampling_ratio"], mode, a["aligned"])
+    return run, inputs, lambda result: check(dict(a, grad_input=result))
+
+
+class TestProperties(OpProperties):
+    module = roi_align_module
+    entry_cases = {"roi_align_forward_impl": forward_case,
+                   "roi_align_backward_impl": backward_case}
+    fixed_axes = {
+        "roi_align_forward_impl": {"rois": [1], "output": [0, 1, 2, 3],
+                                   "argmax_y": [0, 1, 2, 3], "argmax_x": [0, 1, 2, 3]},
+        "roi_align_backward_impl": {"rois": [1], "grad_output": [0, 1, 2, 3],
+                                    "argmax_y": [0, 1, 2, 3], "argmax_x": [0, 1, 2, 3],
+                                    "grad_input": [1]},
+    }
+    bad_scalars = {"aligned_height": [0, -1, 2 ** 40], "aligned_width": [0, -3, 99],
+                   "spatial_scale": [0.0, -1.0, math.nan, math.inf, -math.inf],
+                   "sampling_ratio": [32769, 2 ** 62], "pool_mode": [2, -1, 7]}
+    user_cases = {"roi_align": forward_user_case, "roi_align_forward": forward_user_case,
+                  "roi_align_backward": backward_user_case}
+    good_user_args = {
+        "roi_align": lambda: [*small_map_and_rois(), (2, 2), 1.0, 0, "avg", True],
+        "roi_align_forward": lambda: [*small_map_and_rois(), (2, 2), 1.0, 0, "avg", True],
+        "roi_align_backward": lambda: [np.ones((2, 3, 2, 2)), small_map_and_rois()[1], None,
+                                       None, (2, 3, 4, 5), 1.0, 0, "avg", True],
+    }
+    user_bad_values = {
+        ("roi_align", 2): [0, -1, (2, 0), 2.5, "2", (1, 2, 3), None],
+        ("roi_align_forward", 2): [0, (-1, 2), 1.5],
+        ("roi_align", 3): [0.0, -1.0, math.nan, math.inf, "1"],
+        ("roi_align", 5): ["median", 1, None],
+        ("roi_align_forward", 5): ["MAX", 0],
+        ("roi_align_forward", 6): ["yes", None, 1.5],
+        ("roi_align_backward", 4): [(2, 3, 4), (2, -3, 4, 5), "abcd", None, (2, 3.5, 4, 5)],
+        ("roi_align_backward", 7): ["sum", None],
+    }
+
+    def ignores(self, op_name, args, name):
+        # avg mode reads no argmax, and takes empty ones
+        return name.startswith("argmax") and args["pool_mode"] == 1 and args[name].size == 0
+
+    def bad_data(self, draw, op_name, args):
+        # an aligned roi must not be reversed
+        reversed_roi = [(3, lambda roi: roi[1] - 1)] if args["aligned"] else []
+        batch = args["input" if "input" in args else "grad_input"].shape[0]
+        return bad_rois(draw, args, batch, reversed_roi)

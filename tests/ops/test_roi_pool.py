@@ -1,15 +1,21 @@
 """roi_pool (Fast R-CNN RoIPool, MMCV semantics): published values, a slow
 independent reference, finite differences, properties, bad input, device
 consistency and CPU/CUDA agreement."""
+import importlib
 import math
 import re
 
 import numpy as np
 import pytest
 
+from hypothesis import assume, strategies as st
+
 import mmdispatch
 from mmdispatch.ops import roi_pool, roi_pool_backward, roi_pool_forward
+from properties import (OpProperties, assert_close, bad_rois, float_arrays, guarded,
+                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois)
 
+roi_pool_module = importlib.import_module("mmdispatch.ops.roi_pool")
 DTYPES = [np.float32, np.float64]
 
 # MMCV tests/test_ops/test_roi_pool.py: (input, rois) -> (output, grad of sum(output)),
@@ -848,3 +854,131 @@ def test_cuda_bfloat16_through_torch_forward_and_backward(torch_cuda):
     expected = roi_pool_backward(np.ones(out32.shape, np.float32), rois32, argmax32, x32.shape)
     # sums of ones: exact in bfloat16 up to 256
     np.testing.assert_array_equal(grad.float().cpu().numpy(), expected)
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+
+@st.composite
+def forward_case(draw, dtype):
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
+    x = draw(float_arrays((n, c, h, w), dtype))
+    rois = draw(rois_for(k, n, h, w, scale, False, dtype))
+    pooled = (k, c, out_h, out_w)
+    args = dict(input=guarded(x), rois=guarded(rois), output=guarded(sentinel(pooled, dtype)),
+                argmax=guarded(sentinel(pooled, np.int64)), pooled_height=out_h,
+                pooled_width=out_w, spatial_scale=scale)
+
+    def check(a):
+        out, arg = ref_forward(x, rois, out_h, out_w, scale)
+        assert_close(a["output"], out, dtype)
+        np.testing.assert_array_equal(a["argmax"], arg)
+    return args, check
+
+
+@st.composite
+def backward_case(draw, dtype):
+    n, c, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
+    rois = draw(rois_for(k, n, h, w, scale, False, dtype))
+    pooled = (k, c, out_h, out_w)
+    grad_out = draw(float_arrays(pooled, dtype))
+    argmax = np.array(draw(st.lists(st.integers(-1, h * w - 1), min_size=int(np.prod(pooled)),
+                                    max_size=int(np.prod(pooled)))), np.int64).reshape(pooled)
+    args = dict(grad_output=guarded(grad_out), rois=guarded(rois), argmax=guarded(argmax),
+                grad_input=guarded(np.zeros((n, c, h, w), dtype)), pooled_height=out_h,
+                pooled_width=out_w, spatial_scale=scale)
+
+    def check(a):
+        assert_close(a["grad_input"], ref_backward(grad_out, rois, argmax, (n, c, h, w)), dtype)
+    return args, check
+
+
+def forward_user_case(draw, name, dtype, layout):
+    a, check = draw(forward_case(dtype))
+    inputs = dict(input=layout(a["input"]), rois=layout(a["rois"]))
+
+    def run():
+        return getattr(roi_pool_module, name)(inputs["input"], inputs["rois"],
+                                              (a["pooled_height"], a["pooled_width"]),
+                                              a["spatial_scale"])
+
+    def verify(result):
+        if name == "roi_pool":
+            out, _ = ref_forward(a["input"], a["rois"], a["pooled_height"], a["pooled_width"],
+                                 a["spatial_scale"])
+            assert_close(result, out, dtype)
+            return
+        check(dict(a, output=result[0], argmax=result[1]))
+    return run, inputs, verify
+
+
+def backward_user_case(draw, name, dtype, layout):
+    a, check = draw(backward_case(dtype))
+    # argmax may have any integer dtype: the op converts it to int64
+    argmax = a["argmax"].astype(draw(st.sampled_from([np.int64, np.int32, np.int16])))
+    inputs = dict(grad_output=layout(a["grad_output"]), rois=layout(a["rois"]),
+                  argmax=layout(argmax))
+
+    def run():
+        return roi_pool_backward(inputs["grad_output"], inputs["rois"], inputs["argmax"],
+                                 a["grad_input"].shape, a["spatial_scale"])
+    return run, inputs, lambda result: check(dict(a, grad_input=result))
+
+
+class TestProperties(OpProperties):
+    module = roi_pool_module
+    entry_cases = {"roi_pool_forward_impl": forward_case, "roi_pool_backward_impl": backward_case}
+    fixed_axes = {
+        "roi_pool_forward_impl": {"rois": [1], "output": [0, 1, 2, 3], "argmax": [0, 1, 2, 3]},
+        "roi_pool_backward_impl": {"rois": [1], "grad_output": [0, 1, 2, 3],
+                                   "argmax": [0, 1, 2, 3], "grad_input": [1]},
+    }
+    bad_scalars = {"pooled_height": [0, -1, 2 ** 40], "pooled_width": [0, -7, 99],
+                   "spatial_scale": [0.0, -1.0, math.nan, math.inf, -math.inf]}
+    user_cases = {"roi_pool": forward_user_case, "roi_pool_forward": forward_user_case,
+                  "roi_pool_backward": backward_user_case}
+    good_user_args = {
+        "roi_pool": lambda: [*small_map_and_rois(), (2, 2), 1.0],
+        "roi_pool_forward": lambda: [*small_map_and_rois(), (2, 2), 1.0],
+        "roi_pool_backward": lambda: [np.ones((2, 3, 2, 2)), small_map_and_rois()[1],
+                                      np.zeros((2, 3, 2, 2), np.int64), (2, 3, 4, 5), 1.0],
+    }
+    user_bad_values = {
+        ("roi_pool", 2): [0, -1, (2, 0), 2.5, "2", (1, 2, 3), None, (2 ** 40, 2 ** 40),
+                          (2 ** 64, 2), (2 ** 62, 2 ** 62), (2 ** 22, 2 ** 22)],
+        ("roi_pool_forward", 2): [0, (2 ** 63, 1), (2 ** 31, 2 ** 31)],
+        ("roi_pool_backward", 3): [(2, 3, 4), (2, -3, 4, 5), "abcd", None, (2 ** 64, 3, 4, 5),
+                                   (2 ** 40, 3, 2 ** 40, 5)],
+        ("roi_pool_backward", 2): [np.zeros((2, 3, 2, 2)),
+                                   np.full((2, 3, 2, 2), 20, np.int64)],
+    }
+
+    def bad_data(self, draw, op_name, args):
+        backward = op_name == "roi_pool_backward_impl"
+        if not backward or draw(st.booleans()):
+            return bad_rois(draw, args, args["grad_input" if backward else "input"].shape[0])
+        assume(args["argmax"].size > 0)
+        argmax = args["argmax"].copy()
+        plane = args["grad_input"].shape[2] * args["grad_input"].shape[3]
+        argmax.reshape(-1)[draw(st.integers(0, argmax.size - 1))] = draw(st.sampled_from(
+            [-2, plane, plane + 10, 2 ** 62, -2 ** 63]))
+        return dict(args, argmax=guarded(argmax)), "data: argmax out of range"
+
+
+# Output shapes whose size overflows int64 (or memory): the op's own error,
+# never a wrapped size.
+HUGE_OUTPUT_CALLS = [
+    (lambda x, r: roi_pool(x, r, (2 ** 40, 2 ** 40)), ValueError),
+    (lambda x, r: roi_pool(x, r, (2 ** 31, 2 ** 31)), ValueError),
+    (lambda x, r: roi_pool(x, r, (2 ** 64, 1)), ValueError),
+    (lambda x, r: roi_pool(x, r, (2 ** 22, 2 ** 22)), MemoryError),
+    (lambda x, r: roi_pool_backward(np.ones((2, 3, 1, 1)), r, np.zeros((2, 3, 1, 1), np.int64),
+                                    (2 ** 40, 3, 2 ** 40, 5)), ValueError),
+    (lambda x, r: roi_pool_backward(np.ones((2, 3, 1, 1)), r, np.zeros((2, 3, 1, 1), np.int64),
+                                    (0, 3, 2 ** 62, 2 ** 62)), ValueError),
+]
+
+
+@pytest.mark.parametrize("call, error", HUGE_OUTPUT_CALLS)
+def test_output_sizes_beyond_int64_or_memory_are_refused_naming_the_op(call, error):
+    with pytest.raises(error, match=r"^roi_pool_(forward|backward)(_impl)?: "):
+        call(*small_map_and_rois())

@@ -1,15 +1,22 @@
 """sigmoid_focal_loss (MMCV semantics): published values, a slow
 high-precision reference, extreme logits, finite differences, bad input,
 device consistency and CPU/CUDA agreement."""
+import importlib
+import math
 import re
 from decimal import Decimal, localcontext, MAX_EMAX, MIN_EMIN
 
 import numpy as np
 import pytest
 
+from hypothesis import assume, strategies as st
+
 import mmdispatch
 from mmdispatch.ops import (sigmoid_focal_loss, sigmoid_focal_loss_backward,
                             sigmoid_focal_loss_forward)
+from properties import OpProperties, float_arrays, guarded, sentinel
+
+focal_module = importlib.import_module("mmdispatch.ops.sigmoid_focal_loss")
 
 DTYPES = [np.float32, np.float64]
 
@@ -577,3 +584,105 @@ def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda, rng):
             got = fn(x.cuda(), torch.from_numpy(target).cuda(), 2.0, 0.25, weight.cuda())
             assert isinstance(got, torch.Tensor) and got.dtype == dtype
             np.testing.assert_allclose(got.float().cpu().numpy(), expected, rtol=tol, atol=1e-6)
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+
+def focal_loss_case(backward):
+    @st.composite
+    def case(draw, dtype):
+        n, c = draw(st.integers(0, 4)), draw(st.integers(0, 4))
+        x = draw(float_arrays((n, c), dtype, -40, 40, specials=False))
+        if n * c and draw(st.booleans()):
+            x.reshape(-1)[draw(st.integers(0, n * c - 1))] = draw(
+                st.sampled_from([1e4, -1e4, 88.5, -88.5, 0.0]))
+        target = np.array(draw(st.lists(st.integers(0, c), min_size=n, max_size=n)), np.int64)
+        weight = (draw(float_arrays((c,), dtype, 0, 3, specials=False))
+                  if draw(st.booleans()) else None)
+        gamma = draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5]))
+        alpha = draw(st.sampled_from([0.25, 0.5, 1.0, 0.0, -0.5, 1.5]))
+        name = "grad_input" if backward else "output"
+        args = dict(input=guarded(x), target=guarded(target),
+                    weight=None if weight is None else guarded(weight),
+                    **{name: guarded(sentinel((n, c), dtype))}, gamma=gamma, alpha=alpha)
+
+        def check(a):
+            loss, grad = ref_forward_backward(x, target, gamma, alpha, weight)
+            rtol, atol = tolerances(dtype)
+            np.testing.assert_allclose(np.asarray(a[name], np.float64), grad if backward else loss,
+                                       rtol=rtol * 8, atol=atol)
+        return args, check
+    return case
+
+
+def user_case(draw, name, dtype, layout):
+    a, check = draw(focal_loss_case(name == "sigmoid_focal_loss_backward")(dtype))
+    target = a["target"].astype(draw(st.sampled_from([np.int64, np.int32, np.uint8])))
+    inputs = dict(input=layout(a["input"]), target=layout(target), weight=layout(a["weight"]))
+    reduction = draw(st.sampled_from(["none", "sum", "mean"]))
+
+    def run():
+        function = getattr(focal_module, name)
+        if name == "sigmoid_focal_loss":
+            return function(inputs["input"], inputs["target"], a["gamma"], a["alpha"],
+                            inputs["weight"], reduction)
+        return function(inputs["input"], inputs["target"], a["gamma"], a["alpha"],
+                        inputs["weight"])
+
+    def verify(result):
+        if name != "sigmoid_focal_loss" or reduction == "none":
+            return check(dict(a, output=result, grad_input=result))
+        loss, _ = ref_forward_backward(a["input"], a["target"], a["gamma"], a["alpha"],
+                                       a["weight"])
+        if reduction == "sum":
+            expected = loss.sum()
+        else:
+            expected = loss.sum() / loss.shape[0] if loss.shape[0] else math.nan
+        assert result.shape == () and result.dtype == dtype
+        # numpy sums the loss in its dtype
+        slack = (1e-6 if dtype == np.float32 else 1e-13) * float(np.abs(loss).sum())
+        np.testing.assert_allclose(float(result), expected, rtol=1e-12, atol=slack)
+    return run, inputs, verify
+
+
+def small_call():
+    return [np.zeros((2, 3)), np.array([0, 3]), 2.0, 0.25, None]
+
+
+class TestProperties(OpProperties):
+    module = focal_module
+    entry_cases = {"sigmoid_focal_loss_forward_impl": focal_loss_case(False),
+                   "sigmoid_focal_loss_backward_impl": focal_loss_case(True)}
+    fixed_axes = {
+        "sigmoid_focal_loss_forward_impl": {"target": [0], "weight": [0], "output": [0, 1]},
+        "sigmoid_focal_loss_backward_impl": {"target": [0], "weight": [0],
+                                             "grad_input": [0, 1]},
+    }
+    bad_scalars = {"gamma": [math.nan, math.inf, -1.0], "alpha": [math.nan, math.inf, -math.inf]}
+    user_cases = {name: user_case for name in ("sigmoid_focal_loss", "sigmoid_focal_loss_forward",
+                                               "sigmoid_focal_loss_backward")}
+    good_user_args = {"sigmoid_focal_loss": lambda: small_call() + ["mean"],
+                      "sigmoid_focal_loss_forward": small_call,
+                      "sigmoid_focal_loss_backward": small_call}
+    user_bad_values = {
+        ("sigmoid_focal_loss", 1): [np.array([0.0, 1.0]), np.array([0, 4]), np.array([-1, 0]),
+                                    np.array([0, 1, 2]), [0, 1]],
+        ("sigmoid_focal_loss", 2): [math.nan, -1.0, math.inf, "2", None],
+        ("sigmoid_focal_loss", 3): [math.nan, math.inf, None],
+        ("sigmoid_focal_loss", 4): [np.ones(2), np.ones((3, 1)), np.ones(3, np.int64), "w"],
+        ("sigmoid_focal_loss", 5): ["avg", None, 1],
+        ("sigmoid_focal_loss_forward", 1): [np.array([0, 1, 2])],
+        ("sigmoid_focal_loss_backward", 2): [-0.5, math.nan],
+    }
+
+    def bad_scalar_values(self, name, dtype):
+        values = super().bad_scalar_values(name, dtype)
+        # gamma and alpha are converted to the input's dtype: beyond float32
+        return values + [1e39] if values and dtype == np.float32 else values
+
+    def bad_data(self, draw, op_name, args):
+        assume(args["target"].size > 0)
+        target = args["target"].copy()
+        target[draw(st.integers(0, target.size - 1))] = draw(st.sampled_from(
+            [-1, args["input"].shape[1] + 1, 2 ** 62, -2 ** 63]))
+        return dict(args, target=guarded(target)), f"data: target = {target}"
