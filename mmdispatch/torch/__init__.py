@@ -18,8 +18,9 @@ except ImportError as exc:
     raise ImportError("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]' (or "
                       "torch itself); the rest of mmdispatch works without it") from exc
 
-from mmdispatch.torch._vision import (RoIAlign, RoIPool, batched_nms, box_iou, nms, roi_align,
+from mmdispatch.torch._vision import (PSRoIAlign, PSRoIPool, RoIAlign, RoIPool, batched_nms,
+                                      box_iou, nms, ps_roi_align, ps_roi_pool, roi_align,
                                       roi_pool, sigmoid_focal_loss)
 
-__all__ = ["RoIAlign", "RoIPool", "batched_nms", "box_iou", "nms", "roi_align", "roi_pool",
-           "sigmoid_focal_loss"]
+__all__ = ["PSRoIAlign", "PSRoIPool", "RoIAlign", "RoIPool", "batched_nms", "box_iou", "nms",
+           "ps_roi_align", "ps_roi_pool", "roi_align", "roi_pool", "sigmoid_focal_loss"]

@@ -13,6 +13,8 @@ from mmdispatch.torch._library import DERIVED
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _ROI_POOL = DERIVED["roi_pool_forward_impl"]
+_PS_ROI_ALIGN = DERIVED["ps_roi_align_forward_impl"]
+_PS_ROI_POOL = DERIVED["ps_roi_pool_forward_impl"]
 _NMS = DERIVED["nms_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _AVG = 1
@@ -82,6 +84,29 @@ def roi_pool(input, boxes, output_size, spatial_scale=1.0):
     h, w = _pair("roi_pool", output_size)
     rois = rois_of("roi_pool", boxes, input)
     return _ROI_POOL(input, rois, h, w, float(spatial_scale))[0]
+
+
+def ps_roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1):
+    """Position-sensitive RoIAlign (R-FCN) as torchvision.ops.ps_roi_align:
+    input (N, C, H, W) with C a multiple of out_h * out_w; returns (K,
+    C / (out_h * out_w), *output_size). Differentiable with respect to
+    input. A roi with x2 < x1 or y2 < y1 is an error, and a bin with no
+    samples 0 (torchvision computes values for such rois, and NaN for such
+    bins)."""
+    h, w = _pair("ps_roi_align", output_size)
+    rois = rois_of("ps_roi_align", boxes, input)
+    return _PS_ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio))
+
+
+def ps_roi_pool(input, boxes, output_size, spatial_scale=1.0):
+    """Position-sensitive RoIPool (average pooling, R-FCN) as
+    torchvision.ops.ps_roi_pool, whose bins never include the map's last row
+    and column; differentiable with respect to input, with the exact
+    gradient (torchvision's spreads a bin that reaches past the map over
+    the last row and column too)."""
+    h, w = _pair("ps_roi_pool", output_size)
+    rois = rois_of("ps_roi_pool", boxes, input)
+    return _PS_ROI_POOL(input, rois, h, w, float(spatial_scale))
 
 
 def _nms(boxes, scores, idxs, iou_threshold, offset=0):
@@ -185,3 +210,28 @@ class RoIPool(nn.Module):
     def __repr__(self):
         return (f"{self.__class__.__name__}(output_size={self.output_size}, "
                 f"spatial_scale={self.spatial_scale})")
+
+
+class PSRoIAlign(nn.Module):
+    """torchvision.ops.PSRoIAlign."""
+
+    def __init__(self, output_size, spatial_scale, sampling_ratio):
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = spatial_scale
+        self.sampling_ratio = sampling_ratio
+
+    def forward(self, input, rois):
+        return ps_roi_align(input, rois, self.output_size, self.spatial_scale,
+                            self.sampling_ratio)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio})")
+
+
+class PSRoIPool(RoIPool):
+    """torchvision.ops.PSRoIPool."""
+
+    def forward(self, input, rois):
+        return ps_roi_pool(input, rois, self.output_size, self.spatial_scale)

@@ -15,7 +15,8 @@ int mmd_roi_error(int code, int64_t roi_index, int64_t batch_size) {
     case MMD_ROI_NEGATIVE_SIZE:
         return mmd_error(MMD_ERR_VALUE,
                          "rois[%lld] has negative width or height (x2 < x1 or y2 < y1), which "
-                         "aligned=True does not allow",
+                         "aligned sampling (roi_align's aligned=True, ps_roi_align) does not "
+                         "allow",
                          (long long)roi_index);
     case MMD_ROI_GRID_TOO_LARGE:
         return mmd_error(MMD_ERR_VALUE,

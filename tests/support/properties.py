@@ -526,7 +526,8 @@ class OpProperties:
         assert set(self.fixed_axes) <= set(self.entry_cases)
         for op_name, axes in self.fixed_axes.items():
             assert set(axes) <= {p.name for p in SIGNATURES[op_name].params if p.is_array}
-        assert {name for name, _ in self.user_bad_values} <= set(self.user_cases)
+        for name, position in self.user_bad_values:
+            assert position < len(self.good_user_args[name]()), (name, position)
 
     # 1. entry points: valid calls match the slow references
 

@@ -1,0 +1,361 @@
+"""ps_roi_pool (R-FCN position-sensitive RoIPool, torchvision semantics): a
+slow reference from the definition, torchvision itself, finite
+differences, the channel mapping, bad input, the PyTorch layer, properties,
+and CPU/CUDA agreement."""
+import importlib
+import math
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import mmdispatch
+from mmdispatch.ops import ps_roi_pool, ps_roi_pool_backward
+from properties import (OpProperties, assert_close, bad_rois, float_arrays, guarded,
+                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois)
+
+ps_roi_pool_module = importlib.import_module("mmdispatch.ops.ps_roi_pool")
+DTYPES = [np.float32, np.float64]
+TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-13, atol=1e-13)}
+
+
+# --- slow reference, from the definition (torchvision's bins), in the dtype --------------
+
+def round_half_away(v):
+    """C round(): nearest integer, halves away from zero."""
+    return int(math.copysign(math.floor(abs(v) + 0.5), v))
+
+
+def ref_cells(roi, shape, out_h, out_w, scale, ph, pw, t):
+    """(rows, cols) ranges of bin (ph, pw): [floor(k * bin), ceil((k + 1) * bin))
+    from the rounded roi start, clipped to [0, size - 1]."""
+    h, w = shape
+    x1, y1, x2, y2 = (round_half_away(float(t(v) * t(scale))) for v in roi[1:])
+    bin_h = t(max(y2 - y1, 1)) / t(out_h)
+    bin_w = t(max(x2 - x1, 1)) / t(out_w)
+
+    def clip(v, size):
+        return min(max(v, 0), max(size - 1, 0))
+    rows = range(clip(math.floor(ph * bin_h) + y1, h), clip(math.ceil((ph + 1) * bin_h) + y1, h))
+    cols = range(clip(math.floor(pw * bin_w) + x1, w), clip(math.ceil((pw + 1) * bin_w) + x1, w))
+    return rows, cols
+
+
+def ref_forward(x, rois, out_h, out_w, scale):
+    t = x.dtype.type
+    n, c, h, w = x.shape
+    c_out = c // (out_h * out_w)
+    out = np.zeros((len(rois), c_out, out_h, out_w))
+    for k, roi in enumerate(rois):
+        for ph in range(out_h):
+            for pw in range(out_w):
+                rows, cols = ref_cells(roi, (h, w), out_h, out_w, scale, ph, pw, t)
+                for co in range(c_out):
+                    plane = x[int(roi[0]), (co * out_h + ph) * out_w + pw].astype(np.float64)
+                    cells = [plane[r, q] for r in rows for q in cols]
+                    out[k, co, ph, pw] = sum(cells) / len(cells) if cells else 0.0
+    return out
+
+
+def ref_backward(grad_out, rois, shape, scale):
+    t = grad_out.dtype.type
+    n, c, h, w = shape
+    _, c_out, out_h, out_w = grad_out.shape
+    grad = np.zeros(shape)
+    for k, roi in enumerate(rois):
+        for ph in range(out_h):
+            for pw in range(out_w):
+                rows, cols = ref_cells(roi, (h, w), out_h, out_w, scale, ph, pw, t)
+                area = len(rows) * len(cols)
+                for co in range(c_out):
+                    channel = (co * out_h + ph) * out_w + pw
+                    for r in rows:
+                        for q in cols:
+                            grad[int(roi[0]), channel, r, q] += float(grad_out[k, co, ph, pw]) / area
+    return grad
+
+
+def random_case(rng, dtype, out=(3, 2), c_out=2, n=2, h=9, w=11, k=6, scale=0.5):
+    x = rng.standard_normal((n, c_out * out[0] * out[1], h, w)).astype(dtype)
+    corners = rng.uniform(-4, 2.2 * max(h, w), (k, 4))
+    rois = np.concatenate([rng.integers(0, n, (k, 1)), corners], axis=1).astype(dtype)
+    return x, rois   # corners in any order: a reversed roi spans one cell
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.3])
+@pytest.mark.parametrize("seed", range(4))
+def test_forward_and_backward_match_the_slow_reference(dtype, scale, seed):
+    rng = np.random.default_rng(seed)
+    x, rois = random_case(rng, dtype, scale=scale)
+    out = ps_roi_pool(x, rois, (3, 2), scale)
+    assert out.shape == (6, 2, 3, 2) and out.dtype == dtype
+    np.testing.assert_allclose(out, ref_forward(x, rois, 3, 2, scale), **TOL[dtype])
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grad = ps_roi_pool_backward(grad_out, rois, x.shape, scale)
+    assert grad.shape == x.shape and grad.dtype == dtype
+    np.testing.assert_allclose(grad, ref_backward(grad_out, rois, x.shape, scale), **TOL[dtype])
+
+
+def interior_case(rng, dtype, out=(3, 3), c_out=3, n=2, h=20, w=17, k=12):
+    """Rois whose bins stay off the map's last row and column, where
+    torchvision's backward is the gradient of its forward (see below)."""
+    x = rng.standard_normal((n, c_out * out[0] * out[1], h, w)).astype(dtype)
+    rows = np.sort(rng.integers(0, h - 2, (k, 2)), axis=1)
+    cols = np.sort(rng.integers(0, w - 2, (k, 2)), axis=1)
+    rois = np.stack([rng.integers(0, n, k), cols[:, 0], rows[:, 0], cols[:, 1], rows[:, 1]], 1)
+    return x, rois.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_equals_torchvision(dtype):
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    x, rois = random_case(np.random.default_rng(7), dtype, out=(3, 3), c_out=3, h=20, w=17, k=12)
+    expected = torchvision.ops.ps_roi_pool(torch.from_numpy(x), torch.from_numpy(rois), 3, 0.5)
+    np.testing.assert_allclose(ps_roi_pool(x, rois, 3, 0.5), expected.numpy(), **TOL[dtype])
+
+
+def test_the_gradient_is_the_forwards_where_torchvisions_is_not(numeric_gradient):
+    # torchvision's backward spreads a bin that reaches past the map over
+    # [0, H) x [0, W), its forward averages [0, H - 1) x [0, W - 1)
+    x = np.random.default_rng(9).standard_normal((1, 1, 6, 6))
+    rois = np.array([[0, 0.0, 0, 9, 9]])
+    numeric = numeric_gradient(lambda v: float(ps_roi_pool(v, rois, 1).sum()), x)
+    grad = ps_roi_pool_backward(np.ones((1, 1, 1, 1)), rois, x.shape)
+    np.testing.assert_allclose(grad, numeric, atol=1e-8)
+    np.testing.assert_array_equal(grad[0, 0, :5, :5], 1 / 25)
+    assert (grad[0, 0, 5] == 0).all() and (grad[0, 0, :, 5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_and_gradient_equal_torchvision_off_the_last_row_and_column(dtype):
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    x, rois = interior_case(np.random.default_rng(7), dtype)
+    xt = torch.from_numpy(x).requires_grad_(True)
+    expected = torchvision.ops.ps_roi_pool(xt, torch.from_numpy(rois), 3, 0.5)
+    out = ps_roi_pool(x, rois, 3, 0.5)
+    np.testing.assert_allclose(out, expected.detach().numpy(), **TOL[dtype])
+    grad_out = np.random.default_rng(8).standard_normal(out.shape).astype(dtype)
+    expected.backward(torch.from_numpy(grad_out))
+    np.testing.assert_allclose(ps_roi_pool_backward(grad_out, rois, x.shape, 0.5),
+                               xt.grad.numpy(), **TOL[dtype])
+
+
+def test_backward_matches_finite_differences(numeric_gradient):
+    rng = np.random.default_rng(3)
+    x, rois = random_case(rng, np.float64, h=6, w=7, k=3)
+    grad_out = rng.standard_normal((3, 2, 3, 2))
+    numeric = numeric_gradient(lambda v: float((ps_roi_pool(v, rois, (3, 2), 0.5)
+                                                * grad_out).sum()), x)
+    np.testing.assert_allclose(ps_roi_pool_backward(grad_out, rois, x.shape, 0.5), numeric,
+                               rtol=1e-6, atol=1e-8)
+
+
+def test_bin_ph_pw_of_output_channel_c_reads_input_channel_c_ph_pw():
+    out_h, out_w, c_out = 2, 3, 2
+    channels = c_out * out_h * out_w
+    x = np.broadcast_to(np.arange(channels, dtype=np.float64)[None, :, None, None],
+                        (1, channels, 9, 9)).copy()
+    out = ps_roi_pool(x, np.array([[0, 1.0, 1.0, 7.0, 7.0]]), (out_h, out_w))
+    expected = [[[(co * out_h + ph) * out_w + pw for pw in range(out_w)] for ph in range(out_h)]
+                for co in range(c_out)]
+    np.testing.assert_array_equal(out[0], expected)
+
+
+def test_bins_average_their_cells_and_never_reach_the_last_row_or_column():
+    x = np.arange(25, dtype=np.float64).reshape(1, 1, 5, 5)
+    # the whole map in one bin: rows and columns 0..3 only, as torchvision
+    np.testing.assert_array_equal(ps_roi_pool(x, np.array([[0, 0.0, 0, 4, 4]]), 1),
+                                  [[[[x[0, 0, :4, :4].mean()]]]])
+    # a roi on the last row and column has no cells: 0
+    np.testing.assert_array_equal(ps_roi_pool(x, np.array([[0, 4.0, 4, 6, 6]]), 1), [[[[0.0]]]])
+
+
+def test_empty_rois_and_an_empty_batch_give_empty_results():
+    assert ps_roi_pool(np.zeros((2, 8, 4, 4)), np.zeros((0, 5)), 2).shape == (0, 2, 2, 2)
+    grad = ps_roi_pool_backward(np.zeros((0, 2, 2, 2)), np.zeros((0, 5)), (2, 8, 4, 4))
+    np.testing.assert_array_equal(grad, np.zeros((2, 8, 4, 4)))
+    assert ps_roi_pool(np.zeros((0, 8, 4, 4)), np.zeros((0, 5)), 2).shape == (0, 2, 2, 2)
+
+
+@pytest.mark.parametrize("channels", [3, 5, 7, 10])
+def test_channels_not_a_multiple_of_the_bins_are_an_error_naming_input(channels):
+    with pytest.raises(ValueError, match=r"^ps_roi_pool_forward_impl: input has \d+ channels, "
+                                         r"which must be a multiple of pooled_height \* "
+                                         r"pooled_width = 4"):
+        ps_roi_pool(np.zeros((1, channels, 4, 4)), np.zeros((1, 5)), 2)
+    with pytest.raises(ValueError, match="^ps_roi_pool_backward_impl: grad_input has"):
+        ps_roi_pool_backward(np.zeros((1, 1, 2, 2)), np.zeros((1, 5)), (1, channels, 4, 4))
+
+
+@pytest.mark.parametrize("roi, message", [
+    ([2, 1, 1, 3, 3], "batch index"), ([0, math.nan, 1, 3, 3], "NaN or inf"),
+    ([0.5, 1, 1, 3, 3], "batch index"), ([0, 1, 1, 1e308, 3], "NaN or inf")])
+def test_bad_rois_are_refused_naming_the_roi_and_nothing_is_written(roi, message):
+    rois = np.array([[0, 1, 1, 3, 3], roi], dtype=np.float64)
+    with pytest.raises(ValueError, match=rf"^ps_roi_pool_forward_impl: rois\[1.*{message}"):
+        ps_roi_pool(np.zeros((2, 4, 5, 5)), rois, 2, 10.0)
+    grad_input = np.full((2, 4, 5, 5), 7.0)
+    with pytest.raises(ValueError, match=rf"^ps_roi_pool_backward_impl: rois\[1.*{message}"):
+        mmdispatch.ps_roi_pool_backward_impl(np.ones((2, 1, 2, 2)), rois, grad_input, 2, 2, 10.0)
+    assert (grad_input == 7).all()
+
+
+# --- the PyTorch layer --------------------------------------------------------------------
+
+def test_torch_op_passes_opcheck_and_the_drop_in_equals_torchvision():
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    from mmdispatch.torch import PSRoIPool
+    from mmdispatch.torch import ps_roi_pool as torch_ps_roi_pool
+
+    x, rois = interior_case(np.random.default_rng(2), np.float64, out=(2, 2), h=7, w=9, k=4)
+    xt, rt = torch.from_numpy(x).requires_grad_(True), torch.from_numpy(rois)
+    torch.library.opcheck(torch.ops.mmdispatch.ps_roi_pool_forward, (xt, rt, 2, 2, 0.5))
+    ours = torch_ps_roi_pool(xt, rt, 2, 0.5)
+    (grad,) = torch.autograd.grad(ours.sum(), xt)
+    x2 = xt.detach().clone().requires_grad_(True)
+    theirs = torchvision.ops.ps_roi_pool(x2, rt, 2, 0.5)
+    (expected,) = torch.autograd.grad(theirs.sum(), x2)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(PSRoIPool(2, 0.5)(xt, rt), ours)
+
+
+def test_torch_op_passes_opcheck_on_cuda(torch_cuda):
+    torch = torch_cuda
+    x, rois = random_case(np.random.default_rng(4), np.float64, out=(2, 2), h=7, w=9, k=4)
+    xt = torch.from_numpy(x).cuda().requires_grad_(True)
+    torch.library.opcheck(torch.ops.mmdispatch.ps_roi_pool_forward,
+                          (xt, torch.from_numpy(rois).cuda(), 2, 2, 0.5))
+
+
+# --- CUDA ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_cpu_in_forward_and_backward(cupy, dtype):
+    rng = np.random.default_rng(11)
+    x, rois = random_case(rng, dtype, out=(3, 3), c_out=4, h=24, w=31, k=40)
+    out = ps_roi_pool(cupy.asarray(x), cupy.asarray(rois), 3, 0.5)
+    np.testing.assert_allclose(cupy.asnumpy(out), ps_roi_pool(x, rois, 3, 0.5), **TOL[dtype])
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    expected = ps_roi_pool_backward(grad_out, rois, x.shape, 0.5)
+    for backend in ("default", "deterministic"):
+        with mmdispatch.use_backend("cuda", backend):
+            grad = ps_roi_pool_backward(cupy.asarray(grad_out), cupy.asarray(rois), x.shape, 0.5)
+        np.testing.assert_allclose(cupy.asnumpy(grad), expected,
+                                   rtol=TOL[dtype]["rtol"] * 10, atol=TOL[dtype]["atol"] * 10)
+
+
+def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
+    rng = np.random.default_rng(12)
+    x, rois = random_case(rng, np.float32, out=(3, 3), c_out=4, h=24, w=31, k=200)
+    grad_out = cupy.asarray(rng.standard_normal((200, 4, 3, 3)).astype(np.float32))
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        runs = [cupy.asnumpy(ps_roi_pool_backward(grad_out, cupy.asarray(rois), x.shape, 0.5))
+                for _ in range(3)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
+
+
+def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda):
+    torch = torch_cuda
+    x, rois = random_case(np.random.default_rng(13), np.float32, out=(2, 2), h=12, w=12, k=8)
+    expected = ps_roi_pool(x, rois.round(), 2, 1.0)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = ps_roi_pool(torch.from_numpy(x).cuda().to(dtype),
+                          torch.from_numpy(rois.round()).cuda().to(dtype), 2, 1.0)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out.float().cpu().numpy(), expected, rtol=2e-2, atol=3e-2)
+
+
+def test_cuda_bad_roi_raises_in_strict_mode_and_writes_nothing(cupy):
+    rois = cupy.asarray(np.array([[0, 1, 1, 3, 3], [3, 1, 1, 2, 4]]))
+    output = cupy.full((2, 1, 2, 2), 7.0)
+    with mmdispatch.strict():
+        with pytest.raises(ValueError, match=r"^ps_roi_pool_forward_impl: rois\[1, 0\]"):
+            mmdispatch.ps_roi_pool_forward_impl(cupy.zeros((1, 4, 5, 5)), rois, output, 2, 2,
+                                                1.0)
+    assert bool((output == 7).all())
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+
+@st.composite
+def forward_case(draw, dtype):
+    n, c_out, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
+    x = draw(float_arrays((n, c_out * out_h * out_w, h, w), dtype))
+    rois = draw(rois_for(k, n, h, w, scale, False, dtype))
+    args = dict(input=guarded(x), rois=guarded(rois),
+                output=guarded(sentinel((k, c_out, out_h, out_w), dtype)), pooled_height=out_h,
+                pooled_width=out_w, spatial_scale=scale)
+
+    def check(a):
+        with np.errstate(invalid="ignore"):   # inf - inf in a bin's sum is NaN
+            expected = ref_forward(x, rois, out_h, out_w, scale)
+        assert_close(a["output"], expected, dtype)
+    return args, check
+
+
+@st.composite
+def backward_case(draw, dtype):
+    n, c_out, h, w, k, out_h, out_w, scale = draw(roi_problem_sizes())
+    rois = draw(rois_for(k, n, h, w, scale, False, dtype))
+    grad_out = draw(float_arrays((k, c_out, out_h, out_w), dtype))
+    shape = (n, c_out * out_h * out_w, h, w)
+    args = dict(grad_output=guarded(grad_out), rois=guarded(rois),
+                grad_input=guarded(np.zeros(shape, dtype)), pooled_height=out_h,
+                pooled_width=out_w, spatial_scale=scale)
+
+    def check(a):
+        with np.errstate(invalid="ignore"):
+            expected = ref_backward(grad_out, rois, shape, scale)
+        assert_close(a["grad_input"], expected, dtype)
+    return args, check
+
+
+def forward_user_case(draw, name, dtype, layout):
+    a, check = draw(forward_case(dtype))
+    inputs = dict(input=layout(a["input"]), rois=layout(a["rois"]))
+
+    def run():
+        return ps_roi_pool(inputs["input"], inputs["rois"], (a["pooled_height"],
+                           a["pooled_width"]), a["spatial_scale"])
+    return run, inputs, lambda result: check(dict(a, output=result))
+
+
+def backward_user_case(draw, name, dtype, layout):
+    a, check = draw(backward_case(dtype))
+    inputs = dict(grad_output=layout(a["grad_output"]), rois=layout(a["rois"]))
+
+    def run():
+        return ps_roi_pool_backward(inputs["grad_output"], inputs["rois"], a["grad_input"].shape,
+                                    a["spatial_scale"])
+    return run, inputs, lambda result: check(dict(a, grad_input=result))
+
+
+class TestProperties(OpProperties):
+    module = ps_roi_pool_module
+    entry_cases = {"ps_roi_pool_forward_impl": forward_case,
+                   "ps_roi_pool_backward_impl": backward_case}
+    fixed_axes = {"ps_roi_pool_forward_impl": {"rois": [1], "output": [0, 1, 2, 3]},
+                  "ps_roi_pool_backward_impl": {"rois": [1], "grad_output": [0, 1, 2, 3]}}
+    bad_scalars = {"pooled_height": [0, -1, 2 ** 40], "pooled_width": [0, -3, 2 ** 40],
+                   "spatial_scale": [0.0, -1.0, math.nan, math.inf, -math.inf]}
+    user_cases = {"ps_roi_pool": forward_user_case, "ps_roi_pool_backward": backward_user_case}
+    good_user_args = {
+        "ps_roi_pool": lambda: [np.zeros((2, 12, 4, 5)), small_map_and_rois()[1], (2, 3), 1.0],
+        "ps_roi_pool_backward": lambda: [np.ones((2, 2, 2, 3)), small_map_and_rois()[1],
+                                         (2, 12, 4, 5), 1.0],
+    }
+    user_bad_values = {
+        ("ps_roi_pool", 2): [0, -1, (2, 0), 2.5, "2", (1, 2, 3), None, (5, 5)],
+        ("ps_roi_pool", 3): [0.0, -1.0, math.nan, "1"],
+        ("ps_roi_pool_backward", 2): [(2, 12, 4), (2, -12, 4, 5), (2, 13, 4, 5), None],
+    }
+
+    def bad_data(self, draw, op_name, args):
+        batch = args["input" if "input" in args else "grad_input"].shape[0]
+        return bad_rois(draw, args, batch)
