@@ -1,0 +1,302 @@
+/* ps_roi_align on CUDA (torchvision semantics, math shared with the CPU
+ * kernels through mmdispatch/ops/ps_roi_align.h). Forward: one thread per
+ * output bin. Backward (`default`): one thread per grad_output element,
+ * adding into grad_input with atomics; (`deterministic`): a warp per
+ * (image, input channel) plane of grad_input, which receives only one bin
+ * of each roi (ps_rois.h) and adds the rois in order, 32 samples at a time
+ * summed in lane order, so the sums are the same on every run. float16 and
+ * bfloat16 compute in float32. Launches on ctx->stream, on ctx->device_id.
+ *
+ * Bad rois never cause an out-of-bounds access: by default a bad roi's bins
+ * are NaN in forward and add nothing in backward, and the roi is reported
+ * as a deferred error; in strict mode a check kernel validates every roi
+ * first and the call raises, writing nothing. */
+#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/ops/ps_roi_align.h"
+#include "mmdispatch/registry.h"
+#include "mmdispatch_generated.h"
+
+namespace {
+
+using namespace mmd_cuda;
+
+template <typename A> using Geometry = mmd_roi_geometry<A>;
+template <typename A> using Axis = mmd_interp_axis<A>;
+
+/* The geometry of roi k, in compute type A. */
+template <typename T, typename A>
+__device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, A scale,
+                                   int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio,
+                                   Geometry<A> *g) {
+    A roi[5];
+    for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
+    return mmd_ps_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, g);
+}
+
+/* Strict mode, and calls with nothing to compute: reports every bad roi. */
+template <typename T>
+__global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch,
+                                  typename Compute<T>::type scale, int64_t pooled_h,
+                                  int64_t pooled_w, int64_t sampling_ratio, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    MMD_GRID_STRIDE_LOOP(k, num_rois) {
+        Geometry<A> g;
+        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                      &g);
+        if (code != MMD_ROI_OK) sink.report(k, code);
+    }
+}
+
+/* In strict mode validates the rois on the device before anything is
+ * written (one sync); then records the call and fills `sink` for the
+ * kernels' own reports. With nothing to compute (`work` false) the check
+ * kernel reports into the sink, so bad rois are an error whatever the
+ * output's size, as on the CPU. */
+template <typename T>
+int check_rois(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
+               typename Compute<T>::type scale, int64_t pooled_h, int64_t pooled_w,
+               int64_t sampling_ratio, cudaStream_t stream, bool work, ErrorSink *sink) {
+    const int64_t num_rois = rois->shape[0];
+    auto launch_check = [&](ErrorSink check) {
+        check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
+            (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio,
+            check);
+    };
+    int s = MMD_OK;
+    if (strict(ctx) && num_rois > 0)
+        s = check_on_device(stream, "ps_roi_align roi check", launch_check,
+                            [&](int64_t index, int code) {
+                                return mmd_roi_error(code, index, batch);
+                            });
+    if (!s) s = begin_deferred(ctx, mmd_roi_deferred_error, batch, 0, 0, sink);
+    if (!s && !work && !strict(ctx) && num_rois > 0) {
+        launch_check(*sink);
+        s = launch_status("ps_roi_align roi check");
+    }
+    return s;
+}
+
+/* Output element `index` = (k, c_out, ph, pw) of a (K, C_out, PH, PW) array. */
+struct Bin {
+    int64_t k, c_out, ph, pw;
+    __device__ Bin(int64_t index, int64_t c_out_count, int64_t pooled_h, int64_t pooled_w)
+        : k(index / pooled_w / pooled_h / c_out_count),
+          c_out((index / pooled_w / pooled_h) % c_out_count),
+          ph((index / pooled_w) % pooled_h),
+          pw(index % pooled_w) {}
+};
+
+template <typename T>
+__global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t total,
+                               int64_t channels, int64_t height, int64_t width, int64_t pooled_h,
+                               int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
+                               int64_t sampling_ratio, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t c_out_count = channels / (pooled_h * pooled_w);
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        const Bin b(index, c_out_count, pooled_h, pooled_w);
+        Geometry<A> g;
+        const int code = roi_geometry(rois, b.k, batch, scale, pooled_h, pooled_w,
+                                      sampling_ratio, &g);
+        if (code != MMD_ROI_OK) {
+            if (index % (c_out_count * pooled_h * pooled_w) == 0) sink.report(b.k, code);
+            output[index] = from_compute<T>((A)NAN);
+            continue;
+        }
+        const int64_t c_in = mmd_ps_channel(b.c_out, b.ph, b.pw, pooled_h, pooled_w);
+        const T *plane = input + (g.batch * channels + c_in) * height * width;
+        A sum = 0;
+        for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+            Axis<A> ay;
+            mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, b.ph, iy, g.grid_h), height, &ay);
+            if (!ay.valid) continue;
+            for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                Axis<A> ax;
+                mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, b.pw, ix, g.grid_w), width,
+                           &ax);
+                if (ax.valid) sum += mmd_ps_roi_align_bilinear<A>(plane, width, ay, ax);
+            }
+        }
+        const int64_t count = g.grid_h * g.grid_w;
+        output[index] = from_compute<T>(sum / (A)(count > 1 ? count : 1));
+    }
+}
+
+template <typename T>
+__global__ void backward_kernel(const T *grad_output, const T *rois, T *grad_input,
+                                int64_t total, int64_t channels, int64_t height, int64_t width,
+                                int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                                typename Compute<T>::type scale, int64_t sampling_ratio,
+                                ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t c_out_count = channels / (pooled_h * pooled_w);
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        const Bin b(index, c_out_count, pooled_h, pooled_w);
+        Geometry<A> g;
+        const int code = roi_geometry(rois, b.k, batch, scale, pooled_h, pooled_w,
+                                      sampling_ratio, &g);
+        if (code != MMD_ROI_OK) {
+            if (index % (c_out_count * pooled_h * pooled_w) == 0) sink.report(b.k, code);
+            continue;
+        }
+        const int64_t c_in = mmd_ps_channel(b.c_out, b.ph, b.pw, pooled_h, pooled_w);
+        T *plane = grad_input + (g.batch * channels + c_in) * height * width;
+        const int64_t count = g.grid_h * g.grid_w;
+        const A grad = to_compute(grad_output[index]) / (A)(count > 1 ? count : 1);
+        for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+            Axis<A> ay;
+            mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, b.ph, iy, g.grid_h), height, &ay);
+            if (!ay.valid) continue;
+            for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                Axis<A> ax;
+                mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, b.pw, ix, g.grid_w), width,
+                           &ax);
+                if (!ax.valid) continue;
+                atomicAdd(plane + ay.low * width + ax.low, from_compute<T>(grad * ay.w_low * ax.w_low));
+                atomicAdd(plane + ay.low * width + ax.high, from_compute<T>(grad * ay.w_low * ax.w_high));
+                atomicAdd(plane + ay.high * width + ax.low, from_compute<T>(grad * ay.w_high * ax.w_low));
+                atomicAdd(plane + ay.high * width + ax.high, from_compute<T>(grad * ay.w_high * ax.w_high));
+            }
+        }
+    }
+}
+
+/* The deterministic backward: warp b owns plane b = (n, c_in) of
+ * grad_input, which only bin (ph, pw) of output channel c_out feeds; it
+ * visits the rois in order, and a roi on image n adds its bin's samples,
+ * 32 at a time, conflicts summed in lane order (warp_ordered_add). */
+template <typename T>
+__global__ void deterministic_backward_kernel(const T *grad_output, const T *rois,
+                                              T *grad_input, int64_t num_rois, int64_t channels,
+                                              int64_t height, int64_t width, int64_t pooled_h,
+                                              int64_t pooled_w, int64_t batch,
+                                              typename Compute<T>::type scale,
+                                              int64_t sampling_ratio, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t n = blockIdx.x / channels, c_in = blockIdx.x % channels;
+    const int64_t bins = pooled_h * pooled_w, c_out_count = channels / bins;
+    const int64_t c_out = c_in / bins, ph = (c_in % bins) / pooled_w, pw = c_in % pooled_w;
+    const int lane = threadIdx.x;
+    T *plane = grad_input + (int64_t)blockIdx.x * height * width;
+    for (int64_t k = 0; k < num_rois; ++k) {
+        Geometry<A> g;
+        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                      &g);
+        if (code != MMD_ROI_OK) {
+            if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
+            continue;
+        }
+        if (g.batch != n) continue;
+        const int64_t count = g.grid_h * g.grid_w;
+        const A grad = to_compute(grad_output[(k * c_out_count + c_out) * bins + ph * pooled_w +
+                                              pw]) / (A)(count > 1 ? count : 1);
+        for (int64_t s0 = 0; s0 < count; s0 += 32) {
+            const int64_t s = s0 + lane;
+            Axis<A> ay = {}, ax = {};   /* invalid, zero weights */
+            if (s < count) {
+                mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, s / g.grid_w, g.grid_h),
+                           height, &ay);
+                mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, s % g.grid_w, g.grid_w),
+                           width, &ax);
+            }
+            const bool valid = ay.valid && ax.valid;
+            warp_ordered_add(plane, valid ? ay.low * width + ax.low : -1, grad * ay.w_low * ax.w_low);
+            warp_ordered_add(plane, valid ? ay.low * width + ax.high : -1, grad * ay.w_low * ax.w_high);
+            warp_ordered_add(plane, valid ? ay.high * width + ax.low : -1, grad * ay.w_high * ax.w_low);
+            warp_ordered_add(plane, valid ? ay.high * width + ax.high : -1, grad * ay.w_high * ax.w_high);
+        }
+    }
+}
+
+int ps_roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
+                              const mmd_tensor *output, int64_t pooled_height,
+                              int64_t pooled_width, double spatial_scale, int64_t sampling_ratio,
+                              const mmd_context *ctx) {
+    int s = mmd_ps_roi_align_forward_check(input, rois, output, pooled_height, pooled_width,
+                                           spatial_scale, sampling_ratio, MMD_FLOAT16_BF16_32_64);
+    if (s) return s;
+    const int64_t batch = input->shape[0], total = mmd_numel(output);
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype(input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            typedef typename Compute<T>::type A;
+            ErrorSink sink;
+            int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_height,
+                                  pooled_width, sampling_ratio, stream, total > 0, &sink);
+            if (s || total == 0) return s;
+            forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                (const T *)input->data, (const T *)rois->data, (T *)output->data, total,
+                input->shape[1], input->shape[2], input->shape[3], pooled_height, pooled_width,
+                batch, (A)spatial_scale, sampling_ratio, sink);
+            return launch_status("ps_roi_align forward launch");
+        });
+    });
+}
+
+int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                  const mmd_tensor *grad_input, int64_t pooled_height, int64_t pooled_width,
+                  double spatial_scale, int64_t sampling_ratio, bool deterministic,
+                  const mmd_context *ctx) {
+    int s = mmd_ps_roi_align_backward_check(grad_output, rois, grad_input, pooled_height,
+                                            pooled_width, spatial_scale, sampling_ratio,
+                                            MMD_FLOAT16_BF16_32_64);
+    if (s) return s;
+    const int64_t batch = grad_input->shape[0], total = mmd_numel(grad_output);
+    const int64_t planes = grad_input->shape[0] * grad_input->shape[1];
+    const bool work = total > 0 && mmd_numel(grad_input) > 0;
+    if (deterministic && planes > INT32_MAX)
+        return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d (image, "
+                         "channel) planes, got %lld", INT32_MAX, (long long)planes);
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype(grad_input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            typedef typename Compute<T>::type A;
+            ErrorSink sink;
+            int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_height,
+                                  pooled_width, sampling_ratio, stream, work, &sink);
+            if (s || !work) return s;
+            if (deterministic)
+                deterministic_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(
+                    (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
+                    rois->shape[0], grad_input->shape[1], grad_input->shape[2],
+                    grad_input->shape[3], pooled_height, pooled_width, batch, (A)spatial_scale,
+                    sampling_ratio, sink);
+            else
+                backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                    (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
+                    total, grad_input->shape[1], grad_input->shape[2], grad_input->shape[3],
+                    pooled_height, pooled_width, batch, (A)spatial_scale, sampling_ratio, sink);
+            return launch_status("ps_roi_align backward launch");
+        });
+    });
+}
+
+int ps_roi_align_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
+                               const mmd_tensor *grad_input, int64_t pooled_height,
+                               int64_t pooled_width, double spatial_scale, int64_t sampling_ratio,
+                               const mmd_context *ctx) {
+    return backward_cuda(grad_output, rois, grad_input, pooled_height, pooled_width,
+                         spatial_scale, sampling_ratio, false, ctx);
+}
+
+int ps_roi_align_backward_cuda_deterministic(const mmd_tensor *grad_output,
+                                             const mmd_tensor *rois,
+                                             const mmd_tensor *grad_input, int64_t pooled_height,
+                                             int64_t pooled_width, double spatial_scale,
+                                             int64_t sampling_ratio, const mmd_context *ctx) {
+    return backward_cuda(grad_output, rois, grad_input, pooled_height, pooled_width,
+                         spatial_scale, sampling_ratio, true, ctx);
+}
+
+}  // namespace
+
+MMD_REGISTRATIONS(cuda, ps_roi_align) {
+    MMD_REGISTER_DEVICE_IMPL(ps_roi_align_forward_impl, CUDA, DEFAULT, ps_roi_align_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(ps_roi_align_backward_impl, CUDA, DEFAULT,
+                             ps_roi_align_backward_cuda);
+    /* the forward is deterministic as it is (one thread per output element) */
+    MMD_REGISTER_DEVICE_IMPL(ps_roi_align_forward_impl, CUDA, DETERMINISTIC,
+                             ps_roi_align_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(ps_roi_align_backward_impl, CUDA, DETERMINISTIC,
+                             ps_roi_align_backward_cuda_deterministic);
+}
