@@ -50,6 +50,11 @@ from mmdispatch import _benchkit, _core, ops
 STANDARD = dict(batch=2, channels=256, height=200, width=304, rois_per_image=512,
                 image=(800, 1216), spatial_scale=0.25, output=7, nms_boxes=20000)
 QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000)
+# R-FCN's position-sensitive head on ResNet-50 stage 3 (stride 16): 10 output
+# channels of 7x7 bins, 512 rois per image.
+PS_STANDARD = dict(batch=2, channels=490, height=50, width=76, rois_per_image=512,
+                   image=(800, 1216), spatial_scale=1 / 16, output=7)
+PS_QUICK = dict(PS_STANDARD, channels=98, rois_per_image=128)
 
 
 def progress(text):
@@ -597,6 +602,53 @@ def timed_rows(cases, repeat, prefix=""):
     return rows
 
 
+def ps_cases(cfg, to_device, sync, theirs_device=None, tv=None):
+    """(name, ours, theirs, None) for the position-sensitive workload
+    (ps_roi_align with adaptive sampling, torchvision's default, and
+    ps_roi_pool; forward, and forward+backward), as device_cases."""
+    feature, rois = roi_workload(cfg)
+    d_feature, d_rois = to_device(feature), to_device(rois)
+    scale, size = cfg["spatial_scale"], cfg["output"]
+    grad = to_device(np.ones((len(rois), feature.shape[1] // size ** 2, size, size), np.float32))
+    torch = torchvision = None
+    if tv is not None and theirs_device is not None:
+        torch, torchvision = tv
+        t_feature = torch.from_numpy(feature).to(theirs_device)
+        t_rois = torch.from_numpy(rois).to(theirs_device)
+    for name, ours, backward, theirs_op in (
+            ("ps_roi_align", lambda: ops.ps_roi_align(d_feature, d_rois, size, scale, -1),
+             lambda: ops.ps_roi_align_backward(grad, d_rois, feature.shape, scale, -1),
+             lambda x: torchvision.ops.ps_roi_align(x, t_rois, size, scale, -1)),
+            ("ps_roi_pool", lambda: ops.ps_roi_pool(d_feature, d_rois, size, scale),
+             lambda: ops.ps_roi_pool_backward(grad, d_rois, feature.shape, scale),
+             lambda x: torchvision.ops.ps_roi_pool(x, t_rois, size, scale))):
+        def forward(ours=ours):
+            ours()
+            sync()
+
+        def forward_backward(ours=ours, backward=backward):
+            ours()
+            backward()
+            sync()
+
+        theirs_fwd = theirs_fb = None
+        if torch is not None:
+            def theirs_sync():
+                if theirs_device != "cpu":
+                    torch.cuda.synchronize()
+
+            def theirs_fwd(theirs_op=theirs_op):
+                with torch.no_grad():
+                    theirs_op(t_feature)
+                theirs_sync()
+
+            def theirs_fb(theirs_op=theirs_op):
+                theirs_op(t_feature.detach().requires_grad_(True)).sum().backward()
+                theirs_sync()
+        yield f"{name} R-FCN head forward", forward, theirs_fwd, None
+        yield f"{name} R-FCN head forward+backward", forward_backward, theirs_fb, None
+
+
 def run_cuda(quick, repeat, tv):
     """The GPU benchmarks, or (None, reason) when they cannot run here."""
     cupy, reason = cuda_runtime()
@@ -612,6 +664,8 @@ def run_cuda(quick, repeat, tv):
 
     rows = timed_rows(device_cases(cfg, cupy.asarray, sync, theirs_device, tv), repeat,
                       "CUDA ")
+    rows += timed_rows(ps_cases(PS_QUICK if quick else PS_STANDARD, cupy.asarray, sync,
+                                theirs_device, tv), repeat, "CUDA ")
 
     def deterministic(fn):
         def run_deterministic():
@@ -656,6 +710,8 @@ def run(quick=False, repeat=None):
 
     rows += timed_rows(device_cases(cfg, np.asarray, lambda: None,
                                     "cpu" if tv is not None else None, tv), repeat)
+    rows += timed_rows(ps_cases(PS_QUICK if quick else PS_STANDARD, np.asarray, lambda: None,
+                                "cpu" if tv is not None else None, tv), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None
