@@ -39,18 +39,8 @@ Call<T> make_call(const mmd_tensor *map, const mmd_tensor *rois, int64_t pooled_
                    map->shape[2], map->shape[3], pooled_h, pooled_w, (T)spatial_scale};
 }
 
-/* Validates every roi before anything is written. */
-template <typename T> int check_rois(const Call<T> &call) {
-    for (int64_t k = 0; k < call.num_rois; ++k) {
-        Geometry<T> g{};
-        const int code = call.geometry(k, &g);
-        if (code != MMD_ROI_OK) return mmd_roi_error(code, k, call.batch);
-    }
-    return MMD_OK;
-}
-
 template <typename T> int forward(const Call<T> &call, const T *input, T *output) {
-    int s = check_rois(call);
+    int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     const int64_t planes = call.num_rois * c_out;
     if (s || planes * bins == 0) return s;
@@ -83,7 +73,7 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
 /* Adds into grad_input (the caller passes it initialised, zeros for a plain
  * gradient): each cell of a bin gets the bin's gradient over its area. */
 template <typename T> int backward(const Call<T> &call, const T *grad_output, T *grad_input) {
-    int s = check_rois(call);
+    int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t plane_size = call.height * call.width, channels = call.channels;

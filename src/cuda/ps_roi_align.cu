@@ -76,16 +76,6 @@ int check_rois(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
     return s;
 }
 
-/* Output element `index` = (k, c_out, ph, pw) of a (K, C_out, PH, PW) array. */
-struct Bin {
-    int64_t k, c_out, ph, pw;
-    __device__ Bin(int64_t index, int64_t c_out_count, int64_t pooled_h, int64_t pooled_w)
-        : k(index / pooled_w / pooled_h / c_out_count),
-          c_out((index / pooled_w / pooled_h) % c_out_count),
-          ph((index / pooled_w) % pooled_h),
-          pw(index % pooled_w) {}
-};
-
 template <typename T>
 __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t total,
                                int64_t channels, int64_t height, int64_t width, int64_t pooled_h,
@@ -94,7 +84,7 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
     typedef typename Compute<T>::type A;
     const int64_t c_out_count = channels / (pooled_h * pooled_w);
     MMD_GRID_STRIDE_LOOP(index, total) {
-        const Bin b(index, c_out_count, pooled_h, pooled_w);
+        const mmd_ps_bin b(index, c_out_count, pooled_h, pooled_w);
         Geometry<A> g;
         const int code = roi_geometry(rois, b.k, batch, scale, pooled_h, pooled_w,
                                       sampling_ratio, &g);
@@ -131,7 +121,7 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, T *grad_inp
     typedef typename Compute<T>::type A;
     const int64_t c_out_count = channels / (pooled_h * pooled_w);
     MMD_GRID_STRIDE_LOOP(index, total) {
-        const Bin b(index, c_out_count, pooled_h, pooled_w);
+        const mmd_ps_bin b(index, c_out_count, pooled_h, pooled_w);
         Geometry<A> g;
         const int code = roi_geometry(rois, b.k, batch, scale, pooled_h, pooled_w,
                                       sampling_ratio, &g);
