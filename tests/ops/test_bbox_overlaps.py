@@ -604,8 +604,15 @@ def user_case(draw, name, dtype, layout):
     return run, inputs, lambda result: check(dict(a, ious=result))
 
 
+def torch_calls(torch, device):
+    boxes = torch.tensor([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], device=device)
+    return [(boxes, boxes[:2], 0, False, 0), (boxes, boxes, 1, True, 0),
+            (boxes.double(), boxes.double(), 0, False, 1)]
+
+
 class TestProperties(OpProperties):
     module = bbox_overlaps_module
+    torch_calls = {"bbox_overlaps_impl": torch_calls}
     entry_cases = {"bbox_overlaps_impl": overlaps_case}
     fixed_axes = {"bbox_overlaps_impl": {"bboxes1": [1], "bboxes2": [1], "ious": [0, 1]}}
     bad_scalars = {"offset": [2, -1], "mode": [2, -1]}

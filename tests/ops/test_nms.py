@@ -898,8 +898,17 @@ SMALL_BOXES = np.array([[0, 0, 2, 2], [1, 1, 3, 3], [5, 5, 6, 7]], dtype=np.floa
 SMALL_SCORES = np.array([0.9, 0.8, 0.1])
 
 
+def torch_calls(torch, device):
+    boxes = torch.tensor([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], device=device)
+    scores = torch.tensor([0.9, 0.8, 0.7], device=device)
+    return [(boxes, scores, None, 0.5, 0),
+            (boxes, scores, torch.tensor([0, 1, 0], device=device), 0.5, 0),
+            (boxes.double(), scores.double(), None, 0.1, 1)]
+
+
 class TestProperties(OpProperties):
     module = nms_module
+    torch_calls = {"nms_impl": torch_calls}
     entry_cases = {"nms_impl": nms_case}
     fixed_axes = {"nms_impl": {"boxes": [1], "scores": [0], "idxs": [0], "keep": [0],
                                "num_kept": [0]}}

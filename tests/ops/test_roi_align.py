@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import mmdispatch
 from mmdispatch.ops import roi_align, roi_align_backward, roi_align_forward
 from properties import (TOL, OpProperties, assert_close, bad_rois, float_arrays, guarded,
-                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois)
+                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois,
+                        torch_map_and_rois)
 
 roi_align_module = importlib.import_module("mmdispatch.ops.roi_align")
 
@@ -845,8 +846,25 @@ def backward_user_case(draw, name, dtype, layout):
     return run, inputs, lambda result: check(dict(a, grad_input=result))
 
 
+def torch_forward_calls(torch, device):
+    x, rois = torch_map_and_rois(torch, device)
+    return [(x, rois, 2, 2, 1.0, 2, mode, aligned) for mode in (0, 1) for aligned in (False, True)]
+
+
+def torch_backward_calls(torch, device):
+    x, rois = torch_map_and_rois(torch, device)
+    grad = torch.randn(3, 3, 2, 2, dtype=torch.float64, device=device)
+    _, argmax_y, argmax_x = torch.ops.mmdispatch.roi_align_forward(x.detach(), rois, 2, 2, 1.0, 2,
+                                                                   0, True)
+    none = torch.empty(0, dtype=torch.float64, device=device)
+    return [(grad, rois, none, none, tuple(x.shape), torch.float64, 2, 2, 1.0, 2, 1, True),
+            (grad, rois, argmax_y, argmax_x, tuple(x.shape), torch.float64, 2, 2, 1.0, 2, 0, True)]
+
+
 class TestProperties(OpProperties):
     module = roi_align_module
+    torch_calls = {"roi_align_forward_impl": torch_forward_calls,
+                   "roi_align_backward_impl": torch_backward_calls}
     entry_cases = {"roi_align_forward_impl": forward_case,
                    "roi_align_backward_impl": backward_case}
     fixed_axes = {

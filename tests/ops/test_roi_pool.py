@@ -13,7 +13,8 @@ from hypothesis import assume, strategies as st
 import mmdispatch
 from mmdispatch.ops import roi_pool, roi_pool_backward, roi_pool_forward
 from properties import (OpProperties, assert_close, bad_rois, float_arrays, guarded,
-                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois)
+                        roi_problem_sizes, rois_for, sentinel, small_map_and_rois,
+                        torch_map_and_rois)
 
 roi_pool_module = importlib.import_module("mmdispatch.ops.roi_pool")
 DTYPES = [np.float32, np.float64]
@@ -924,8 +925,22 @@ def backward_user_case(draw, name, dtype, layout):
     return run, inputs, lambda result: check(dict(a, grad_input=result))
 
 
+def torch_forward_calls(torch, device):
+    x, rois = torch_map_and_rois(torch, device)
+    return [(x, rois, 2, 2, 1.0), (x, rois, 3, 1, 0.5)]
+
+
+def torch_backward_calls(torch, device):
+    x, rois = torch_map_and_rois(torch, device)
+    _, argmax = torch.ops.mmdispatch.roi_pool_forward(x.detach(), rois, 2, 2, 1.0)
+    grad = torch.randn(3, 3, 2, 2, dtype=torch.float64, device=device)
+    return [(grad, rois, argmax, tuple(x.shape), torch.float64, 2, 2, 1.0)]
+
+
 class TestProperties(OpProperties):
     module = roi_pool_module
+    torch_calls = {"roi_pool_forward_impl": torch_forward_calls,
+                   "roi_pool_backward_impl": torch_backward_calls}
     entry_cases = {"roi_pool_forward_impl": forward_case, "roi_pool_backward_impl": backward_case}
     fixed_axes = {
         "roi_pool_forward_impl": {"rois": [1], "output": [0, 1, 2, 3], "argmax": [0, 1, 2, 3]},

@@ -649,8 +649,22 @@ def small_call():
     return [np.zeros((2, 3)), np.array([0, 3]), 2.0, 0.25, None]
 
 
+def torch_forward_calls(torch, device):
+    logits = torch.randn(4, 5, dtype=torch.float64, device=device, requires_grad=True)
+    target = torch.tensor([0, 5, 2, 1], device=device)
+    weight = torch.rand(5, dtype=torch.float64, device=device)
+    return [(logits, target, None, 2.0, 0.25), (logits, target, weight, 1.5, 0.5)]
+
+
+def torch_backward_calls(torch, device):
+    return [(logits.detach(), target, weight, gamma, alpha)
+            for logits, target, weight, gamma, alpha in torch_forward_calls(torch, device)]
+
+
 class TestProperties(OpProperties):
     module = focal_module
+    torch_calls = {"sigmoid_focal_loss_forward_impl": torch_forward_calls,
+                   "sigmoid_focal_loss_backward_impl": torch_backward_calls}
     entry_cases = {"sigmoid_focal_loss_forward_impl": focal_loss_case(False),
                    "sigmoid_focal_loss_backward_impl": focal_loss_case(True)}
     fixed_axes = {

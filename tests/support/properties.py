@@ -484,6 +484,11 @@ class OpProperties:
     - any_ndim: user function -> positions of arrays it takes with any number
       of dimensions (others get one more or fewer as a bad argument);
 
+    - torch_calls: entry point -> calls(torch, device), a list of argument
+      tuples for the entry point's derived PyTorch op (mmdispatch.torch), each
+      run through torch.library.opcheck on the CPU and, where there is a GPU,
+      on CUDA (tensors that need grad exercise the autograd registration);
+
     and may override bad_data (values inside arrays that the kernels must
     refuse) and ignores (arrays a call does not read)."""
 
@@ -495,6 +500,7 @@ class OpProperties:
     good_user_args = {}
     user_bad_values = {}
     any_ndim = {}
+    torch_calls = {}
 
     def bad_data(self, draw, op_name, args):
         """(args with a value inside an array that the kernels refuse, what);
@@ -523,6 +529,7 @@ class OpProperties:
         assert set(self.entry_cases) == set(self.module.ENTRY_POINTS)
         assert set(self.user_cases) == set(self.module.__all__)
         assert set(self.good_user_args) == set(self.module.__all__)
+        assert set(self.torch_calls) == set(self.module.ENTRY_POINTS)
         assert set(self.fixed_axes) <= set(self.entry_cases)
         for op_name, axes in self.fixed_axes.items():
             assert set(axes) <= {p.name for p in SIGNATURES[op_name].params if p.is_array}
@@ -638,3 +645,35 @@ class OpProperties:
         assert_clear_error(excinfo, self.user_prefixes())
         event(f"error {type(excinfo.value).__name__}")
         watch.unchanged()
+
+
+    # 6. the derived PyTorch op of every entry point passes torch's opcheck
+
+    def test_derived_torch_op_passes_opcheck_on_the_cpu(self, entry_point):
+        torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+        opcheck_all(torch, entry_point, self.torch_calls[entry_point](torch, "cpu"))
+
+    def test_derived_torch_op_passes_opcheck_on_cuda(self, entry_point, torch_cuda):
+        if not any(row["op"] == entry_point and row["device"] == "cuda"
+                   for row in mmdispatch.registry_table()):
+            pytest.skip(f"{entry_point} has no CUDA kernel")
+        opcheck_all(torch_cuda, entry_point, self.torch_calls[entry_point](torch_cuda, "cuda"))
+
+
+def torch_map_and_rois(torch, device, channels=3):
+    """A float64 map (2, channels, 8, 8) that needs grad and three rois on it,
+    as torch tensors for the derived ops' opcheck calls."""
+    x = torch.randn(2, channels, 8, 8, dtype=torch.float64, device=device, requires_grad=True)
+    rois = torch.tensor([[0, 0.5, 0.5, 5, 6], [1, 1, 1, 6, 5], [0, 2, 1, 7, 7]],
+                        dtype=torch.float64, device=device)
+    return x, rois
+
+
+def opcheck_all(torch, entry_point, calls):
+    """torch.library.opcheck (schema, fake tensor, autograd registration,
+    aot_dispatch_dynamic) of the op derived from `entry_point`, per call."""
+    from mmdispatch.torch._library import DERIVED
+    op = getattr(torch.ops.mmdispatch, DERIVED[entry_point].name)
+    assert calls
+    for args in calls:
+        torch.library.opcheck(op, args)

@@ -23,34 +23,6 @@ def roi_args(dtype=torch.float64, mode=1, requires_grad=False, device="cpu"):
     return (x, rois, 2, 2, 1.0, 2, mode, True)
 
 
-def sample_calls(device="cpu"):
-    """(op, args) for every derived op, with arguments it accepts."""
-    boxes = torch.tensor([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], device=device)
-    scores = torch.tensor([0.9, 0.8, 0.7], device=device)
-    x, rois = roi_args(device=device)[:2]
-    grad = torch.randn(3, 3, 2, 2, dtype=torch.float64, device=device)
-    logits = torch.randn(4, 5, dtype=torch.float64, device=device, requires_grad=True)
-    target = torch.tensor([0, 5, 2, 1], device=device)
-    pooled, argmax = OPS.roi_pool_forward(x, rois, 2, 2, 1.0)
-    return [
-        (OPS.roi_align_forward, roi_args(requires_grad=True, device=device)),
-        (OPS.roi_align_forward, roi_args(mode=0, requires_grad=True, device=device)),
-        (OPS.roi_align_backward, (grad, rois, torch.empty(0, dtype=torch.float64, device=device),
-                                  torch.empty(0, dtype=torch.float64, device=device),
-                                  tuple(x.shape), torch.float64, 2, 2, 1.0, 2, 1, True)),
-        (OPS.nms, (boxes, scores, None, 0.5, 0)),
-        (OPS.nms, (boxes, scores, torch.tensor([0, 1, 0], device=device), 0.5, 0)),
-        (OPS.roi_pool_forward, (x.requires_grad_(True), rois, 2, 2, 1.0)),
-        (OPS.roi_pool_backward, (grad, rois, argmax, tuple(x.shape), torch.float64, 2, 2, 1.0)),
-        (OPS.bbox_overlaps, (boxes, boxes[:2], 0, False, 0)),
-        (OPS.bbox_overlaps, (boxes, boxes, 1, True, 0)),
-        (OPS.sigmoid_focal_loss_forward, (logits, target, None, 2.0, 0.25)),
-        (OPS.sigmoid_focal_loss_backward, (logits.detach(), target,
-                                           torch.rand(5, dtype=torch.float64, device=device),
-                                           2.0, 0.25)),
-    ]
-
-
 def test_every_entry_point_has_a_derived_op_with_its_schema():
     assert {op.signature.name for op in DERIVED.values()} == set(mmdispatch.op_signatures())
     schema = str(OPS.roi_align_forward.default._schema)
@@ -66,18 +38,6 @@ def test_every_entry_point_has_a_derived_op_with_its_schema():
     # a trimmed output is returned trimmed; the output holding its length is not returned
     assert str(OPS.nms.default._schema).endswith("float iou_threshold, int offset) -> Tensor")
     assert "Tensor? idxs" in str(OPS.nms.default._schema)
-
-
-@pytest.mark.parametrize("index", range(11))
-def test_opcheck_passes_for_every_op_on_the_cpu(index):
-    op, args = sample_calls()[index]
-    torch.library.opcheck(op, args)
-
-
-@pytest.mark.parametrize("index", range(11))
-def test_opcheck_passes_for_every_op_on_cuda(torch_cuda, index):
-    op, args = sample_calls("cuda")[index]
-    torch.library.opcheck(op, args)
 
 
 def test_fake_tensors_propagate_shapes_and_nms_gets_a_data_dependent_length():
