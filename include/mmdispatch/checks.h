@@ -54,6 +54,17 @@ static inline int mmd_check_contiguous(const mmd_tensor *t, const char *name) {
     return mmd_is_contiguous(t) ? MMD_OK : mmd_contiguous_error(t, name);
 }
 
+/* Exactly `shape`, the dtype of `ref` and densely laid out: an array that
+ * goes with another, such as an output with its input. */
+static inline int mmd_check_like(const mmd_tensor *t, const char *name, int ndim,
+                                 const int64_t *shape, const mmd_tensor *ref,
+                                 const char *ref_name) {
+    int s = mmd_check_shape(t, name, ndim, shape);
+    if (!s) s = mmd_check_same_dtype(t, name, ref, ref_name);
+    if (!s) s = mmd_check_contiguous(t, name);
+    return s;
+}
+
 /* Writes "(2, 3, 4)" into buf. */
 void mmd_format_shape(const mmd_tensor *t, char *buf, size_t size);
 

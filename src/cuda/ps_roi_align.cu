@@ -11,7 +11,7 @@
  * are NaN in forward and add nothing in backward, and the roi is reported
  * as a deferred error; in strict mode a check kernel validates every roi
  * first and the call raises, writing nothing. */
-#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/cuda/rois.cuh"
 #include "mmdispatch/ops/ps_roi_align.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -33,48 +33,19 @@ __device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, A sc
     return mmd_ps_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, g);
 }
 
-/* Strict mode, and calls with nothing to compute: reports every bad roi. */
-template <typename T>
-__global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch,
-                                  typename Compute<T>::type scale, int64_t pooled_h,
-                                  int64_t pooled_w, int64_t sampling_ratio, ErrorSink sink) {
+/* Roi k's MMD_ROI_* code, for check_rois (mmdispatch/cuda/rois.cuh). */
+template <typename T> struct RoiCheck {
     typedef typename Compute<T>::type A;
-    MMD_GRID_STRIDE_LOOP(k, num_rois) {
-        Geometry<A> g;
-        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
-                                      &g);
-        if (code != MMD_ROI_OK) sink.report(k, code);
-    }
-}
+    const T *rois;
+    int64_t batch;
+    A scale;
+    int64_t pooled_h, pooled_w, sampling_ratio;
 
-/* In strict mode validates the rois on the device before anything is
- * written (one sync); then records the call and fills `sink` for the
- * kernels' own reports. With nothing to compute (`work` false) the check
- * kernel reports into the sink, so bad rois are an error whatever the
- * output's size, as on the CPU. */
-template <typename T>
-int check_rois(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
-               typename Compute<T>::type scale, int64_t pooled_h, int64_t pooled_w,
-               int64_t sampling_ratio, cudaStream_t stream, bool work, ErrorSink *sink) {
-    const int64_t num_rois = rois->shape[0];
-    auto launch_check = [&](ErrorSink check) {
-        check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
-            (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio,
-            check);
-    };
-    int s = MMD_OK;
-    if (strict(ctx) && num_rois > 0)
-        s = check_on_device(stream, "ps_roi_align roi check", launch_check,
-                            [&](int64_t index, int code) {
-                                return mmd_roi_error(code, index, batch);
-                            });
-    if (!s) s = begin_deferred(ctx, mmd_roi_deferred_error, batch, 0, 0, sink);
-    if (!s && !work && !strict(ctx) && num_rois > 0) {
-        launch_check(*sink);
-        s = launch_status("ps_roi_align roi check");
+    __device__ int operator()(int64_t k) const {
+        Geometry<A> g;
+        return roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio, &g);
     }
-    return s;
-}
+};
 
 template <typename T>
 __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t total,
@@ -211,8 +182,10 @@ int ps_roi_align_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
             typedef decltype(tag) T;
             typedef typename Compute<T>::type A;
             ErrorSink sink;
-            int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_height,
-                                  pooled_width, sampling_ratio, stream, total > 0, &sink);
+            const RoiCheck<T> check{(const T *)rois->data, batch, (A)spatial_scale,
+                                    pooled_height, pooled_width, sampling_ratio};
+            int s = check_rois(ctx, "ps_roi_align roi check", check, rois->shape[0], batch,
+                               stream, total > 0, &sink);
             if (s || total == 0) return s;
             forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 (const T *)input->data, (const T *)rois->data, (T *)output->data, total,
@@ -242,8 +215,10 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
             typedef decltype(tag) T;
             typedef typename Compute<T>::type A;
             ErrorSink sink;
-            int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_height,
-                                  pooled_width, sampling_ratio, stream, work, &sink);
+            const RoiCheck<T> check{(const T *)rois->data, batch, (A)spatial_scale,
+                                    pooled_height, pooled_width, sampling_ratio};
+            int s = check_rois(ctx, "ps_roi_align roi check", check, rois->shape[0], batch,
+                               stream, work, &sink);
             if (s || !work) return s;
             if (deterministic)
                 deterministic_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(

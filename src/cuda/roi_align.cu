@@ -11,7 +11,7 @@
  * add nothing in backward, and the roi is reported as a deferred error
  * (raised by the next call on the device). In strict mode a check kernel
  * validates every roi first and the call raises, writing nothing. */
-#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/cuda/rois.cuh"
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -29,22 +29,23 @@ __device__ inline void load_roi(const T *rois, int64_t k, A roi[5]) {
     for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
 }
 
-/* Strict mode: reports every bad roi before anything is written. */
-template <typename T>
-__global__ void check_rois_kernel(const T *rois, int64_t num_rois, int64_t batch,
-                                  typename Compute<T>::type scale, int64_t pooled_h,
-                                  int64_t pooled_w, int64_t sampling_ratio, int aligned,
-                                  ErrorSink sink) {
+/* Roi k's MMD_ROI_* code, for check_rois (mmdispatch/cuda/rois.cuh). */
+template <typename T> struct RoiCheck {
     typedef typename Compute<T>::type A;
-    MMD_GRID_STRIDE_LOOP(k, num_rois) {
+    const T *rois;
+    int64_t batch;
+    A scale;
+    int64_t pooled_h, pooled_w, sampling_ratio;
+    int aligned;
+
+    __device__ int operator()(int64_t k) const {
         A roi[5];
         load_roi(rois, k, roi);
         Geometry<A> g;
-        int code = mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
-                                     aligned, &g);
-        if (code != MMD_ROI_OK) sink.report(k, code);
+        return mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                      aligned, &g);
     }
-}
+};
 
 template <typename T, typename A>
 __device__ inline A bilinear(const T *plane, int64_t width, const Axis<A> &ay,
@@ -365,36 +366,6 @@ __global__ void deterministic_max_backward_kernel(
     }
 }
 
-/* Validates the rois: in strict mode every roi on the device before
- * anything is written (one sync); then records the call and fills `sink`
- * for the kernels' own reports. With nothing to compute (`work` false), a
- * check kernel reports into the sink instead, so bad rois are an error
- * whatever the output's size, as on the CPU. */
-template <typename T>
-int check_rois(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
-               typename Compute<T>::type scale, int64_t pooled_h, int64_t pooled_w,
-               int64_t sampling_ratio, int aligned, cudaStream_t stream, bool work,
-               ErrorSink *sink) {
-    const int64_t num_rois = rois->shape[0];
-    auto launch_check = [&](ErrorSink check) {
-        check_rois_kernel<T><<<blocks_for(num_rois), kThreads, 0, stream>>>(
-            (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio,
-            aligned, check);
-    };
-    int s = MMD_OK;
-    if (strict(ctx) && num_rois > 0)
-        s = check_on_device(stream, "roi_align roi check", launch_check,
-                            [&](int64_t index, int code) {
-                                return mmd_roi_error(code, index, batch);
-                            });
-    if (!s) s = begin_deferred(ctx, mmd_roi_deferred_error, batch, 0, 0, sink);
-    if (!s && !work && !strict(ctx) && num_rois > 0) {
-        launch_check(*sink);
-        s = launch_status("roi_align roi check");
-    }
-    return s;
-}
-
 template <typename T>
 int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *rois,
             const mmd_tensor *output, const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
@@ -404,8 +375,10 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
     const int64_t batch = input->shape[0];
     const int64_t total = mmd_numel(output);
     ErrorSink sink;
-    int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_h, pooled_w,
-                          sampling_ratio, aligned, stream, total > 0, &sink);
+    const RoiCheck<T> check{(const T *)rois->data, batch, (A)spatial_scale, pooled_h, pooled_w,
+                             sampling_ratio, aligned};
+    int s = check_rois(ctx, "roi_align roi check", check, rois->shape[0], batch, stream, total > 0,
+                       &sink);
     if (s || total == 0) return s;
     const bool max_mode = pool_mode == MMD_POOL_MAX;
     forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
@@ -427,8 +400,10 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
     const int64_t total = mmd_numel(grad_output);
     const bool work = total > 0 && mmd_numel(grad_input) > 0;
     ErrorSink sink;
-    int s = check_rois<T>(ctx, rois, batch, (A)spatial_scale, pooled_h, pooled_w,
-                          sampling_ratio, aligned, stream, work, &sink);
+    const RoiCheck<T> check{(const T *)rois->data, batch, (A)spatial_scale, pooled_h, pooled_w,
+                             sampling_ratio, aligned};
+    int s = check_rois(ctx, "roi_align roi check", check, rois->shape[0], batch, stream, work,
+                       &sink);
     if (s || !work) return s;
     const bool max_mode = pool_mode == MMD_POOL_MAX;
     if (deterministic) {

@@ -49,25 +49,14 @@ inline int mmd_ps_roi_check_arrays(const mmd_tensor *feature, const char *featur
                                    const char *pooled_name, int64_t pooled_height,
                                    int64_t pooled_width, double spatial_scale,
                                    unsigned float_mask) {
-    if (pooled_height < 1 || pooled_width < 1)
-        return mmd_error(MMD_ERR_VALUE,
-                         "pooled_height and pooled_width must be >= 1, got %lld and %lld",
-                         (long long)pooled_height, (long long)pooled_width);
+    int s = mmd_roi_check_size_and_scale(pooled_height, pooled_width,
+                                         "pooled_height and pooled_width", spatial_scale);
+    if (s) return s;
     if (pooled_height > INT32_MAX / pooled_width)
         return mmd_error(MMD_ERR_VALUE,
                          "pooled_height * pooled_width must be < 2**31, got %lld * %lld",
                          (long long)pooled_height, (long long)pooled_width);
-    if (!(isfinite(spatial_scale) && spatial_scale > 0))
-        return mmd_error(MMD_ERR_VALUE, "spatial_scale must be finite and > 0, got %g",
-                         spatial_scale);
-    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
-    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
-    int s = mmd_check_shape(feature, feature_name, 4, any4);
-    if (!s) s = mmd_check_dtype(feature, feature_name, float_mask);
-    if (!s) s = mmd_check_contiguous(feature, feature_name);
-    if (!s) s = mmd_check_shape(rois, "rois", 2, roi_shape);
-    if (!s) s = mmd_check_same_dtype(rois, "rois", feature, feature_name);
-    if (!s) s = mmd_check_contiguous(rois, "rois");
+    s = mmd_roi_check_map_and_rois(feature, feature_name, rois, float_mask);
     if (s) return s;
     const int64_t group = pooled_height * pooled_width;
     if (feature->shape[1] % group != 0)
@@ -77,10 +66,7 @@ inline int mmd_ps_roi_check_arrays(const mmd_tensor *feature, const char *featur
                          feature_name, (long long)feature->shape[1], (long long)group);
     const int64_t pooled_shape[4] = {rois->shape[0], feature->shape[1] / group, pooled_height,
                                      pooled_width};
-    s = mmd_check_shape(pooled, pooled_name, 4, pooled_shape);
-    if (!s) s = mmd_check_same_dtype(pooled, pooled_name, feature, feature_name);
-    if (!s) s = mmd_check_contiguous(pooled, pooled_name);
-    return s;
+    return mmd_check_like(pooled, pooled_name, 4, pooled_shape, feature, feature_name);
 }
 
 inline int mmd_ps_roi_forward_check(const mmd_tensor *input, const mmd_tensor *rois,

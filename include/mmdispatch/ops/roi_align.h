@@ -16,13 +16,9 @@ enum { MMD_POOL_MAX = 0, MMD_POOL_AVG = 1 };
 inline int mmd_roi_align_check_scalars(int64_t aligned_height, int64_t aligned_width,
                                        double spatial_scale, int64_t sampling_ratio,
                                        int64_t pool_mode) {
-    if (aligned_height < 1 || aligned_width < 1)
-        return mmd_error(MMD_ERR_VALUE,
-                         "aligned_height and aligned_width must be >= 1, got %lld and %lld",
-                         (long long)aligned_height, (long long)aligned_width);
-    if (!(isfinite(spatial_scale) && spatial_scale > 0))
-        return mmd_error(MMD_ERR_VALUE, "spatial_scale must be finite and > 0, got %g",
-                         spatial_scale);
+    const int s = mmd_roi_check_size_and_scale(aligned_height, aligned_width,
+                                               "aligned_height and aligned_width", spatial_scale);
+    if (s) return s;
     if (sampling_ratio > MMD_ROI_ALIGN_MAX_GRID)
         return mmd_error(MMD_ERR_VALUE, "sampling_ratio must be <= %d, got %lld",
                          MMD_ROI_ALIGN_MAX_GRID, (long long)sampling_ratio);
@@ -30,17 +26,6 @@ inline int mmd_roi_align_check_scalars(int64_t aligned_height, int64_t aligned_w
         return mmd_error(MMD_ERR_VALUE, "pool_mode must be 0 (max) or 1 (avg), got %lld",
                          (long long)pool_mode);
     return MMD_OK;
-}
-
-/* A float tensor of exactly `shape` (ndim 4 or 2) with the reference dtype,
- * densely laid out. */
-inline int mmd_roi_align_check_like(const mmd_tensor *t, const char *name, int ndim,
-                                    const int64_t *shape, const mmd_tensor *ref,
-                                    const char *ref_name) {
-    int s = mmd_check_shape(t, name, ndim, shape);
-    if (!s) s = mmd_check_same_dtype(t, name, ref, ref_name);
-    if (!s) s = mmd_check_contiguous(t, name);
-    return s;
 }
 
 /* Forward and backward take the same arrays under different names: a
@@ -56,21 +41,16 @@ inline int mmd_roi_align_check_arrays(const mmd_tensor *feature, const char *fea
                                       unsigned float_mask) {
     int s = mmd_roi_align_check_scalars(aligned_height, aligned_width, spatial_scale,
                                         sampling_ratio, pool_mode);
-    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
-    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
-    if (!s) s = mmd_check_shape(feature, feature_name, 4, any4);
-    if (!s) s = mmd_check_dtype(feature, feature_name, float_mask);
-    if (!s) s = mmd_check_contiguous(feature, feature_name);
-    if (!s) s = mmd_roi_align_check_like(rois, "rois", 2, roi_shape, feature, feature_name);
+    if (!s) s = mmd_roi_check_map_and_rois(feature, feature_name, rois, float_mask);
     if (s) return s;
     const int64_t pooled_shape[4] = {rois->shape[0], feature->shape[1], aligned_height,
                                      aligned_width};
-    s = mmd_roi_align_check_like(pooled, pooled_name, 4, pooled_shape, feature, feature_name);
+    s = mmd_check_like(pooled, pooled_name, 4, pooled_shape, feature, feature_name);
     const mmd_tensor *argmax[2] = {argmax_y, argmax_x};
     const char *argmax_name[2] = {"argmax_y", "argmax_x"};
     for (int i = 0; i < 2 && !s; ++i)
         if (pool_mode != MMD_POOL_AVG || mmd_numel(argmax[i]) != 0)
-            s = mmd_roi_align_check_like(argmax[i], argmax_name[i], 4, pooled_shape, feature,
+            s = mmd_check_like(argmax[i], argmax_name[i], 4, pooled_shape, feature,
                                          feature_name);
     return s;
 }

@@ -25,27 +25,13 @@ inline int mmd_roi_pool_check_arrays(const mmd_tensor *feature, const char *feat
                                      const char *pooled_name, const mmd_tensor *argmax,
                                      int64_t pooled_height, int64_t pooled_width,
                                      double spatial_scale, unsigned float_mask) {
-    if (pooled_height < 1 || pooled_width < 1)
-        return mmd_error(MMD_ERR_VALUE,
-                         "pooled_height and pooled_width must be >= 1, got %lld and %lld",
-                         (long long)pooled_height, (long long)pooled_width);
-    if (!(isfinite(spatial_scale) && spatial_scale > 0))
-        return mmd_error(MMD_ERR_VALUE, "spatial_scale must be finite and > 0, got %g",
-                         spatial_scale);
-    const int64_t any4[4] = {MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM, MMD_ANY_DIM};
-    const int64_t roi_shape[2] = {MMD_ANY_DIM, 5};
-    int s = mmd_check_shape(feature, feature_name, 4, any4);
-    if (!s) s = mmd_check_dtype(feature, feature_name, float_mask);
-    if (!s) s = mmd_check_contiguous(feature, feature_name);
-    if (!s) s = mmd_check_shape(rois, "rois", 2, roi_shape);
-    if (!s) s = mmd_check_same_dtype(rois, "rois", feature, feature_name);
-    if (!s) s = mmd_check_contiguous(rois, "rois");
+    int s = mmd_roi_check_size_and_scale(pooled_height, pooled_width,
+                                         "pooled_height and pooled_width", spatial_scale);
+    if (!s) s = mmd_roi_check_map_and_rois(feature, feature_name, rois, float_mask);
     if (s) return s;
     const int64_t pooled_shape[4] = {rois->shape[0], feature->shape[1], pooled_height,
                                      pooled_width};
-    s = mmd_check_shape(pooled, pooled_name, 4, pooled_shape);
-    if (!s) s = mmd_check_same_dtype(pooled, pooled_name, feature, feature_name);
-    if (!s) s = mmd_check_contiguous(pooled, pooled_name);
+    s = mmd_check_like(pooled, pooled_name, 4, pooled_shape, feature, feature_name);
     if (!s) s = mmd_check_shape(argmax, "argmax", 4, pooled_shape);
     if (!s) s = mmd_check_dtype(argmax, "argmax", MMD_DTYPE_BIT(MMD_INT64));
     if (!s) s = mmd_check_contiguous(argmax, "argmax");
