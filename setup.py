@@ -181,6 +181,8 @@ class BuildExt(build_ext):
             # the CPU kernels' worker pool (src/core/parallel.c)
             ext.extra_compile_args.append("-pthread")
             ext.extra_link_args.append("-pthread")
+            # dlopen/dlsym (src/cpu/gemm.cpp finds the process's BLAS); in libc since glibc 2.34
+            ext.extra_link_args.append("-ldl")
             if NVCC:
                 ext.extra_objects.extend(self._compile_cuda())
                 ext.extra_link_args += [str(cudart_static(NVCC)), "-lrt", "-lpthread", "-ldl",

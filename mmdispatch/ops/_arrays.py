@@ -135,15 +135,15 @@ def check_ndim(op, name, x, ndim, layout):
                          f"{tuple(getattr(x, 'shape', ()))}")
 
 
-def pair(op, name, value):
-    """(h, w) from an int or a pair of ints, each >= 1."""
+def pair(op, name, value, low=1):
+    """(h, w) from an int or a pair of ints, each >= low."""
     try:  # runs the caller's __len__ / __iter__ / __index__, which may fail in any way
         items = (value, value) if not hasattr(value, "__len__") else tuple(value)
         h, w = (operator.index(v) for v in items)
     except Exception as exc:
         raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from exc
-    if h < 1 or w < 1:
-        raise ValueError(f"{op}: {name} must be >= 1, got {value!r}")
+    if h < low or w < low:
+        raise ValueError(f"{op}: {name} must be >= {low}, got {value!r}")
     return h, w
 
 

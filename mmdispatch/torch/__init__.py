@@ -18,9 +18,10 @@ except ImportError as exc:
     raise ImportError("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]' (or "
                       "torch itself); the rest of mmdispatch works without it") from exc
 
-from mmdispatch.torch._vision import (PSRoIAlign, PSRoIPool, RoIAlign, RoIPool, batched_nms,
-                                      box_iou, nms, ps_roi_align, ps_roi_pool, roi_align,
-                                      roi_pool, sigmoid_focal_loss)
+from mmdispatch.torch._vision import (DeformConv2d, PSRoIAlign, PSRoIPool, RoIAlign, RoIPool,
+                                      batched_nms, box_iou, deform_conv2d, nms, ps_roi_align,
+                                      ps_roi_pool, roi_align, roi_pool, sigmoid_focal_loss)
 
-__all__ = ["PSRoIAlign", "PSRoIPool", "RoIAlign", "RoIPool", "batched_nms", "box_iou", "nms",
-           "ps_roi_align", "ps_roi_pool", "roi_align", "roi_pool", "sigmoid_focal_loss"]
+__all__ = ["DeformConv2d", "PSRoIAlign", "PSRoIPool", "RoIAlign", "RoIPool", "batched_nms",
+           "box_iou", "deform_conv2d", "nms", "ps_roi_align", "ps_roi_pool", "roi_align",
+           "roi_pool", "sigmoid_focal_loss"]

@@ -275,85 +275,126 @@ class _EagerAutograd(torch.autograd.Function):
         op.gradient.setup_context(ctx, args, output)
         outputs = output if isinstance(output, tuple) else (output,)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outputs)
-                                      if i != op.gradient.grad_of])
+                                      if i not in op.gradient.grads_of])
         return output
 
     @staticmethod
     def backward(ctx, *grads):
-        gradient = ctx.gradient   # needs_input_grad counts the op, argument 0
-        return (None, *gradient.gradients(ctx, ctx.needs_input_grad[1 + gradient.wrt], grads))
+        # needs_input_grad counts the op, argument 0
+        return (None, *ctx.gradient.gradients(ctx, ctx.needs_input_grad[1:], grads))
 
 
-class Gradient:
-    """The autograd of a derived op, from its module's GRADIENTS entry: the
-    gradient of forward argument `wrt` is the backward op's result (its one
-    output, shaped like `wrt`); the backward op's `grad_output` is the
-    gradient of the forward output the entry names, or the result is scaled
-    by that gradient ("times_grad_of"); every other backward argument is
-    the forward's argument or output of the same name."""
+class _BackwardCall:
+    """One call of a backward op, giving the gradients of one or more
+    forward arguments: its arguments come from the forward's (see
+    Gradient), and each gradient is one of its outputs."""
 
-    def __init__(self, forward, backward, wrt, rule):
-        self.forward, self.backward = forward, backward
-        self.wrt = forward.arg_names.index(wrt)
+    def __init__(self, forward, backward, rule):
+        self.backward = backward
         self.grad_output = rule.get("grad_output")
         self.times_grad_of = rule.get("times_grad_of")
         self.grad_of = forward.output_names.index(self.grad_output or self.times_grad_of)
-        outputs = [p.name for p in backward.signature.params if p.is_output]
-        if len(outputs) != 1:
-            raise ValueError(f"{backward.name}: a backward op must have one output")
-        result = outputs[0]
-        # backward argument -> ("grad"), ("wrt", shape|dtype), ("input", index), ("output", index)
+        self.results = {}   # forward argument index -> position among the backward's returns
+
+    def add(self, forward, wrt, rule):
+        outputs = self.backward.output_names
+        result = rule.get("result")
+        if result is None:
+            if len(outputs) != 1:
+                raise ValueError(f"{self.backward.name}: name the output that is the gradient "
+                                 f"of {wrt!r} (\"result\")")
+            result = outputs[0]
+        self.results[forward.arg_names.index(wrt)] = outputs.index(result)
+
+    def resolve(self, forward):
+        """Where each backward argument comes from: ("grad"), ("wrt", (forward
+        argument, dtype?)), ("input", index) or ("output", index)."""
+        by_result = {self.backward.output_names[r]: wrt for wrt, r in self.results.items()}
         self.sources = []
-        for name in backward.arg_names:
+        for name in self.backward.arg_names:
+            base = name.rsplit("_", 1)[0]
             if name == "grad_output" and self.grad_output:
                 self.sources.append(("grad", 0))
-            elif name in (f"{result}_shape", f"{result}_dtype"):
-                self.sources.append(("wrt", name.endswith("_dtype")))
+            elif base in by_result and name in (f"{base}_shape", f"{base}_dtype"):
+                self.sources.append(("wrt", (by_result[base], name.endswith("_dtype"))))
             elif name in forward.arg_names:
                 self.sources.append(("input", forward.arg_names.index(name)))
             elif name in forward.output_names:
                 self.sources.append(("output", forward.output_names.index(name)))
             else:
-                raise ValueError(f"{backward.name}: no forward value for {name!r}")
-        self.saved_inputs = sorted({i for kind, i in self.sources if kind == "input"})
-        self.saved_outputs = sorted({i for kind, i in self.sources if kind == "output"})
+                raise ValueError(f"{self.backward.name}: no forward value for {name!r}")
+
+
+class Gradient:
+    """The autograd of a derived op, from its module's GRADIENTS entry
+    {wrt: rule}: the gradient of forward argument `wrt` is an output of the
+    backward op the rule names (its "result", or its only output); the
+    backward op's `grad_output` is the gradient of the forward output the
+    rule names, or the result is scaled by that gradient ("times_grad_of");
+    every other backward argument is the forward's argument or output of
+    the same name, or the shape/dtype of `wrt` (`<result>_shape`,
+    `<result>_dtype`). Rules naming the same backward op share one call of
+    it, made only when one of their arguments needs a gradient."""
+
+    def __init__(self, forward, rules, derived):
+        self.forward = forward
+        calls = {}
+        for wrt, rule in rules.items():
+            key = (rule["backward"], rule.get("grad_output"), rule.get("times_grad_of"))
+            if key not in calls:
+                calls[key] = _BackwardCall(forward, derived[rule["backward"]], rule)
+            calls[key].add(forward, wrt, rule)
+        self.calls = list(calls.values())
+        for call in self.calls:
+            call.resolve(forward)
+        self.wrts = sorted(wrt for call in self.calls for wrt in call.results)
+        self.grads_of = {call.grad_of for call in self.calls}
+        sources = [source for call in self.calls for source in call.sources]
+        self.saved_inputs = sorted({i for kind, i in sources if kind == "input"})
+        self.saved_outputs = sorted({i for kind, i in sources if kind == "output"})
         forward.op.register_autograd(self.backward_fn, setup_context=self.setup_context)
         forward.gradient = self
 
     def setup_context(self, ctx, inputs, output):
         outputs = output if isinstance(output, tuple) else (output,)
-        wrt = inputs[self.wrt]
-        ctx.wrt_shape, ctx.wrt_dtype = tuple(wrt.shape), wrt.dtype
+        ctx.wrt_specs = {i: (tuple(inputs[i].shape), inputs[i].dtype) for i in self.wrts
+                         if isinstance(inputs[i], torch.Tensor)}
         values = [inputs[i] for i in self.saved_inputs] + [outputs[i] for i in self.saved_outputs]
         ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
         # the rest (scalars, absent optional tensors) as they are; _SAVED marks a saved tensor
         ctx.others = [_SAVED if isinstance(v, torch.Tensor) else v for v in values]
 
     def backward_fn(self, ctx, *grads):
-        return self.gradients(ctx, ctx.needs_input_grad[self.wrt], grads)
+        return self.gradients(ctx, ctx.needs_input_grad, grads)
 
     def gradients(self, ctx, needed, grads):
-        """The forward arguments' gradients: `wrt`'s when `needed`."""
-        grad = grads[self.grad_of]
+        """The forward arguments' gradients: those `needed` says."""
         result = [None] * len(self.forward.arg_names)
-        if grad is None or not needed:
-            return tuple(result)
-        saved = iter(ctx.saved_tensors)
-        values = [next(saved) if other is _SAVED else other for other in ctx.others]
-        inputs = dict(zip(self.saved_inputs, values))
-        outputs = dict(zip(self.saved_outputs, values[len(self.saved_inputs):]))
-        args = []
-        for kind, i in self.sources:
-            if kind == "grad":
-                args.append(grad.contiguous())
-            elif kind == "wrt":
-                args.append(ctx.wrt_dtype if i else ctx.wrt_shape)
-            else:
-                args.append(inputs[i] if kind == "input" else outputs[i])
-        gradient = self.backward.op(*args)
-        if self.times_grad_of:
-            gradient = gradient * grad
-        result[self.wrt] = gradient
+        values = None
+        for call in self.calls:
+            grad = grads[call.grad_of]
+            if grad is None or not any(needed[wrt] for wrt in call.results):
+                continue
+            if values is None:
+                saved = iter(ctx.saved_tensors)
+                values = [next(saved) if other is _SAVED else other for other in ctx.others]
+                inputs = dict(zip(self.saved_inputs, values))
+                outputs = dict(zip(self.saved_outputs, values[len(self.saved_inputs):]))
+            args = []
+            for kind, i in call.sources:
+                if kind == "grad":
+                    args.append(grad.contiguous())
+                elif kind == "wrt":
+                    wrt, is_dtype = i
+                    args.append(ctx.wrt_specs[wrt][1 if is_dtype else 0])
+                else:
+                    args.append(inputs[i] if kind == "input" else outputs[i])
+            returned = call.backward.op(*args)
+            returned = returned if isinstance(returned, tuple) else (returned,)
+            for wrt, position in call.results.items():
+                if needed[wrt]:
+                    gradient = returned[position]
+                    result[wrt] = gradient * grad if call.times_grad_of else gradient
         return tuple(result)
 
 
@@ -367,10 +408,8 @@ def _gradient_tables():
 
 def _register():
     derived = {name: DerivedOp(line) for name, line in _core.op_signatures().items()}
-    gradients = []
-    for forward, rules in _gradient_tables().items():
-        for wrt, rule in rules.items():
-            gradients.append(Gradient(derived[forward], derived[rule["backward"]], wrt, rule))
+    gradients = [Gradient(derived[forward], rules, derived)
+                 for forward, rules in _gradient_tables().items()]
     return derived, gradients
 
 

@@ -17,6 +17,7 @@ _PS_ROI_ALIGN = DERIVED["ps_roi_align_forward_impl"]
 _PS_ROI_POOL = DERIVED["ps_roi_pool_forward_impl"]
 _NMS = DERIVED["nms_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
+_DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 _AVG = 1
 
 
@@ -174,6 +175,88 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     if reduction == "sum":
         return loss.sum()
     return loss
+
+
+def _int_pair(op, name, value):
+    """(h, w) from an int or a pair of ints (stride, padding, dilation)."""
+    try:
+        h, w = (value, value) if isinstance(value, int) else value
+        return int(h), int(w)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from None
+
+
+def deform_groups(op, input, offset, weight):
+    """(groups, offset_groups) that the tensors' shapes imply, as
+    torchvision infers them."""
+    for name, t in (("input", input), ("offset", offset), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a 4-D tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    per_group, taps = weight.shape[1], 2 * weight.shape[2] * weight.shape[3]
+    if per_group == 0 or input.shape[1] % per_group:
+        raise ValueError(f"{op}: weight has {per_group} input channels per group, which must "
+                         f"divide the input's {input.shape[1]} channels")
+    if taps == 0 or offset.shape[1] % taps:
+        raise ValueError(f"{op}: offset has {offset.shape[1]} channels, which must be a "
+                         f"multiple of 2 * kh * kw = {taps}")
+    return input.shape[1] // per_group, offset.shape[1] // taps
+
+
+def deform_conv2d(input, offset, weight, bias=None, stride=(1, 1), padding=(0, 0),
+                  dilation=(1, 1), mask=None):
+    """torchvision.ops.deform_conv2d: (N, C_out, out_h, out_w);
+    differentiable with respect to input, offset, weight, bias and mask."""
+    op = "deform_conv2d"
+    groups, offset_groups = deform_groups(op, input, offset, weight)
+    return _DEFORM_CONV2D(input, offset, mask, weight, bias, *_int_pair(op, "stride", stride),
+                          *_int_pair(op, "padding", padding),
+                          *_int_pair(op, "dilation", dilation), groups, offset_groups)
+
+
+class DeformConv2d(nn.Module):
+    """torchvision.ops.DeformConv2d: a weight (out_channels, in_channels //
+    groups, *kernel_size) and an optional bias, initialised as torchvision
+    initialises them; forward(input, offset, mask=None)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"DeformConv2d: groups ({groups}) must divide in_channels "
+                             f"({in_channels}) and out_channels ({out_channels})")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size = _int_pair("DeformConv2d", "kernel_size", kernel_size)
+        self.stride = _int_pair("DeformConv2d", "stride", stride)
+        self.padding = _int_pair("DeformConv2d", "padding", padding)
+        self.dilation = _int_pair("DeformConv2d", "dilation", dilation)
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups,
+                                               *self.kernel_size))
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # nn.Conv2d's initialisation, which torchvision's DeformConv2d uses too
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        if self.bias is not None:
+            fan_in = self.weight.shape[1] * self.weight.shape[2] * self.weight.shape[3]
+            bound = 1 / fan_in ** 0.5 if fan_in > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input, offset, mask=None):
+        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding,
+                             self.dilation, mask)
+
+    def __repr__(self):
+        text = (f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}")
+        if self.padding != (0, 0):
+            text += f", padding={self.padding}"
+        if self.dilation != (1, 1):
+            text += f", dilation={self.dilation}"
+        if self.groups != 1:
+            text += f", groups={self.groups}"
+        return text + (", bias=False)" if self.bias is None else ")")
 
 
 class RoIAlign(nn.Module):

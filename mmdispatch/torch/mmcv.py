@@ -9,11 +9,13 @@ from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
-from mmdispatch.torch._vision import _nms, _pair, like_dtype, rois_of
+from mmdispatch.torch._vision import _int_pair, _nms, _pair, like_dtype, rois_of
+from mmdispatch.torch._vision import deform_groups as deform_groups_of
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
+_DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 
 
 def _choice(op, name, value, options):
@@ -170,3 +172,67 @@ class SigmoidFocalLoss(nn.Module):
     def __repr__(self):
         return (f"{self.__class__.__name__}(gamma={self.gamma}, alpha={self.alpha}, "
                 f"reduction={self.reduction})")
+
+
+def _deform(op, input, offset, mask, weight, bias, stride, padding, dilation, groups,
+            deform_groups):
+    """The deformable convolution with MMCV's explicit groups and
+    deform_groups, checked against the tensors' shapes."""
+    implied = deform_groups_of(op, input, offset, weight)
+    if (groups, deform_groups) != implied:
+        raise ValueError(f"{op}: groups={groups}, deform_groups={deform_groups} do not match "
+                         f"the shapes, which imply groups={implied[0]}, "
+                         f"deform_groups={implied[1]} (weight (C_out, C_in // groups, "
+                         f"kh, kw), offset (N, 2 * deform_groups * kh * kw, out_h, out_w))")
+    return _DEFORM_CONV2D(input, offset, mask, weight, bias, *_int_pair(op, "stride", stride),
+                          *_int_pair(op, "padding", padding),
+                          *_int_pair(op, "dilation", dilation), groups, deform_groups)
+
+
+def deform_conv2d(input, offset, weight, stride=1, padding=0, dilation=1, groups=1,
+                  deform_groups=1, bias=False, im2col_step=32):
+    """mmcv.ops.deform_conv2d (DCNv1): no bias (MMCV refuses one too);
+    im2col_step is accepted and ignored (the kernels bound their own
+    memory)."""
+    if bias:
+        raise ValueError("deform_conv2d: bias=True is not supported (as in MMCV); use "
+                         "modulated_deform_conv2d or add the bias after")
+    return _deform("deform_conv2d", input, offset, None, weight, None, stride, padding,
+                   dilation, groups, deform_groups)
+
+
+def modulated_deform_conv2d(input, offset, mask, weight, bias=None, stride=1, padding=0,
+                            dilation=1, groups=1, deform_groups=1):
+    """mmcv.ops.modulated_deform_conv2d (DCNv2)."""
+    return _deform("modulated_deform_conv2d", input, offset, mask, weight, bias, stride,
+                   padding, dilation, groups, deform_groups)
+
+
+class DeformConv2d(_vision.DeformConv2d):
+    """mmcv.ops.DeformConv2d: forward(x, offset), without bias by default."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, deform_groups=1, bias=False, im2col_step=32):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias)
+        self.deform_groups = deform_groups
+        self.im2col_step = im2col_step
+
+    def forward(self, x, offset):
+        return _deform("DeformConv2d", x, offset, None, self.weight, self.bias, self.stride,
+                       self.padding, self.dilation, self.groups, self.deform_groups)
+
+
+class ModulatedDeformConv2d(_vision.DeformConv2d):
+    """mmcv.ops.ModulatedDeformConv2d: forward(x, offset, mask)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, deform_groups=1, bias=True):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias)
+        self.deform_groups = deform_groups
+
+    def forward(self, x, offset, mask):
+        return _deform("ModulatedDeformConv2d", x, offset, mask, self.weight, self.bias,
+                       self.stride, self.padding, self.dilation, self.groups,
+                       self.deform_groups)

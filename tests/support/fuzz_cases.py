@@ -381,9 +381,22 @@ def plausible(r, op_name, names, types=None):
         return {"int": lambda: r.int(0, 3), "float": lambda: r.choice(small_floats),
                 "bool": r.bool}.get(kind, lambda: None)()
 
+    for name in ("stride_h", "stride_w", "dilation_h", "dilation_w", "groups", "offset_groups"):
+        makers[name] = lambda: r.int(1, 2)
+    makers["pad_h"] = makers["pad_w"] = lambda: r.int(0, 2)
+
+    def value(name, kind):
+        """The maker's value where it fits the parameter's type (names such
+        as `offset` and `weight` are arrays in one op, scalars in another)."""
+        if name in makers:
+            made = makers[name]()
+            is_array = isinstance(made, np.ndarray) or made is None
+            if kind is None or kind.startswith("Tensor") == is_array:
+                return made
+        return of_type(kind)
+
     types = types or {}
-    return {name: makers[name]() if name in makers else of_type(types.get(name))
-            for name in names}
+    return {name: value(name, types.get(name)) for name in names}
 
 def scalar_value(r, kind, plausible_value):
     choice = r.int(0, 9)

@@ -1,0 +1,470 @@
+/* deform_conv2d on CUDA (torchvision semantics, sampling math shared with
+ * the CPU kernels through mmdispatch/ops/deform_conv2d.h): deformable
+ * im2col + tiled matrix products, per image and per chunk of output pixels
+ * whose column buffer holds at most kColumnBudget values.
+ *
+ * Forward: a thread per column value (channel, tap, pixel), then per weight
+ * group one product with the weight, the bias added as it is written.
+ * Backward: the columns again; grad_weight += grad_output x columns^T; the
+ * columns' gradient weight^T x grad_output; a thread per (offset group,
+ * tap, pixel) sums grad_offset and grad_mask over the group's channels;
+ * grad_input gets the columns' gradient at each sample's four cells, with
+ * atomics (`default`) or a warp per input channel adding its samples 32 at
+ * a time, summed in lane order (`deterministic`: the same bits on every
+ * run). Every product and sum other than the atomic one has a fixed order.
+ *
+ * float16 and bfloat16 compute in float32: the columns, grad_weight,
+ * grad_bias and grad_input are summed in float32 buffers and written once.
+ * Launches on ctx->stream, on ctx->device_id. No data-dependent checks: any
+ * offset value is valid (a NaN one gives NaN). */
+#include <type_traits>
+
+#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/ops/deform_conv2d.h"
+#include "mmdispatch/registry.h"
+#include "mmdispatch_generated.h"
+
+namespace {
+
+using namespace mmd_cuda;
+
+constexpr int64_t kColumnBudget = int64_t(1) << 24;   /* values in a column buffer */
+constexpr int kTile = 16;
+
+template <typename A> using Sample = mmd_dcn_sample<A>;
+
+int64_t chunk_of(const mmd_dcn_shape &d) {
+    const int64_t rows = d.in_channels * d.taps();
+    int64_t pixels = rows > 0 ? kColumnBudget / rows : d.pixels();
+    if (pixels < 1) pixels = 1;
+    return pixels < d.pixels() ? pixels : d.pixels();
+}
+
+/* Where tap t of pixel p (of image n, offset group g) samples. */
+template <typename T, typename A>
+__device__ inline void locate(const T *offset, const mmd_dcn_shape &d, int64_t n, int64_t g,
+                              int64_t t, int64_t p, Sample<A> *s) {
+    const int64_t taps = d.taps(), pixels = d.pixels();
+    const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels;
+    const int64_t oy = p / d.out_w, ox = p % d.out_w;
+    const A y = mmd_dcn_base<A>(oy, t / d.kernel_w, d.stride_h, d.pad_h, d.dilation_h) +
+                to_compute(dy[p]);
+    const A x = mmd_dcn_base<A>(ox, t % d.kernel_w, d.stride_w, d.pad_w, d.dilation_w) +
+                to_compute(dy[pixels + p]);
+    mmd_dcn_locate(y, x, d.height, d.width, s);
+}
+
+template <typename T>
+__device__ inline typename Compute<T>::type mask_at(const T *mask, const mmd_dcn_shape &d,
+                                                   int64_t n, int64_t g, int64_t t, int64_t p) {
+    typedef typename Compute<T>::type A;
+    return mask ? to_compute(mask[((n * d.offset_groups + g) * d.taps() + t) * d.pixels() + p])
+                : (A)1;
+}
+
+/* Column value i of a chunk, (c * K + t) * count + q: channel c (of offset
+ * group g), tap t, pixel p0 + q; its sample and mask. */
+template <typename T>
+__device__ inline void column(const T *offset, const T *mask, const mmd_dcn_shape &d, int64_t n,
+                              int64_t p0, int64_t count, int64_t i, int64_t *c,
+                              Sample<typename Compute<T>::type> *s,
+                              typename Compute<T>::type *m) {
+    const int64_t taps = d.taps(), q = i % count, t = (i / count) % taps;
+    *c = i / count / taps;
+    const int64_t g = *c / d.channels_per_offset_group();
+    locate(offset, d, n, g, t, p0 + q, s);
+    *m = mask_at(mask, d, n, g, t, p0 + q);
+}
+
+/* columns[(c * K + t) * count + q] = mask * sample of channel c, pixel p0 + q. */
+template <typename T>
+__global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mmd_dcn_shape d,
+                              int64_t n, int64_t p0, int64_t count,
+                              typename Compute<T>::type *columns) {
+    typedef typename Compute<T>::type A;
+    MMD_GRID_STRIDE_LOOP(i, d.in_channels * d.taps() * count) {
+        int64_t c;
+        Sample<A> s;
+        A m, v[4];
+        column(offset, mask, d, n, p0, count, i, &c, &s, &m);
+        mmd_dcn_corners(s, input + (n * d.in_channels + c) * d.height * d.width, v);
+        columns[i] = m * mmd_dcn_value(s, v);
+    }
+}
+
+/* A row-major matrix view: element (i, j) at data[i * row + j * col]. */
+template <typename E> struct View {
+    const E *data;
+    int64_t row, col;
+    __device__ E at(int64_t i, int64_t j) const { return data[i * row + j * col]; }
+};
+
+/* C (m x n, leading dimension ldc) = a x b + beta * C (+ bias[i] per row),
+ * summed in Acc, a 16 x 16 tile per block, each element by one thread in a
+ * fixed order. */
+template <typename Acc, typename EA, typename EB, typename EC>
+__global__ void gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
+                            int64_t ldc, Acc beta, const EC *bias) {
+    __shared__ Acc tile_a[kTile][kTile + 1], tile_b[kTile][kTile + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t row = (int64_t)blockIdx.y * kTile + ty, col = (int64_t)blockIdx.x * kTile + tx;
+    Acc sum = 0;
+    for (int64_t p0 = 0; p0 < k; p0 += kTile) {
+        tile_a[ty][tx] = row < m && p0 + tx < k ? (Acc)to_compute(a.at(row, p0 + tx)) : (Acc)0;
+        tile_b[ty][tx] = p0 + ty < k && col < n ? (Acc)to_compute(b.at(p0 + ty, col)) : (Acc)0;
+        __syncthreads();
+        const int depth = k - p0 < kTile ? (int)(k - p0) : kTile;
+        for (int q = 0; q < depth; ++q) sum += tile_a[ty][q] * tile_b[q][tx];
+        __syncthreads();
+    }
+    if (row < m && col < n) {
+        EC *out = c + row * ldc + col;
+        Acc value = sum;
+        if (beta != 0) value += beta * (Acc)to_compute(*out);
+        if (bias != nullptr) value += (Acc)to_compute(bias[row]);
+        *out = from_compute<EC>(value);
+    }
+}
+
+template <typename Acc, typename EA, typename EB, typename EC>
+int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
+         int64_t ldc, Acc beta, const EC *bias) {
+    if (m == 0 || n == 0) return MMD_OK;
+    const int64_t blocks_y = (m + kTile - 1) / kTile;
+    if (blocks_y > 65535)
+        return mmd_error(MMD_ERR_VALUE, "a product of %lld rows is too large for one launch",
+                         (long long)m);
+    const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)blocks_y);
+    gemm_kernel<Acc><<<grid, dim3(kTile, kTile), 0, stream>>>(m, n, k, a, b, c, ldc, beta,
+                                                               bias);
+    return launch_status("deform_conv2d product launch");
+}
+
+/* grad_offset and grad_mask of pixels [p0, p0 + count): a thread per
+ * (offset group, tap, pixel), summing over the group's channels in order. */
+template <typename T>
+__global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T *mask,
+                                        mmd_dcn_shape d, int64_t n, int64_t p0, int64_t count,
+                                        const typename Compute<T>::type *grad_columns,
+                                        T *grad_offset, T *grad_mask) {
+    typedef typename Compute<T>::type A;
+    const int64_t taps = d.taps(), per_group = d.channels_per_offset_group();
+    const int64_t plane = d.height * d.width, pixels = d.pixels();
+    MMD_GRID_STRIDE_LOOP(i, d.offset_groups * taps * count) {
+        const int64_t q = i % count, t = (i / count) % taps, g = i / count / taps;
+        const int64_t p = p0 + q;
+        Sample<A> s;
+        locate(offset, d, n, g, t, p, &s);
+        A gy = 0, gx = 0, gm = 0;
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+            A v[4];
+            mmd_dcn_corners(s, input + (n * d.in_channels + c) * plane, v);
+            const A gc = grad_columns[(c * taps + t) * count + q];
+            gm += gc * mmd_dcn_value(s, v);
+            gy += gc * mmd_dcn_dvalue_dy(s, v);
+            gx += gc * mmd_dcn_dvalue_dx(s, v);
+        }
+        const A m = mask_at(mask, d, n, g, t, p);
+        T *out = grad_offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p;
+        out[0] = from_compute<T>(m * gy);
+        out[pixels] = from_compute<T>(m * gx);
+        grad_mask[((n * d.offset_groups + g) * taps + t) * pixels + p] = from_compute<T>(gm);
+    }
+}
+
+/* grad_input (in A) += the columns' gradient at each sample's cells, with
+ * atomics. */
+template <typename T>
+__global__ void col2im_atomic_kernel(const T *offset, const T *mask, mmd_dcn_shape d, int64_t n,
+                                     int64_t p0, int64_t count,
+                                     const typename Compute<T>::type *grad_columns,
+                                     typename Compute<T>::type *grad_input) {
+    typedef typename Compute<T>::type A;
+    MMD_GRID_STRIDE_LOOP(i, d.in_channels * d.taps() * count) {
+        int64_t c;
+        Sample<A> s;
+        A m;
+        column(offset, mask, d, n, p0, count, i, &c, &s, &m);
+        const A grad = grad_columns[i] * m;
+        A *plane = grad_input + (n * d.in_channels + c) * d.height * d.width;
+        for (int k = 0; k < 4; ++k)
+            if (s.index[k] >= 0) atomicAdd(plane + s.index[k], grad * s.weight[k]);
+    }
+}
+
+/* The same, a warp per input channel (blockIdx.x): its (tap, pixel) items
+ * 32 at a time, each of the 4 cells added with warp_ordered_add. */
+template <typename T>
+__global__ void col2im_deterministic_kernel(const T *offset, const T *mask, mmd_dcn_shape d,
+                                            int64_t n, int64_t p0, int64_t count,
+                                            const typename Compute<T>::type *grad_columns,
+                                            typename Compute<T>::type *grad_input) {
+    typedef typename Compute<T>::type A;
+    const int64_t taps = d.taps(), c = blockIdx.x, g = c / d.channels_per_offset_group();
+    A *plane = grad_input + (n * d.in_channels + c) * d.height * d.width;
+    const int64_t items = taps * count;
+    for (int64_t i0 = 0; i0 < items; i0 += 32) {
+        const int64_t i = i0 + threadIdx.x;
+        Sample<A> s;
+        A grad = 0;
+        for (int k = 0; k < 4; ++k) s.index[k] = -1, s.weight[k] = 0;
+        if (i < items) {
+            const int64_t t = i / count, q = i % count;
+            locate(offset, d, n, g, t, p0 + q, &s);
+            grad = grad_columns[c * items + i] * mask_at(mask, d, n, g, t, p0 + q);
+        }
+        for (int k = 0; k < 4; ++k)
+            warp_ordered_add(plane, s.index[k], grad * s.weight[k]);
+    }
+}
+
+/* grad_bias[o] = sum of grad_output over images and pixels: a block per
+ * channel, strided partial sums then a tree, in a fixed order. */
+template <typename T>
+__global__ void bias_grad_kernel(const T *grad_output, mmd_dcn_shape d, T *grad_bias) {
+    typedef typename Compute<T>::type A;
+    __shared__ A partial[kThreads];
+    const int64_t o = blockIdx.x, pixels = d.pixels();
+    A sum = 0;
+    for (int64_t i = threadIdx.x; i < d.batch * pixels; i += blockDim.x)
+        sum += to_compute(grad_output[((i / pixels) * d.out_channels + o) * pixels + i % pixels]);
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    for (int half = kThreads / 2; half > 0; half /= 2) {
+        if ((int)threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) grad_bias[o] = from_compute<T>(partial[0]);
+}
+
+template <typename T, typename A>
+__global__ void store_kernel(const A *from, T *to, int64_t total) {
+    MMD_GRID_STRIDE_LOOP(i, total) to[i] = from_compute<T>(from[i]);
+}
+
+template <typename T>
+int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *mask,
+            const T *weight, const T *bias, T *output, cudaStream_t stream) {
+    typedef typename Compute<T>::type A;
+    const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
+    if (d.batch * d.out_channels * pixels == 0) return MMD_OK;
+    const int64_t chunk = chunk_of(d), out_per_group = d.out_channels / d.groups;
+    const int64_t k = rows / d.groups;
+    StreamBuffer columns(stream);
+    cudaError_t err = columns.allocate(sizeof(A) * rows * chunk);
+    if (err != cudaSuccess) return cuda_error(err, "deform_conv2d column buffer");
+    for (int64_t n = 0; n < d.batch; ++n)
+        for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
+            const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
+            if (rows > 0) {
+                im2col_kernel<T><<<blocks_for(rows * count), kThreads, 0, stream>>>(
+                    input, offset, mask, d, n, p0, count, columns.as<A>());
+                int s = launch_status("deform_conv2d im2col launch");
+                if (s) return s;
+            }
+            for (int64_t g = 0; g < d.groups; ++g) {
+                const View<T> w{weight + g * out_per_group * k, k, 1};
+                const View<A> cols{columns.as<A>() + g * k * count, count, 1};
+                int s = gemm<A>(stream, out_per_group, count, k, w, cols,
+                                output + (n * d.out_channels + g * out_per_group) * pixels + p0,
+                                pixels, (A)0, bias ? bias + g * out_per_group : nullptr);
+                if (s) return s;
+            }
+        }
+    return MMD_OK;
+}
+
+/* Where backward sums a gradient: the output itself when T computes in T,
+ * else a buffer in A, stored into it at the end. */
+template <typename T> struct Sum {
+    typedef typename Compute<T>::type A;
+    StreamBuffer buffer;
+    A *data = nullptr;
+    T *target;
+    int64_t size;
+
+    Sum(cudaStream_t stream, T *target_, int64_t size_)
+        : buffer(stream), target(target_), size(size_) {}
+    int start(cudaStream_t stream) {
+        if (std::is_same<T, A>::value) {
+            data = (A *)target;
+        } else {
+            const cudaError_t err = buffer.allocate(sizeof(A) * size);
+            if (err != cudaSuccess) return cuda_error(err, "deform_conv2d gradient buffer");
+            data = buffer.as<A>();
+        }
+        const cudaError_t err = cudaMemsetAsync(data, 0, sizeof(A) * size, stream);
+        return err == cudaSuccess ? MMD_OK : cuda_error(err, "deform_conv2d gradient zeroing");
+    }
+    int finish(cudaStream_t stream) {
+        if (std::is_same<T, A>::value || size == 0) return MMD_OK;
+        store_kernel<T, A><<<blocks_for(size), kThreads, 0, stream>>>(data, target, size);
+        return launch_status("deform_conv2d gradient store launch");
+    }
+};
+
+template <typename T> struct Grads {
+    T *input, *offset, *mask, *weight, *bias;
+};
+
+template <typename T>
+int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const T *offset,
+             const T *mask, const T *weight, const Grads<T> &grads, bool deterministic,
+             cudaStream_t stream) {
+    typedef typename Compute<T>::type A;
+    const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
+    const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
+    if (d.out_channels > 0) {
+        bias_grad_kernel<T><<<(unsigned)d.out_channels, kThreads, 0, stream>>>(grad_output, d,
+                                                                               grads.bias);
+        int s = launch_status("deform_conv2d bias gradient launch");
+        if (s) return s;
+    }
+    Sum<T> grad_input(stream, grads.input, d.batch * d.in_channels * d.height * d.width);
+    Sum<T> grad_weight(stream, grads.weight, d.out_channels * k);
+    int s = grad_input.start(stream);
+    if (!s) s = grad_weight.start(stream);
+    if (s) return s;
+    const int64_t offset_size = d.batch * 2 * d.offset_groups * d.taps() * pixels;
+    if (d.batch * pixels == 0 || rows == 0) {
+        cudaError_t err = cudaMemsetAsync(grads.offset, 0, sizeof(T) * offset_size, stream);
+        if (err == cudaSuccess)
+            err = cudaMemsetAsync(grads.mask, 0, sizeof(T) * offset_size / 2, stream);
+        if (err != cudaSuccess) return cuda_error(err, "deform_conv2d gradient zeroing");
+        s = grad_input.finish(stream);
+        return s ? s : grad_weight.finish(stream);
+    }
+    const int64_t chunk = chunk_of(d);
+    StreamBuffer columns(stream);
+    cudaError_t err = columns.allocate(sizeof(A) * rows * chunk);
+    if (err != cudaSuccess) return cuda_error(err, "deform_conv2d column buffer");
+    if (deterministic && d.in_channels > INT32_MAX)
+        return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d input "
+                         "channels, got %lld", INT32_MAX, (long long)d.in_channels);
+    for (int64_t n = 0; n < d.batch; ++n)
+        for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
+            const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
+            im2col_kernel<T><<<blocks_for(rows * count), kThreads, 0, stream>>>(
+                input, offset, mask, d, n, p0, count, columns.as<A>());
+            s = launch_status("deform_conv2d im2col launch");
+            for (int64_t g = 0; g < d.groups && !s; ++g) {
+                const T *grad_g = grad_output + (n * d.out_channels + g * out_per_group) * pixels + p0;
+                A *cols = columns.as<A>() + g * k * count;
+                /* grad_weight += grad_output x columns^T */
+                s = gemm<A>(stream, out_per_group, k, count, View<T>{grad_g, pixels, 1},
+                            View<A>{cols, 1, count}, grad_weight.data + g * out_per_group * k, k,
+                            (A)1, (const A *)nullptr);
+                /* the columns' gradient: weight^T x grad_output */
+                if (!s)
+                    s = gemm<A>(stream, k, count, out_per_group,
+                                View<T>{weight + g * out_per_group * k, 1, k},
+                                View<T>{grad_g, pixels, 1}, cols, count, (A)0,
+                                (const A *)nullptr);
+            }
+            if (s) return s;
+            offset_mask_grad_kernel<T>
+                <<<blocks_for(d.offset_groups * d.taps() * count), kThreads, 0, stream>>>(
+                    input, offset, mask, d, n, p0, count, columns.as<A>(), grads.offset,
+                    grads.mask);
+            if (deterministic)
+                col2im_deterministic_kernel<T><<<(unsigned)d.in_channels, 32, 0, stream>>>(
+                    offset, mask, d, n, p0, count, columns.as<A>(), grad_input.data);
+            else
+                col2im_atomic_kernel<T><<<blocks_for(rows * count), kThreads, 0, stream>>>(
+                    offset, mask, d, n, p0, count, columns.as<A>(), grad_input.data);
+            s = launch_status("deform_conv2d backward launch");
+            if (s) return s;
+        }
+    s = grad_input.finish(stream);
+    return s ? s : grad_weight.finish(stream);
+}
+
+template <typename T> const T *data_of(const mmd_tensor *t) {
+    return t ? (const T *)t->data : nullptr;
+}
+
+int deform_conv2d_forward_cuda(const mmd_tensor *input, const mmd_tensor *offset,
+                               const mmd_tensor *mask, const mmd_tensor *weight,
+                               const mmd_tensor *bias, const mmd_tensor *output,
+                               int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                               int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                               int64_t offset_groups, const mmd_context *ctx) {
+    mmd_dcn_shape d;
+    int s = mmd_deform_conv2d_forward_check(input, offset, mask, weight, bias, output, stride_h,
+                                            stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                                            groups, offset_groups, MMD_FLOAT16_BF16_32_64, &d);
+    if (s) return s;
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype(input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            return forward<T>(d, data_of<T>(input), data_of<T>(offset), data_of<T>(mask),
+                              data_of<T>(weight), data_of<T>(bias), (T *)output->data, stream);
+        });
+    });
+}
+
+int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *input,
+                  const mmd_tensor *offset, const mmd_tensor *mask, const mmd_tensor *weight,
+                  const mmd_tensor *grad_input, const mmd_tensor *grad_offset,
+                  const mmd_tensor *grad_mask, const mmd_tensor *grad_weight,
+                  const mmd_tensor *grad_bias, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+                  int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                  int64_t offset_groups, bool deterministic, const mmd_context *ctx) {
+    mmd_dcn_shape d;
+    int s = mmd_deform_conv2d_backward_check(grad_output, input, offset, mask, weight,
+                                             grad_input, grad_offset, grad_mask, grad_weight,
+                                             grad_bias, stride_h, stride_w, pad_h, pad_w,
+                                             dilation_h, dilation_w, groups, offset_groups,
+                                             MMD_FLOAT16_BF16_32_64, &d);
+    if (s) return s;
+    return on_device(ctx, [&](cudaStream_t stream) {
+        return by_dtype(input->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            const Grads<T> grads{(T *)grad_input->data, (T *)grad_offset->data,
+                                 (T *)grad_mask->data, (T *)grad_weight->data,
+                                 (T *)grad_bias->data};
+            return backward<T>(d, data_of<T>(grad_output), data_of<T>(input), data_of<T>(offset),
+                               data_of<T>(mask), data_of<T>(weight), grads, deterministic,
+                               stream);
+        });
+    });
+}
+
+int deform_conv2d_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *input,
+                                const mmd_tensor *offset, const mmd_tensor *mask,
+                                const mmd_tensor *weight, const mmd_tensor *grad_input,
+                                const mmd_tensor *grad_offset, const mmd_tensor *grad_mask,
+                                const mmd_tensor *grad_weight, const mmd_tensor *grad_bias,
+                                int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                                int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                                int64_t offset_groups, const mmd_context *ctx) {
+    return backward_cuda(grad_output, input, offset, mask, weight, grad_input, grad_offset,
+                         grad_mask, grad_weight, grad_bias, stride_h, stride_w, pad_h, pad_w,
+                         dilation_h, dilation_w, groups, offset_groups, false, ctx);
+}
+
+int deform_conv2d_backward_cuda_deterministic(
+    const mmd_tensor *grad_output, const mmd_tensor *input, const mmd_tensor *offset,
+    const mmd_tensor *mask, const mmd_tensor *weight, const mmd_tensor *grad_input,
+    const mmd_tensor *grad_offset, const mmd_tensor *grad_mask, const mmd_tensor *grad_weight,
+    const mmd_tensor *grad_bias, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+    int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
+    int64_t offset_groups, const mmd_context *ctx) {
+    return backward_cuda(grad_output, input, offset, mask, weight, grad_input, grad_offset,
+                         grad_mask, grad_weight, grad_bias, stride_h, stride_w, pad_h, pad_w,
+                         dilation_h, dilation_w, groups, offset_groups, true, ctx);
+}
+
+}  // namespace
+
+MMD_REGISTRATIONS(cuda, deform_conv2d) {
+    MMD_REGISTER_DEVICE_IMPL(deform_conv2d_forward_impl, CUDA, DEFAULT,
+                             deform_conv2d_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(deform_conv2d_backward_impl, CUDA, DEFAULT,
+                             deform_conv2d_backward_cuda);
+    /* the forward is deterministic as it is (every sum in a fixed order) */
+    MMD_REGISTER_DEVICE_IMPL(deform_conv2d_forward_impl, CUDA, DETERMINISTIC,
+                             deform_conv2d_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(deform_conv2d_backward_impl, CUDA, DETERMINISTIC,
+                             deform_conv2d_backward_cuda_deterministic);
+}

@@ -1,0 +1,660 @@
+"""deform_conv2d (DCNv1, DCNv2 with a mask; torchvision semantics): a slow
+reference from the papers' definition, plain grouped convolution at zero
+offsets, torchvision itself, finite differences, bad input, the matrix
+product without a BLAS, the PyTorch layer, properties, and CPU/CUDA
+agreement."""
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import mmdispatch
+from mmdispatch.ops import deform_conv2d, deform_conv2d_backward
+from properties import OpProperties, assert_close, float_arrays, guarded, sentinel
+
+deform_module = importlib.import_module("mmdispatch.ops.deform_conv2d")
+DTYPES = [np.float32, np.float64]
+
+
+# --- slow reference, from the definition (Dai et al. 2017; Zhu et al. 2019), float64 -------
+
+def out_size(size, kernel, stride, pad, dilation):
+    return (size + 2 * pad - (dilation * (kernel - 1) + 1)) // stride + 1
+
+
+def corners(plane, y, x):
+    """[(row, col, weight, valid)] of bilinear sampling at (y, x) (arrays),
+    zero outside the map: a position outside (-1, H) x (-1, W) has no valid
+    cell."""
+    h, w = plane.shape
+    inside = (y > -1) & (y < h) & (x > -1) & (x < w)
+    y0, x0 = np.floor(np.where(inside, y, 0)), np.floor(np.where(inside, x, 0))
+    found = []
+    for dy in (0, 1):
+        for dx in (0, 1):
+            row, col = y0 + dy, x0 + dx
+            weight = (1 - np.abs(y - row)) * (1 - np.abs(x - col))
+            valid = inside & (row >= 0) & (row < h) & (col >= 0) & (col < w)
+            found.append((np.clip(row, 0, max(h - 1, 0)).astype(np.int64),
+                          np.clip(col, 0, max(w - 1, 0)).astype(np.int64), weight, valid))
+    return found
+
+
+def sample(plane, y, x):
+    """Bilinear value, its derivatives along y and x; NaN at a NaN position."""
+    value, dvy, dvx = np.zeros(y.shape), np.zeros(y.shape), np.zeros(y.shape)
+    y0, x0 = np.floor(y), np.floor(x)
+    with np.errstate(invalid="ignore"):
+        for row, col, weight, valid in corners(plane, y, x):
+            v = np.where(valid, plane[row, col] if plane.size else 0.0, 0.0)
+            value += np.where(valid, weight * v, 0.0)
+            # d weight / dy: -(1 - |x - col|) for the upper row, + for the lower (x alike)
+            wy = 1 - np.abs(x - col)
+            wx = 1 - np.abs(y - row)
+            dvy += np.where(valid, np.where(np.isclose(row, y0), -wy, wy) * v, 0.0)
+            dvx += np.where(valid, np.where(np.isclose(col, x0), -wx, wx) * v, 0.0)
+    undefined = np.isnan(y) | np.isnan(x)
+    for a in (value, dvy, dvx):
+        a[undefined] = np.nan
+    return value, dvy, dvx
+
+
+def positions(offset, n, g, i, j, kw, taps, out_hw, stride, pad, dilation):
+    oy, ox = np.meshgrid(np.arange(out_hw[0]), np.arange(out_hw[1]), indexing="ij")
+    t = i * kw + j
+    y = oy * stride[0] - pad[0] + i * dilation[0] + offset[n, g * 2 * taps + 2 * t]
+    x = ox * stride[1] - pad[1] + j * dilation[1] + offset[n, g * 2 * taps + 2 * t + 1]
+    return y, x
+
+
+def ref_columns(x, offset, mask, kernel, stride, pad, dilation, offset_groups):
+    """(N, C, kh, kw, out_h, out_w): the masked samples, and the unmasked
+    values and their y and x derivatives."""
+    n_, c_, h, w = x.shape
+    kh, kw = kernel
+    out_hw = offset.shape[2:]
+    taps, per_group = kh * kw, c_ // offset_groups
+    cols = np.zeros((n_, c_, kh, kw) + out_hw)
+    values, dys, dxs = (np.zeros_like(cols) for _ in range(3))
+    for n in range(n_):
+        for c in range(c_):
+            g = c // per_group
+            for i in range(kh):
+                for j in range(kw):
+                    y, sx = positions(offset, n, g, i, j, kw, taps, out_hw, stride, pad,
+                                      dilation)
+                    v, dvy, dvx = sample(x[n, c], y, sx)
+                    m = 1.0 if mask is None else mask[n, g * taps + i * kw + j]
+                    values[n, c, i, j], dys[n, c, i, j], dxs[n, c, i, j] = v, dvy, dvx
+                    with np.errstate(invalid="ignore"):
+                        cols[n, c, i, j] = m * v
+    return cols, values, dys, dxs
+
+
+def ref_forward(x, offset, mask, weight, bias, stride=(1, 1), pad=(0, 0), dilation=(1, 1)):
+    x, offset, weight = (np.asarray(a, np.float64) for a in (x, offset, weight))
+    mask = None if mask is None else np.asarray(mask, np.float64)
+    c_out, per_group, kh, kw = weight.shape
+    groups = x.shape[1] // per_group
+    offset_groups = offset.shape[1] // (2 * kh * kw)
+    cols, _, _, _ = ref_columns(x, offset, mask, (kh, kw), stride, pad, dilation, offset_groups)
+    out = np.zeros((x.shape[0], c_out) + offset.shape[2:])
+    o_per = c_out // groups
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g in range(groups):
+            out[:, g * o_per:(g + 1) * o_per] = np.einsum(
+                "ocij,ncijhw->nohw", weight[g * o_per:(g + 1) * o_per],
+                cols[:, g * per_group:(g + 1) * per_group])
+        if bias is not None:
+            out += np.asarray(bias, np.float64)[None, :, None, None]
+    return out
+
+
+def ref_backward(grad, x, offset, mask, weight, stride=(1, 1), pad=(0, 0), dilation=(1, 1)):
+    """(grad_input, grad_offset, grad_mask, grad_weight, grad_bias), from the
+    chain rule through the columns (grad_mask with mask None: the gradient
+    of a mask of ones)."""
+    grad, x, offset, weight = (np.asarray(a, np.float64) for a in (grad, x, offset, weight))
+    mask = None if mask is None else np.asarray(mask, np.float64)
+    c_out, per_group, kh, kw = weight.shape
+    n_, c_, h, w = x.shape
+    groups, taps = c_ // per_group, kh * kw
+    offset_groups = offset.shape[1] // (2 * taps)
+    cols, values, dys, dxs = ref_columns(x, offset, mask, (kh, kw), stride, pad, dilation,
+                                         offset_groups)
+    o_per = c_out // groups
+    grad_weight = np.zeros(weight.shape)
+    grad_cols = np.zeros(cols.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g in range(groups):
+            o, c = slice(g * o_per, (g + 1) * o_per), slice(g * per_group, (g + 1) * per_group)
+            grad_weight[o] = np.einsum("nohw,ncijhw->ocij", grad[:, o], cols[:, c])
+            grad_cols[:, c] = np.einsum("ocij,nohw->ncijhw", weight[o], grad[:, o])
+        grad_bias = grad.sum(axis=(0, 2, 3))
+        ones = np.ones((n_, offset_groups * taps) + offset.shape[2:])
+        m = ones if mask is None else mask
+        grad_offset = np.zeros(offset.shape)
+        grad_mask = np.zeros(ones.shape)
+        grad_input = np.zeros(x.shape)
+        c_per = c_ // offset_groups
+        for n in range(n_):
+            for c in range(c_):
+                g = c // c_per
+                for i in range(kh):
+                    for j in range(kw):
+                        t = i * kw + j
+                        gc = grad_cols[n, c, i, j]
+                        mk = m[n, g * taps + t]
+                        grad_mask[n, g * taps + t] += gc * values[n, c, i, j]
+                        grad_offset[n, g * 2 * taps + 2 * t] += gc * mk * dys[n, c, i, j]
+                        grad_offset[n, g * 2 * taps + 2 * t + 1] += gc * mk * dxs[n, c, i, j]
+                        y, sx = positions(offset, n, g, i, j, kw, taps, offset.shape[2:],
+                                          stride, pad, dilation)
+                        for row, col, weight_q, valid in corners(x[n, c], y, sx):
+                            np.add.at(grad_input[n, c], (row[valid], col[valid]),
+                                      (gc * mk * weight_q)[valid])
+    return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
+
+
+def random_case(rng, dtype, n=2, c_in=4, c_out=6, hw=(7, 8), kernel=(3, 3), groups=2,
+                offset_groups=2, stride=(1, 1), pad=(1, 1), dilation=(1, 1), spread=2.0):
+    kh, kw = kernel
+    out_hw = tuple(out_size(s, k, st_, p, d) for s, k, st_, p, d in
+                   zip(hw, kernel, stride, pad, dilation))
+    x = rng.standard_normal((n, c_in) + hw).astype(dtype)
+    offset = (rng.standard_normal((n, 2 * offset_groups * kh * kw) + out_hw) * spread).astype(dtype)
+    mask = rng.random((n, offset_groups * kh * kw) + out_hw).astype(dtype)
+    weight = rng.standard_normal((c_out, c_in // groups, kh, kw)).astype(dtype)
+    bias = rng.standard_normal(c_out).astype(dtype)
+    return x, offset, mask, weight, bias
+
+
+def tolerance(dtype):
+    return dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+
+
+# --- forward ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_mask", [True, False])
+@pytest.mark.parametrize("geometry", [
+    dict(), dict(stride=(2, 1), pad=(0, 2), dilation=(1, 2)),
+    dict(groups=1, offset_groups=1, kernel=(1, 3)), dict(groups=2, offset_groups=4, c_in=4),
+    dict(c_in=6, c_out=3, groups=3, offset_groups=1, kernel=(2, 2), stride=(2, 2))])
+def test_forward_matches_the_definition(dtype, with_mask, geometry):
+    rng = np.random.default_rng(len(str(geometry)) + with_mask)
+    x, offset, mask, weight, bias = random_case(rng, dtype, **geometry)
+    mask = mask if with_mask else None
+    kw = {k: geometry[k] for k in ("stride", "pad", "dilation") if k in geometry}
+    out = deform_conv2d(x, offset, weight, bias, kw.get("stride", 1), kw.get("pad", (1, 1)),
+                        kw.get("dilation", 1), mask)
+    expected = ref_forward(x, offset, mask, weight, bias, kw.get("stride", (1, 1)),
+                           kw.get("pad", (1, 1)), kw.get("dilation", (1, 1)))
+    assert out.dtype == dtype and out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_zero_offsets_and_a_mask_of_ones_are_a_plain_grouped_convolution(groups):
+    rng = np.random.default_rng(groups)
+    x = rng.standard_normal((2, 8, 9, 7))
+    weight = rng.standard_normal((4, 8 // groups, 3, 3))
+    bias = rng.standard_normal(4)
+    offset = np.zeros((2, 2 * 9, 9, 7))
+    out = deform_conv2d(x, offset, weight, bias, 1, 1, 1, np.ones((2, 9, 9, 7)))
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    expected = np.zeros((2, 4, 9, 7))
+    o_per, c_per = 4 // groups, 8 // groups
+    for o in range(4):
+        g = o // o_per
+        for i in range(3):
+            for j in range(3):
+                expected[:, o] += np.einsum("c,nchw->nhw", weight[o, :, i, j],
+                                            padded[:, g * c_per:(g + 1) * c_per, i:i + 9, j:j + 7])
+    expected += bias[None, :, None, None]
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(deform_conv2d(x, offset, weight, bias, 1, 1), expected,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_samples_outside_the_map_read_zero_and_a_nan_offset_reads_nan():
+    x = np.ones((1, 1, 4, 4))
+    weight = np.ones((1, 1, 1, 1))
+    offset = np.zeros((1, 2, 4, 4))
+    offset[0, 0, 0, 0] = -1.0        # y = -1: outside, 0
+    offset[0, 0, 0, 1] = -0.5        # y = -0.5: half of row 0
+    offset[0, 1, 1, 1] = math.inf    # x = inf: outside, 0
+    offset[0, 1, 2, 2] = math.nan
+    out = deform_conv2d(x, offset, weight)[0, 0]
+    assert out[0, 0] == 0 and out[0, 1] == 0.5 and out[1, 1] == 0
+    assert math.isnan(out[2, 2]) and out[3, 3] == 1
+
+
+def test_zero_size_batches_and_channels_give_empty_results():
+    rng = np.random.default_rng(0)
+    x, offset, mask, weight, bias = random_case(rng, np.float64, n=0)
+    assert deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask).shape == (0, 6, 7, 8)
+    grads = deform_conv2d_backward(np.zeros((0, 6, 7, 8)), x, offset, weight, 1, 1, 1, mask)
+    assert [g.shape for g in grads] == [x.shape, offset.shape, mask.shape, weight.shape, (6,)]
+    assert not grads[3].any() and not grads[4].any()
+    out = deform_conv2d(np.zeros((1, 2, 3, 3)), np.zeros((1, 18, 3, 3)), np.zeros((0, 2, 3, 3)),
+                        None, 1, 1)
+    assert out.shape == (1, 0, 3, 3)
+
+
+# --- backward ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_mask", [True, False])
+@pytest.mark.parametrize("geometry", [
+    dict(), dict(stride=(2, 1), pad=(0, 2), dilation=(1, 2), offset_groups=1),
+    dict(c_in=6, c_out=3, groups=3, offset_groups=3, kernel=(2, 3))])
+def test_backward_matches_the_chain_rule_of_the_definition(dtype, with_mask, geometry):
+    rng = np.random.default_rng(7 + with_mask)
+    x, offset, mask, weight, _ = random_case(rng, dtype, **geometry)
+    mask = mask if with_mask else None
+    stride, pad, dilation = (geometry.get(k, d) for k, d in
+                             (("stride", (1, 1)), ("pad", (1, 1)), ("dilation", (1, 1))))
+    grad = rng.standard_normal(ref_forward(x, offset, mask, weight, None, stride, pad,
+                                           dilation).shape).astype(dtype)
+    got = deform_conv2d_backward(grad, x, offset, weight, stride, pad, dilation, mask)
+    expected = ref_backward(grad, x, offset, mask, weight, stride, pad, dilation)
+    if mask is None:
+        assert got[2] is None
+        expected = expected[:2] + (None,) + expected[3:]
+    for name, g, e in zip(("input", "offset", "mask", "weight", "bias"), got, expected):
+        if e is not None:
+            assert g.dtype == dtype, name
+            np.testing.assert_allclose(g, e, err_msg=name, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_every_gradient_is_the_forwards_by_finite_differences(numeric_gradient, with_mask):
+    rng = np.random.default_rng(3)
+    x, offset, mask, weight, bias = random_case(rng, np.float64, n=1, c_in=2, c_out=2,
+                                                hw=(4, 5), groups=1, offset_groups=2,
+                                                stride=(1, 2), spread=1.3)
+    mask = mask if with_mask else None
+    grad = rng.standard_normal(deform_conv2d(x, offset, weight, bias, (1, 2), 1, 1,
+                                             mask).shape)
+    args = dict(input=x, offset=offset, mask=mask, weight=weight, bias=bias)
+
+    def loss(name):
+        def f(value):
+            a = dict(args, **{name: value})
+            return float((deform_conv2d(a["input"], a["offset"], a["weight"], a["bias"], (1, 2),
+                                        1, 1, a["mask"]) * grad).sum())
+        return f
+
+    got = dict(zip(("input", "offset", "mask", "weight", "bias"),
+                   deform_conv2d_backward(grad, x, offset, weight, (1, 2), 1, 1, mask)))
+    for name, value in args.items():
+        if value is None:
+            continue
+        np.testing.assert_allclose(got[name], numeric_gradient(loss(name), value), rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+
+
+def test_the_products_without_a_blas_give_the_same_results():
+    """MMDISPATCH_BLAS=none: the matrix products of our own (gemm.h)."""
+    script = (
+        "import numpy as np, sys\n"
+        "from mmdispatch.ops import deform_conv2d, deform_conv2d_backward\n"
+        "rng = np.random.default_rng(5)\n"
+        "x, w = rng.standard_normal((2, 6, 9, 11)), rng.standard_normal((4, 3, 3, 2))\n"
+        "off, m = rng.standard_normal((2, 36, 7, 10)), rng.random((2, 18, 7, 10))\n"
+        "g = rng.standard_normal((2, 4, 7, 10))\n"
+        "out = [deform_conv2d(x, off, w, None, 1, (0, 0), 1, m)]\n"
+        "out += list(deform_conv2d_backward(g, x, off, w, 1, (0, 0), 1, m))\n"
+        "np.savez(sys.argv[1], *out)\n")
+    results = []
+    for setting in ("none", ""):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dcn_{os.getpid()}_{setting}.npz")
+        env = dict(os.environ, MMDISPATCH_BLAS=setting)
+        subprocess.run([sys.executable, "-c", script, path], check=True, env=env, timeout=120)
+        with np.load(path) as data:
+            results.append([data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))])
+        os.remove(path)
+    for own, blas in zip(*results):
+        np.testing.assert_allclose(own, blas, rtol=1e-11, atol=1e-11)
+
+
+# --- bad input --------------------------------------------------------------------------
+
+def bad_calls():
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(0), np.float64)
+    return [
+        (dict(offset=offset[:, :-2]), ValueError, r"offset has 34 channels, which must be a "
+                                                  r"multiple of 2 \* kh \* kw = 18"),
+        (dict(mask=mask[:, :-1]), ValueError, r"mask must have shape \(2, 18, 7, 8\)"),
+        (dict(offset=offset[:, :, :-1]), ValueError, r"offset must have shape \(2, 36, 7, 8\)"),
+        (dict(weight=weight[:, :1].copy()), ValueError, r"groups \(4\) must divide the "
+                                                        r"input's channels \(4\) and the "
+                                                        r"output's \(weight's first dimension, 6\)"),
+        (dict(weight=np.zeros((6, 3, 3, 3))), ValueError, r"weight has 3 input channels per "
+                                                          r"group, which must divide"),
+        (dict(weight=np.zeros((5, 2, 3, 3))), ValueError, r"groups \(2\) must divide"),
+        (dict(bias=bias[:-1]), ValueError, r"bias must have shape \(6,\)"),
+        (dict(stride=0), ValueError, r"stride must be >= 1"),
+        (dict(padding=-1), ValueError, r"padding must be >= 0"),
+        (dict(dilation=(1, 0)), ValueError, r"dilation must be >= 1"),
+        (dict(input=x.astype(np.float32)), TypeError, r"must have the dtype of input|dtype"),
+        (dict(input=x[0]), ValueError, r"input must be 4-D"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_bad_arguments_are_clear_errors_naming_the_op_and_the_parameter(index):
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(0), np.float64)
+    change, error, message = bad_calls()[index]
+    args = dict(input=x, offset=offset, weight=weight, bias=bias, stride=1, padding=1,
+                dilation=1, mask=mask)
+    args.update(change)
+    with pytest.raises(error, match=f"^deform_conv2d(_forward_impl)?: .*({message})"):
+        deform_conv2d(**args)
+
+
+def test_a_refused_call_writes_nothing_into_its_outputs():
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(0), np.float64)
+    output = np.full((2, 6, 7, 8), 7.0)
+    with pytest.raises(ValueError, match="^deform_conv2d_forward_impl: groups"):
+        mmdispatch.deform_conv2d_forward_impl(x, offset, mask, weight, bias, output, 1, 1, 1, 1,
+                                              1, 1, 3, 2)
+    assert (output == 7).all()
+    grads = [np.full(a.shape, 7.0) for a in (x, offset, mask, weight, bias)]
+    with pytest.raises(ValueError, match=r"^deform_conv2d_backward_impl: pad_h and pad_w"):
+        mmdispatch.deform_conv2d_backward_impl(np.zeros((2, 6, 7, 8)), x, offset, mask, weight,
+                                               *grads, 1, 1, -1, 1, 1, 1, 2, 2)
+    assert all((g == 7).all() for g in grads)
+
+
+def test_a_kernel_larger_than_the_padded_input_is_an_error():
+    with pytest.raises(ValueError, match="smaller than the dilated kernel"):
+        deform_conv2d(np.zeros((1, 1, 2, 2)), np.zeros((1, 18, 1, 1)), np.zeros((1, 1, 3, 3)))
+
+
+def test_float16_on_the_cpu_is_refused_naming_the_dtype():
+    with pytest.raises(TypeError, match="^deform_conv2d_forward_impl: input .*float16"):
+        deform_conv2d(np.zeros((1, 1, 3, 3), np.float16), np.zeros((1, 2, 3, 3), np.float16),
+                      np.zeros((1, 1, 1, 1), np.float16))
+
+
+# --- torchvision and the PyTorch layer ----------------------------------------------------
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_forward_and_gradients_equal_torchvisions(with_mask):
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    from mmdispatch.torch import deform_conv2d as torch_deform_conv2d
+
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(9), np.float64,
+                                                stride=(2, 1), pad=(1, 0), dilation=(1, 2))
+    tensors = [torch.from_numpy(a).requires_grad_(True) for a in (x, offset, mask, weight, bias)]
+    twins = [t.detach().clone().requires_grad_(True) for t in tensors]
+    m, m2 = (tensors[2], twins[2]) if with_mask else (None, None)
+    ours = torch_deform_conv2d(tensors[0], tensors[1], tensors[3], tensors[4], stride=(2, 1),
+                               padding=(1, 0), dilation=(1, 2), mask=m)
+    theirs = torchvision.ops.deform_conv2d(twins[0], twins[1], twins[3], twins[4], stride=(2, 1),
+                                           padding=(1, 0), dilation=(1, 2), mask=m2)
+    torch.testing.assert_close(ours, theirs)
+    grad = torch.randn_like(ours)
+    wanted = [t for t in tensors if t is not tensors[2] or with_mask]
+    wanted2 = [t for t in twins if t is not twins[2] or with_mask]
+    for a, b in zip(torch.autograd.grad(ours, wanted, grad),
+                    torch.autograd.grad(theirs, wanted2, grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_module_equals_torchvisions_module_with_its_parameters():
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    from mmdispatch.torch import DeformConv2d
+
+    torch.manual_seed(0)
+    theirs = torchvision.ops.DeformConv2d(4, 6, 3, stride=1, padding=1, groups=2)
+    ours = DeformConv2d(4, 6, 3, stride=1, padding=1, groups=2)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 4, 5, 6)
+    offset, mask = torch.randn(2, 18, 5, 6), torch.rand(2, 9, 5, 6)
+    torch.testing.assert_close(ours(x, offset, mask), theirs(x, offset, mask))
+    torch.testing.assert_close(ours(x, offset), theirs(x, offset))
+    assert repr(ours).startswith("DeformConv2d(4, 6, kernel_size=(3, 3)")
+
+
+def test_mmcv_names_take_mmcvs_argument_order():
+    torch = pytest.importorskip("torch")
+    from mmdispatch.torch import deform_conv2d as vision_deform_conv2d
+    from mmdispatch.torch import mmcv
+
+    x, offset, mask, weight, bias = (torch.from_numpy(a) for a in random_case(
+        np.random.default_rng(2), np.float64, groups=2, offset_groups=2))
+    expected = vision_deform_conv2d(x, offset, weight, None, 1, 1, 1, None)
+    torch.testing.assert_close(mmcv.deform_conv2d(x, offset, weight, 1, 1, 1, 2, 2), expected)
+    expected = vision_deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask)
+    torch.testing.assert_close(mmcv.modulated_deform_conv2d(x, offset, mask, weight, bias, 1, 1,
+                                                            1, 2, 2), expected)
+    module = mmcv.ModulatedDeformConv2d(4, 6, 3, padding=1, groups=2, deform_groups=2)
+    assert module(x.float(), offset.float(), mask.float()).shape == (2, 6, 7, 8)
+    dcn = mmcv.DeformConv2d(4, 6, 3, padding=1, groups=2, deform_groups=2)
+    assert dcn.bias is None and dcn(x.float(), offset.float()).shape == (2, 6, 7, 8)
+    with pytest.raises(ValueError, match="deform_groups"):
+        mmcv.deform_conv2d(x, offset, weight, 1, 1, 1, 2, 3)
+
+
+# --- CUDA ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+def test_cuda_matches_cpu_in_forward_and_backward(cupy, dtype, backend):
+    rng = np.random.default_rng(11)
+    x, offset, mask, weight, bias = random_case(rng, dtype, n=2, c_in=8, c_out=6, hw=(13, 17),
+                                                stride=(2, 1), dilation=(1, 2))
+    args = (x, offset, weight, bias, (2, 1), 1, (1, 2), mask)
+    expected = deform_conv2d(*args)
+    grad = rng.standard_normal(expected.shape).astype(dtype)
+    expected_grads = deform_conv2d_backward(grad, x, offset, weight, (2, 1), 1, (1, 2), mask)
+    on_gpu = [None if a is None or isinstance(a, tuple) or isinstance(a, int)
+              else cupy.asarray(a) for a in args]
+    with mmdispatch.use_backend("cuda", backend):
+        out = deform_conv2d(on_gpu[0], on_gpu[1], on_gpu[2], on_gpu[3], (2, 1), 1, (1, 2),
+                            on_gpu[7])
+        grads = deform_conv2d_backward(cupy.asarray(grad), on_gpu[0], on_gpu[1], on_gpu[2],
+                                       (2, 1), 1, (1, 2), on_gpu[7])
+    tol = dict(rtol=1e-3, atol=1e-3) if dtype == np.float32 else dict(rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(cupy.asnumpy(out), expected, **tol)
+    for g, e in zip(grads, expected_grads):
+        np.testing.assert_allclose(cupy.asnumpy(g), e, **tol)
+
+
+def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
+    rng = np.random.default_rng(12)
+    x, offset, mask, weight, _ = random_case(rng, np.float32, n=2, c_in=8, c_out=8, hw=(20, 20))
+    gpu = [cupy.asarray(a) for a in (x, offset, mask, weight)]
+    grad = cupy.asarray(rng.standard_normal((2, 8, 20, 20)).astype(np.float32))
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        first = deform_conv2d_backward(grad, gpu[0], gpu[1], gpu[3], 1, 1, 1, gpu[2])
+        again = deform_conv2d_backward(grad, gpu[0], gpu[1], gpu[3], 1, 1, 1, gpu[2])
+    for a, b in zip(first, again):
+        assert bool((a == b).all())
+
+
+def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda):
+    torch = torch_cuda
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(13), np.float32)
+    expected = deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask)
+    for dtype in (torch.float16, torch.bfloat16):
+        t = [torch.from_numpy(a).cuda().to(dtype) for a in (x, offset, mask, weight, bias)]
+        out = deform_conv2d(t[0], t[1], t[3], t[4], 1, 1, 1, t[2])
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out.float().cpu().numpy(), expected, rtol=5e-2, atol=2e-1)
+
+
+# --- properties (tests/support/properties.py) ----------------------------------------------
+
+@st.composite
+def problem(draw, dtype):
+    groups, offset_groups = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    c_in = groups * offset_groups * draw(st.integers(1, 2))   # 0 leaves groups undefined
+    c_out = groups * draw(st.integers(0, 2))
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    stride = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    pad = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    dilation = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    span = (dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1)
+    hw = tuple(draw(st.integers(max(0, s - 2 * p), max(0, s - 2 * p) + 3))
+               for s, p in zip(span, pad))
+    n = draw(st.integers(0, 2))
+    out_hw = tuple(out_size(s, k, st_, p, d) for s, k, st_, p, d in
+                   zip(hw, (kh, kw), stride, pad, dilation))
+    x = draw(float_arrays((n, c_in) + hw, dtype))
+    offset = draw(float_arrays((n, 2 * offset_groups * kh * kw) + out_hw, dtype, -3, 3))
+    mask = draw(st.none() | float_arrays((n, offset_groups * kh * kw) + out_hw, dtype, -2, 2))
+    weight = draw(float_arrays((c_out, c_in // groups if groups else 0, kh, kw), dtype, -2, 2))
+    bias = draw(st.none() | float_arrays((c_out,), dtype))
+    scalars = dict(stride_h=stride[0], stride_w=stride[1], pad_h=pad[0], pad_w=pad[1],
+                   dilation_h=dilation[0], dilation_w=dilation[1], groups=groups,
+                   offset_groups=offset_groups)
+    return x, offset, mask, weight, bias, scalars
+
+
+def geometry_of(s):
+    return ((s["stride_h"], s["stride_w"]), (s["pad_h"], s["pad_w"]),
+            (s["dilation_h"], s["dilation_w"]))
+
+
+@st.composite
+def forward_case(draw, dtype):
+    x, offset, mask, weight, bias, scalars = draw(problem(dtype))
+    shape = (x.shape[0], weight.shape[0]) + offset.shape[2:]
+    args = dict(input=guarded(x), offset=guarded(offset),
+                mask=None if mask is None else guarded(mask), weight=guarded(weight),
+                bias=None if bias is None else guarded(bias), output=guarded(sentinel(shape, dtype)),
+                **scalars)
+
+    def check(a):
+        assert_close(a["output"], ref_forward(x, offset, mask, weight, bias,
+                                              *geometry_of(scalars)), dtype)
+    return args, check
+
+
+@st.composite
+def backward_case(draw, dtype):
+    x, offset, mask, weight, _, scalars = draw(problem(dtype))
+    grad = draw(float_arrays((x.shape[0], weight.shape[0]) + offset.shape[2:], dtype, -2, 2))
+    mask_shape = (offset.shape[0], offset.shape[1] // 2) + offset.shape[2:]
+    args = dict(grad_output=guarded(grad), input=guarded(x), offset=guarded(offset),
+                mask=None if mask is None else guarded(mask), weight=guarded(weight),
+                grad_input=guarded(sentinel(x.shape, dtype)),
+                grad_offset=guarded(sentinel(offset.shape, dtype)),
+                grad_mask=guarded(sentinel(mask_shape, dtype)),
+                grad_weight=guarded(sentinel(weight.shape, dtype)),
+                grad_bias=guarded(sentinel((weight.shape[0],), dtype)), **scalars)
+
+    def check(a):
+        expected = ref_backward(grad, x, offset, mask, weight, *geometry_of(scalars))
+        for name, e in zip(("grad_input", "grad_offset", "grad_mask", "grad_weight",
+                            "grad_bias"), expected):
+            assert_close(a[name], e, dtype)
+    return args, check
+
+
+def forward_user_case(draw, name, dtype, layout):
+    a, check = draw(forward_case(dtype))
+    inputs = {k: layout(a[k]) for k in ("input", "offset", "mask", "weight", "bias")
+              if a[k] is not None}
+
+    def run():
+        return deform_conv2d(inputs["input"], inputs["offset"], inputs["weight"],
+                             inputs.get("bias"), *geometry_of(a), inputs.get("mask"))
+    return run, inputs, lambda result: check(dict(a, output=result))
+
+
+def backward_user_case(draw, name, dtype, layout):
+    a, check = draw(backward_case(dtype))
+    inputs = {k: layout(a[k]) for k in ("grad_output", "input", "offset", "mask", "weight")
+              if a[k] is not None}
+
+    def run():
+        return deform_conv2d_backward(inputs["grad_output"], inputs["input"], inputs["offset"],
+                                      inputs["weight"], *geometry_of(a), inputs.get("mask"))
+
+    def verify(result):
+        names = ("grad_input", "grad_offset", "grad_mask", "grad_weight", "grad_bias")
+        got = dict(a, **dict(zip(names, result)))
+        if a["mask"] is None:
+            assert result[2] is None
+            got["grad_mask"] = a["grad_mask"]   # not returned; its reference is not compared
+            expected = ref_backward(a["grad_output"], a["input"], a["offset"], None, a["weight"],
+                                    *geometry_of(a))
+            for name, e in zip(names, expected):
+                if name != "grad_mask":
+                    assert_close(got[name], e, a["input"].dtype)
+            return
+        check(got)
+    return run, inputs, verify
+
+
+def torch_forward_calls(torch, device):
+    rng = np.random.default_rng(0)
+    x, offset, mask, weight, bias = (
+        torch.from_numpy(a).to(device) for a in random_case(rng, np.float64, n=1, hw=(5, 4)))
+    x.requires_grad_(True), offset.requires_grad_(True), weight.requires_grad_(True)
+    geometry = (1, 1, 1, 1, 1, 1, 2, 2)
+    return [(x, offset, mask.requires_grad_(True), weight, bias.requires_grad_(True), *geometry),
+            (x, offset, None, weight, None, *geometry)]
+
+
+def torch_backward_calls(torch, device):
+    return [(torch.randn(1, 6, 5, 4, dtype=torch.float64, device=device),
+             *(a.detach() if a is not None else None for a in args[:4]), *args[5:])
+            for args in torch_forward_calls(torch, device)]
+
+
+def small_args():
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(0), np.float64, n=1,
+                                                hw=(3, 4))
+    return x, offset, mask, weight, bias
+
+
+class TestProperties(OpProperties):
+    module = deform_module
+    torch_calls = {"deform_conv2d_forward_impl": torch_forward_calls,
+                   "deform_conv2d_backward_impl": torch_backward_calls}
+    entry_cases = {"deform_conv2d_forward_impl": forward_case,
+                   "deform_conv2d_backward_impl": backward_case}
+    fixed_axes = {
+        "deform_conv2d_forward_impl": {
+            "input": [0, 1], "offset": [0, 1, 2, 3], "mask": [0, 1, 2, 3],
+            "weight": [0, 1, 2, 3], "bias": [0], "output": [0, 1, 2, 3]},
+        "deform_conv2d_backward_impl": {
+            "grad_output": [0, 1, 2, 3], "input": [0, 1], "offset": [0, 1, 2, 3],
+            "mask": [0, 1, 2, 3], "weight": [0, 1, 2, 3], "grad_input": [0, 1, 2, 3],
+            "grad_offset": [0, 1, 2, 3], "grad_mask": [0, 1, 2, 3],
+            "grad_weight": [0, 1, 2, 3], "grad_bias": [0]},
+    }
+    bad_scalars = {"stride_h": [0, -1, 2 ** 31], "stride_w": [0, -2, 2 ** 40],
+                   "pad_h": [-1, 2 ** 31], "pad_w": [-3, 2 ** 62],
+                   "dilation_h": [0, -1, 2 ** 31], "dilation_w": [0, 2 ** 35],
+                   "groups": [0, -1], "offset_groups": [0, -2]}
+    user_cases = {"deform_conv2d": forward_user_case,
+                  "deform_conv2d_backward": backward_user_case}
+    good_user_args = {
+        "deform_conv2d": lambda: [*(lambda a: (a[0], a[1], a[3], a[4]))(small_args()), 1, 1, 1,
+                                  small_args()[2]],
+        "deform_conv2d_backward": lambda: [np.ones((1, 6, 3, 4)),
+                                           *(lambda a: (a[0], a[1], a[3]))(small_args()), 1, 1,
+                                           1, small_args()[2]],
+    }
+    user_bad_values = {
+        ("deform_conv2d", 4): [0, -1, (1, 0), "1", None, (1, 2, 3), 1.5],
+        ("deform_conv2d", 5): [-1, (0, -1), "0", None],
+        ("deform_conv2d", 6): [0, (1, 0), "1"],
+        ("deform_conv2d_backward", 4): [0, (0, 1), "1", None],
+        ("deform_conv2d_backward", 5): [-1, (2, 0)],
+        ("deform_conv2d_backward", 6): [0, -1],
+    }
