@@ -55,6 +55,10 @@ QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000)
 PS_STANDARD = dict(batch=2, channels=490, height=50, width=76, rois_per_image=512,
                    image=(800, 1216), spatial_scale=1 / 16, output=7)
 PS_QUICK = dict(PS_STANDARD, channels=98, rois_per_image=128)
+# A deformable 3x3 convolution of ResNet-50 stage 3 (DCNv2: with a mask).
+DCN_STANDARD = dict(batch=2, in_channels=256, out_channels=256, height=64, width=64, kernel=3,
+                    offset_groups=1)
+DCN_QUICK = dict(DCN_STANDARD, in_channels=64, out_channels=64, height=32, width=32)
 
 
 def progress(text):
@@ -649,6 +653,55 @@ def ps_cases(cfg, to_device, sync, theirs_device=None, tv=None):
         yield f"{name} R-FCN head forward+backward", forward_backward, theirs_fb, None
 
 
+def deform_cases(cfg, to_device, sync, theirs_device=None, tv=None):
+    """(name, ours, theirs, None) for a deformable convolution with a mask
+    (stride 1, padding 1): forward, and forward+backward with respect to
+    all five inputs, as device_cases."""
+    rng = np.random.default_rng(0)
+    n, c_in, c_out = cfg["batch"], cfg["in_channels"], cfg["out_channels"]
+    h, w, k, g = cfg["height"], cfg["width"], cfg["kernel"], cfg["offset_groups"]
+    host = [rng.standard_normal((n, c_in, h, w)),
+            rng.standard_normal((n, 2 * g * k * k, h, w)) * 2,
+            rng.random((n, g * k * k, h, w)),
+            rng.standard_normal((c_out, c_in, k, k)) * (c_in * k * k) ** -0.5,
+            rng.standard_normal(c_out)]
+    host = [a.astype(np.float32) for a in host]
+    x, offset, mask, weight, bias = (to_device(a) for a in host)
+    grad = to_device(np.ones((n, c_out, h, w), np.float32))
+
+    def forward():
+        ops.deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask)
+        sync()
+
+    def forward_backward():
+        ops.deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask)
+        ops.deform_conv2d_backward(grad, x, offset, weight, 1, 1, 1, mask)
+        sync()
+
+    theirs_fwd = theirs_fb = None
+    if tv is not None and theirs_device is not None:
+        torch, torchvision = tv
+        t = [torch.from_numpy(a).to(theirs_device) for a in host]
+
+        def theirs_sync():
+            if theirs_device != "cpu":
+                torch.cuda.synchronize()
+
+        def theirs_fwd():
+            with torch.no_grad():
+                torchvision.ops.deform_conv2d(t[0], t[1], t[3], t[4], padding=1, mask=t[2])
+            theirs_sync()
+
+        def theirs_fb():
+            leaves = [a.detach().requires_grad_(True) for a in t]
+            torchvision.ops.deform_conv2d(leaves[0], leaves[1], leaves[3], leaves[4], padding=1,
+                                          mask=leaves[2]).sum().backward()
+            theirs_sync()
+    shape = f"{n}x{c_in}x{h}x{w}, {c_out} out, {k}x{k}, mask"
+    yield f"deform_conv2d forward ({shape})", forward, theirs_fwd, None
+    yield f"deform_conv2d forward+backward ({shape})", forward_backward, theirs_fb, None
+
+
 def run_cuda(quick, repeat, tv):
     """The GPU benchmarks, or (None, reason) when they cannot run here."""
     cupy, reason = cuda_runtime()
@@ -666,6 +719,8 @@ def run_cuda(quick, repeat, tv):
                       "CUDA ")
     rows += timed_rows(ps_cases(PS_QUICK if quick else PS_STANDARD, cupy.asarray, sync,
                                 theirs_device, tv), repeat, "CUDA ")
+    rows += timed_rows(deform_cases(DCN_QUICK if quick else DCN_STANDARD, cupy.asarray, sync,
+                                    theirs_device, tv), repeat, "CUDA ")
 
     def deterministic(fn):
         def run_deterministic():
@@ -712,6 +767,8 @@ def run(quick=False, repeat=None):
                                     "cpu" if tv is not None else None, tv), repeat)
     rows += timed_rows(ps_cases(PS_QUICK if quick else PS_STANDARD, np.asarray, lambda: None,
                                 "cpu" if tv is not None else None, tv), repeat)
+    rows += timed_rows(deform_cases(DCN_QUICK if quick else DCN_STANDARD, np.asarray,
+                                    lambda: None, "cpu" if tv is not None else None, tv), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None

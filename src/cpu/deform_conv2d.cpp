@@ -26,10 +26,24 @@ namespace {
 
 constexpr int64_t kColumnBudget = int64_t(1) << 22;   /* values in a column buffer */
 constexpr int64_t kMaxChunk = 65536;                  /* pixels in a chunk */
+constexpr int64_t kChannelBlock = 16;                 /* channels sharing a sample block */
+constexpr int64_t kPixelBlock = 64;                   /* pixels in a sample block */
 
 template <typename T> struct Sample : mmd_dcn_sample<T> {
     T mask;
+    bool full;   /* all four cells on the map (and the position defined) */
 };
+
+/* The four cells' values: on the map, from the first cell's index. */
+template <typename T>
+inline void corners_of(const Sample<T> &s, const T *plane, int64_t width, T v[4]) {
+    if (s.full) {
+        const T *p = plane + s.index[0];
+        v[0] = p[0], v[1] = p[1], v[2] = p[width], v[3] = p[width + 1];
+    } else {
+        mmd_dcn_corners(s, plane, v);
+    }
+}
 
 /* The arrays of a call, and its shape. */
 template <typename T> struct Call {
@@ -59,8 +73,41 @@ template <typename T> struct Call {
                     const int64_t p = p0 + q, oy = p / d.out_w, ox = p % d.out_w;
                     const T y = mmd_dcn_base<T>(oy, i, d.stride_h, d.pad_h, d.dilation_h) + dy[p];
                     const T x = mmd_dcn_base<T>(ox, j, d.stride_w, d.pad_w, d.dilation_w) + dx[p];
-                    mmd_dcn_locate(y, x, d.height, d.width, &row[q]);
-                    row[q].mask = m ? m[p] : (T)1;
+                    Sample<T> &s = row[q];
+                    mmd_dcn_locate(y, x, d.height, d.width, &s);
+                    s.mask = m ? m[p] : (T)1;
+                    s.full = !s.undefined && s.index[0] >= 0 && s.index[1] >= 0 &&
+                             s.index[2] >= 0 && s.index[3] >= 0;
+                }
+            }
+            return (int)MMD_OK;
+        });
+    }
+
+    /* Runs f(c, t, row, q0, q1) for every input channel c, tap t and block
+     * [q0, q1) of a chunk's pixels, row the samples of c's offset group and
+     * tap t. Blocks of channels (of one offset group) are shared out, each
+     * whole to one thread; within one, a block of pixels' samples serves
+     * all its channels while in cache. Each channel's calls come in (t, q0)
+     * order. */
+    template <typename F>
+    int for_channels(int64_t count, const Sample<T> *table, const F &f) const {
+        const int64_t taps = d.taps(), per_group = d.channels_per_offset_group();
+        const int64_t blocks = (per_group + kChannelBlock - 1) / kChannelBlock;
+        const int64_t items = d.offset_groups * blocks;
+        return mmd_parallel_for(items, 1,
+                                mmd_worth_threads(items, d.in_channels * taps * count * 4),
+                                [&](int64_t begin, int64_t end) {
+            for (int64_t item = begin; item < end; ++item) {
+                const int64_t g = item / blocks, c0 = g * per_group + item % blocks * kChannelBlock;
+                const int64_t c1 = c0 + kChannelBlock < (g + 1) * per_group ? c0 + kChannelBlock
+                                                                            : (g + 1) * per_group;
+                for (int64_t t = 0; t < taps; ++t) {
+                    const Sample<T> *row = table + (g * taps + t) * count;
+                    for (int64_t q0 = 0; q0 < count; q0 += kPixelBlock) {
+                        const int64_t q1 = q0 + kPixelBlock < count ? q0 + kPixelBlock : count;
+                        for (int64_t c = c0; c < c1; ++c) f(c, t, row, q0, q1);
+                    }
                 }
             }
             return (int)MMD_OK;
@@ -70,25 +117,16 @@ template <typename T> struct Call {
     /* columns[c * K + t][q] = mask * sample of input channel c. */
     void im2col(int64_t n, int64_t count, const Sample<T> *table, T *columns) const {
         const int64_t taps = d.taps(), plane = d.height * d.width;
-        const int64_t per_group = d.channels_per_offset_group();
-        mmd_parallel_for(d.in_channels, mmd_even_chunk(d.in_channels),
-                         mmd_worth_threads(d.in_channels, d.in_channels * taps * count * 4),
-                         [&](int64_t begin, int64_t end) {
-            for (int64_t c = begin; c < end; ++c) {
-                const T *src = input + (n * d.in_channels + c) * plane;
-                const int64_t g = c / per_group;
-                for (int64_t t = 0; t < taps; ++t) {
-                    const Sample<T> *row = table + (g * taps + t) * count;
-                    T *out = columns + (c * taps + t) * count;
-                    for (int64_t q = 0; q < count; ++q) {
-                        const Sample<T> &s = row[q];
-                        T v[4];
-                        mmd_dcn_corners(s, src, v);
-                        out[q] = s.mask * mmd_dcn_value(s, v);
-                    }
-                }
+        for_channels(count, table, [&](int64_t c, int64_t t, const Sample<T> *row, int64_t q0,
+                                       int64_t q1) {
+            const T *src = input + (n * d.in_channels + c) * plane;
+            T *out = columns + (c * taps + t) * count;
+            for (int64_t q = q0; q < q1; ++q) {
+                const Sample<T> &s = row[q];
+                T v[4];
+                corners_of(s, src, d.width, v);
+                out[q] = s.mask * mmd_dcn_value(s, v);
             }
-            return (int)MMD_OK;
         });
     }
 };
@@ -177,7 +215,7 @@ int offset_and_mask_grads(const Call<T> &call, int64_t n, int64_t p0, int64_t co
                 for (int64_t q = 0; q < count; ++q) {
                     const Sample<T> &s = row[q];
                     T v[4];
-                    mmd_dcn_corners(s, src, v);
+                    corners_of(s, src, d.width, v);
                     gm[q] += gc[q] * mmd_dcn_value(s, v);
                     gy[q] += gc[q] * mmd_dcn_dvalue_dy(s, v);
                     gx[q] += gc[q] * mmd_dcn_dvalue_dx(s, v);
@@ -196,32 +234,31 @@ int offset_and_mask_grads(const Call<T> &call, int64_t n, int64_t p0, int64_t co
     });
 }
 
-/* Adds the columns' gradient of image n into grad_input, a channel per
- * item. */
+/* Adds the columns' gradient of image n into grad_input: a channel's
+ * samples in (tap, pixel) order, each channel on one thread. */
 template <typename T>
 void col2im(const Call<T> &call, int64_t n, int64_t count, const Sample<T> *table,
             const T *grad_columns, T *grad_input) {
     const mmd_dcn_shape &d = call.d;
     const int64_t taps = d.taps(), plane = d.height * d.width;
-    const int64_t per_group = d.channels_per_offset_group();
-    mmd_parallel_for(d.in_channels, mmd_even_chunk(d.in_channels),
-                     mmd_worth_threads(d.in_channels, d.in_channels * taps * count * 4),
-                     [&](int64_t begin, int64_t end) {
-        for (int64_t c = begin; c < end; ++c) {
-            T *dst = grad_input + (n * d.in_channels + c) * plane;
-            const int64_t g = c / per_group;
-            for (int64_t t = 0; t < taps; ++t) {
-                const Sample<T> *row = table + (g * taps + t) * count;
-                const T *gc = grad_columns + (c * taps + t) * count;
-                for (int64_t q = 0; q < count; ++q) {
-                    const Sample<T> &s = row[q];
-                    const T grad = gc[q] * s.mask;
-                    for (int k = 0; k < 4; ++k)
-                        if (s.index[k] >= 0) dst[s.index[k]] += grad * s.weight[k];
-                }
+    call.for_channels(count, table, [&](int64_t c, int64_t t, const Sample<T> *row, int64_t q0,
+                                        int64_t q1) {
+        T *dst = grad_input + (n * d.in_channels + c) * plane;
+        const T *gc = grad_columns + (c * taps + t) * count;
+        for (int64_t q = q0; q < q1; ++q) {
+            const Sample<T> &s = row[q];
+            const T grad = gc[q] * s.mask;
+            if (s.full) {
+                T *p = dst + s.index[0];
+                p[0] += grad * s.weight[0];
+                p[1] += grad * s.weight[1];
+                p[d.width] += grad * s.weight[2];
+                p[d.width + 1] += grad * s.weight[3];
+            } else {
+                for (int k = 0; k < 4; ++k)
+                    if (s.index[k] >= 0) dst[s.index[k]] += grad * s.weight[k];
             }
         }
-        return (int)MMD_OK;
     });
 }
 
