@@ -30,6 +30,7 @@ def info():
     for dev in mmdispatch.devices():
         print(f"  {dev['device']}: {dev['status']}")
     print("backends:", ", ".join(mmdispatch.backends()))
+    print("CPU matrix products:", mmdispatch._core.gemm_provider())
     print("registry (active kernel per op and device/backend):")
     print(registry_matrix())
 
@@ -67,6 +68,19 @@ def published_checks():
     yield "bbox_overlaps", np.allclose(ious, [[0.33333334, 0.5], [0.2, 0.5], [0, 0]])
     loss = ops.sigmoid_focal_loss(np.array([[1, 0], [0, 1]], np.float32), np.array([0, 1]))
     yield "sigmoid_focal_loss", bool(np.isclose(loss, 0.13562961))
+    # DeformConv2dPack's case: offsets from a 2x2 convolution (8 channels) of the map
+    x = np.array([[[[1.0, 2, 3], [0, 1, 2], [3, 5, 2]]]])
+    offset_weight = np.array([[0.1, 0.4, 0.6, 0.1], [0.3, 0.2, 0.1, 0.3], [0.5, 0.5, 0.2, 0.8],
+                              [0.8, 0.3, 0.9, 0.1], [0.3, 0.1, 0.2, 0.5], [0.3, 0.7, 0.5, 0.3],
+                              [0.6, 0.2, 0.5, 0.3], [0.4, 0.1, 0.8, 0.4]]).reshape(8, 2, 2)
+    offset_bias = np.array([0.7, 0.1, 0.8, 0.5, 0.6, 0.5, 0.4, 0.7])
+    offset = np.stack([np.stack([offset_bias + (offset_weight * x[0, 0, i:i + 2, j:j + 2])
+                                 .sum((1, 2)) for j in range(2)], -1) for i in range(2)], -2)
+    weight = np.array([0.4, 0.2, 0.1, 0.9]).reshape(1, 1, 2, 2)
+    out = ops.deform_conv2d(x, offset[None], weight)
+    grad_weight = ops.deform_conv2d_backward(np.ones_like(out), x, offset[None], weight)[3]
+    yield "deform_conv2d", (np.allclose(out, [[[[1.65, 0], [0, 0]]]])
+                            and np.allclose(grad_weight, [[[[3.62, 0], [0.40, 0.18]]]]))
 
 
 def run_ops(feature, rois, scores, logits, targets, cupy=None):
@@ -75,7 +89,12 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
     from mmdispatch import ops
 
     to_host = (lambda a: a) if cupy is None else cupy.asnumpy
+    xp = np if cupy is None else cupy
     boxes = rois[:, 1:]
+    # deformable convolution: offsets and a mask made from the map itself
+    offset = 0.5 * xp.concatenate([feature, feature[:, :2]], axis=1)
+    mask = xp.abs(feature[:, :9])
+    weight = 0.01 * feature[:, :, :3, :3]   # 2 output channels
     return {
         "roi_align avg": to_host(ops.roi_align(feature, rois, 7, 0.25, 2, "avg")),
         "roi_align max": to_host(ops.roi_align(feature, rois, 7, 0.25, 2, "max")),
@@ -83,6 +102,7 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
         "nms": to_host(ops.nms(boxes, scores, 0.5)),
         "bbox_overlaps": to_host(ops.bbox_overlaps(boxes, boxes)),
         "sigmoid_focal_loss": to_host(ops.sigmoid_focal_loss(logits, targets, reduction="none")),
+        "deform_conv2d": to_host(ops.deform_conv2d(feature, offset, weight, None, 1, 1, 1, mask)),
     }
 
 

@@ -360,6 +360,17 @@ def _op_registry(op_name):
         raise ValueError(f"unknown op {op_name!r}; known: {', '.join(sorted(_ops))}") from None
 
 
+cdef extern from "mmdispatch/gemm.h":
+    const char *mmd_gemm_provider() nogil
+
+
+def gemm_provider():
+    """The library the CPU kernels' matrix products call (deform_conv2d):
+    the process's BLAS, found on the first product, or "mmdispatch's own"
+    (none found, or MMDISPATCH_BLAS=none)."""
+    return mmd_gemm_provider().decode()
+
+
 def op_signatures():
     """{op name: signature line} for every dispatchable op."""
     return {name: op.signature for name, op in _ops.items()}

@@ -300,7 +300,7 @@ def test_every_gradient_is_the_forwards_by_finite_differences(numeric_gradient, 
                                    atol=1e-6, err_msg=name)
 
 
-def test_the_products_without_a_blas_give_the_same_results():
+def test_the_products_without_a_blas_give_the_same_results(tmp_path):
     """MMDISPATCH_BLAS=none: the matrix products of our own (gemm.h)."""
     script = (
         "import numpy as np, sys\n"
@@ -311,17 +311,59 @@ def test_the_products_without_a_blas_give_the_same_results():
         "g = rng.standard_normal((2, 4, 7, 10))\n"
         "out = [deform_conv2d(x, off, w, None, 1, (0, 0), 1, m)]\n"
         "out += list(deform_conv2d_backward(g, x, off, w, 1, (0, 0), 1, m))\n"
-        "np.savez(sys.argv[1], *out)\n")
-    results = []
+        "np.savez(sys.argv[1], *out)\n"
+        "from mmdispatch import _core\n"
+        "print(_core.gemm_provider())\n")
+    results, providers = [], []
     for setting in ("none", ""):
-        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dcn_{os.getpid()}_{setting}.npz")
-        env = dict(os.environ, MMDISPATCH_BLAS=setting)
-        subprocess.run([sys.executable, "-c", script, path], check=True, env=env, timeout=120)
+        path = tmp_path / f"blas_{setting or 'found'}.npz"
+        proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path,
+                              env=dict(os.environ, MMDISPATCH_BLAS=setting))
+        assert proc.returncode == 0, proc.stderr
+        providers.append(proc.stdout.strip())
         with np.load(path) as data:
             results.append([data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))])
-        os.remove(path)
+    # numpy's wheels bring OpenBLAS, which the lookup must find
+    assert providers[0] == "mmdispatch's own" and "gemm" in providers[1], providers
     for own, blas in zip(*results):
         np.testing.assert_allclose(own, blas, rtol=1e-11, atol=1e-11)
+
+
+def test_mmcvs_published_values_are_reproduced():
+    """MMCV's DeformConv2dPack test case (values from its test file): a 3x3
+    map, offsets from a 2x2 convolution of the map (8 channels, given weight
+    and bias), a 2x2 deformable kernel; output and gradients for a gradient
+    of ones, those of the offset convolution by the chain rule here."""
+    x = np.array([[[[1.0, 2, 3], [0, 1, 2], [3, 5, 2]]]])
+    offset_weight = np.array([[0.1, 0.4, 0.6, 0.1], [0.3, 0.2, 0.1, 0.3], [0.5, 0.5, 0.2, 0.8],
+                              [0.8, 0.3, 0.9, 0.1], [0.3, 0.1, 0.2, 0.5], [0.3, 0.7, 0.5, 0.3],
+                              [0.6, 0.2, 0.5, 0.3], [0.4, 0.1, 0.8, 0.4]]).reshape(8, 2, 2)
+    offset_bias = np.array([0.7, 0.1, 0.8, 0.5, 0.6, 0.5, 0.4, 0.7])
+    weight = np.array([0.4, 0.2, 0.1, 0.9]).reshape(1, 1, 2, 2)
+    windows = [(i, j) for i in range(2) for j in range(2)]
+    offset = np.zeros((1, 8, 2, 2))
+    for i, j in windows:
+        offset[0, :, i, j] = offset_bias + (offset_weight * x[0, 0, i:i + 2, j:j + 2]).sum((1, 2))
+    out = deform_conv2d(x, offset, weight)
+    grad_x, grad_offset, _, grad_weight, _ = deform_conv2d_backward(np.ones_like(out), x, offset,
+                                                                   weight)
+    grad_offset_weight = np.zeros_like(offset_weight)
+    for i, j in windows:
+        grad_x[0, 0, i:i + 2, j:j + 2] += np.einsum("o,oab->ab", grad_offset[0, :, i, j],
+                                                   offset_weight)
+        grad_offset_weight += grad_offset[0, :, i, j, None, None] * x[0, 0, i:i + 2, j:j + 2]
+    close = dict(rtol=1e-3, atol=1e-9)
+    np.testing.assert_allclose(out, [[[[1.650, 0], [0, 0]]]], **close)
+    np.testing.assert_allclose(grad_x, [[[[-0.666, 0.204, 0], [0.030, -0.416, 0.012],
+                                          [0, 0.252, 0.129]]]], **close)
+    np.testing.assert_allclose(grad_offset_weight.reshape(8, 4), [
+        [1.44, 2.88, 0, 1.44], [-0.72, -1.44, 0, -0.72], [0, 0, 0, 0], [0, 0, 0, 0],
+        [-0.10, -0.20, 0, -0.10], [-0.08, -0.16, 0, -0.08], [-0.54, -1.08, 0, -0.54],
+        [-0.54, -1.08, 0, -0.54]], **close)
+    np.testing.assert_allclose(grad_offset.sum((0, 2, 3)),
+                               [1.44, -0.72, 0, 0, -0.10, -0.08, -0.54, -0.54], **close)
+    np.testing.assert_allclose(grad_weight, [[[[3.62, 0], [0.40, 0.18]]]], **close)
 
 
 # --- bad input --------------------------------------------------------------------------
