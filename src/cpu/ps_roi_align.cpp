@@ -1,9 +1,10 @@
-/* ps_roi_align on CPU. Forward shares (roi, output channel) planes out over
- * the worker pool; a worker computes a roi's interpolation weights once per
- * sample row and column and applies them to the roi's channels. Backward
- * shares out input channels: input channel c_in receives only bin (ph, pw)
- * of output channel c_out (the three that name it, ps_rois.h), from every
- * roi in order, so its sums are race-free and deterministic. */
+/* ps_roi_align on CPU. Each roi's interpolation weights (per sample row
+ * and column) go in a table, a chunk of rois at a time; then forward and
+ * backward share out the (image, input channel) planes: plane c_in is read
+ * (or added into) only by bin (ph, pw) of output channel c_out (the three
+ * that name it, ps_rois.h) of each roi, so a plane stays in cache while
+ * every roi uses it, and backward's sums, the rois in order, are race-free
+ * and deterministic. */
 #include <stdlib.h>
 
 #include "mmdispatch/ops/ps_roi_align.h"
@@ -39,138 +40,175 @@ Call<T> make_call(const mmd_tensor *map, const mmd_tensor *rois, int64_t pooled_
                    sampling_ratio};
 }
 
-/* One roi's geometry and the interpolation of every sample row (ph, iy)
- * and column (pw, ix); a sample's bilinear weights are their products. The
- * arrays grow as needed and are freed with the worker's loop. */
-template <typename T> struct RoiWeights {
-    Geometry<T> g{};
+/* The geometry of rois [begin, end) and the interpolation of each one's
+ * sample rows (ph, iy) and columns (pw, ix); a sample's bilinear weights
+ * are their products. Built for a chunk of rois at a time, whose axes fit
+ * kTableBudget (a roi larger than that is a chunk of its own). */
+constexpr int64_t kTableBudget = int64_t(1) << 20;   /* axes in a table */
+
+template <typename T> struct RoiTable {
+    int64_t begin = 0, end = 0;
+    Geometry<T> *geometry = nullptr;
+    int64_t *first_row = nullptr, *first_col = nullptr;   /* per roi, into rows / cols */
     Axis<T> *rows = nullptr, *cols = nullptr;
-    size_t rows_cap = 0, cols_cap = 0;
 
-    RoiWeights() = default;
-    RoiWeights(const RoiWeights &) = delete;
-    RoiWeights &operator=(const RoiWeights &) = delete;
-    ~RoiWeights() {
-        free(rows);
-        free(cols);
+    RoiTable() = default;
+    RoiTable(const RoiTable &) = delete;
+    RoiTable &operator=(const RoiTable &) = delete;
+    ~RoiTable() { release(); }
+
+    void release() {
+        free(geometry), free(first_row), free(first_col), free(rows), free(cols);
+        geometry = nullptr, first_row = first_col = nullptr, rows = cols = nullptr;
     }
 
-    static bool grow(Axis<T> **a, size_t *cap, size_t n) {
-        if (n <= *cap) return true;
-        Axis<T> *p = (Axis<T> *)realloc(*a, n * sizeof(Axis<T>));
-        if (!p) return false;
-        *a = p;
-        *cap = n;
-        return true;
+    /* The next chunk, from roi `from`; MMD_OK or an out-of-memory error. */
+    int build(const Call<T> &call, int64_t from) {
+        release();
+        begin = end = from;
+        int64_t n_rows = 0, n_cols = 0;
+        while (end < call.num_rois) {
+            Geometry<T> g{};
+            call.geometry(end, &g);
+            const int64_t more = call.pooled_h * g.grid_h + call.pooled_w * g.grid_w;
+            if (end > begin && n_rows + n_cols + more > kTableBudget) break;
+            n_rows += call.pooled_h * g.grid_h;
+            n_cols += call.pooled_w * g.grid_w;
+            ++end;
+        }
+        const int64_t count = end - begin;
+        geometry = (Geometry<T> *)malloc(sizeof(Geometry<T>) * count);
+        first_row = (int64_t *)malloc(sizeof(int64_t) * count);
+        first_col = (int64_t *)malloc(sizeof(int64_t) * count);
+        rows = (Axis<T> *)malloc(sizeof(Axis<T>) * (n_rows + 1));
+        cols = (Axis<T> *)malloc(sizeof(Axis<T>) * (n_cols + 1));
+        if (!geometry || !first_row || !first_col || !rows || !cols)
+            return mmd_error(MMD_ERR_MEMORY, "out of memory for the sample weights of rois "
+                             "%lld to %lld", (long long)begin, (long long)end - 1);
+        int64_t r = 0, c = 0;
+        for (int64_t k = begin; k < end; ++k) {
+            Geometry<T> &g = geometry[k - begin];
+            g = Geometry<T>{};
+            call.geometry(k, &g);
+            first_row[k - begin] = r, first_col[k - begin] = c;
+            r += call.pooled_h * g.grid_h;
+            c += call.pooled_w * g.grid_w;
+        }
+        return mmd_parallel_for(count, mmd_even_chunk(count),
+                                mmd_worth_threads(count, n_rows + n_cols),
+                                [&](int64_t b0, int64_t b1) {
+            for (int64_t i = b0; i < b1; ++i) {
+                const Geometry<T> &g = geometry[i];
+                for (int64_t ph = 0; ph < call.pooled_h; ++ph)
+                    for (int64_t iy = 0; iy < g.grid_h; ++iy)
+                        mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h),
+                                   call.height, &rows[first_row[i] + ph * g.grid_h + iy]);
+                for (int64_t pw = 0; pw < call.pooled_w; ++pw)
+                    for (int64_t ix = 0; ix < g.grid_w; ++ix)
+                        mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w),
+                                   call.width, &cols[first_col[i] + pw * g.grid_w + ix]);
+            }
+            return (int)MMD_OK;
+        });
     }
 
-    /* The weights of roi k's bin rows [ph0, ph1) and columns [pw0, pw1),
-     * from rows[0] and cols[0]; false when out of memory. */
-    bool compute(const Call<T> &call, int64_t k, int64_t ph0, int64_t ph1, int64_t pw0,
-                 int64_t pw1) {
-        call.geometry(k, &g);
-        if (!grow(&rows, &rows_cap, (size_t)((ph1 - ph0) * g.grid_h + 1)) ||
-            !grow(&cols, &cols_cap, (size_t)((pw1 - pw0) * g.grid_w + 1)))
-            return false;
-        for (int64_t ph = ph0; ph < ph1; ++ph)
-            for (int64_t iy = 0; iy < g.grid_h; ++iy)
-                mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h),
-                           call.height, &rows[(ph - ph0) * g.grid_h + iy]);
-        for (int64_t pw = pw0; pw < pw1; ++pw)
-            for (int64_t ix = 0; ix < g.grid_w; ++ix)
-                mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w),
-                           call.width, &cols[(pw - pw0) * g.grid_w + ix]);
-        return true;
+    /* Roi k's sample rows of bin row ph and columns of bin column pw. */
+    const Axis<T> *rows_of(int64_t k, int64_t ph) const {
+        return rows + first_row[k - begin] + ph * geometry[k - begin].grid_h;
     }
-
-    T divisor() const {
-        const int64_t count = g.grid_h * g.grid_w;
+    const Axis<T> *cols_of(int64_t k, int64_t pw) const {
+        return cols + first_col[k - begin] + pw * geometry[k - begin].grid_w;
+    }
+    T divisor(int64_t k) const {
+        const int64_t count = geometry[k - begin].grid_h * geometry[k - begin].grid_w;
         return (T)(count > 1 ? count : 1);
     }
 };
 
-int out_of_memory(int64_t k) {
-    return mmd_error(MMD_ERR_MEMORY, "out of memory for the sample weights of roi %lld",
-                     (long long)k);
+/* One roi's samples for one plane: its sample rows and columns of the
+ * plane's bin, the bin's sample count (at least 1), and the element of
+ * output (or grad_output) the bin is. */
+template <typename T> struct BinSamples {
+    const Axis<T> *rows, *cols;
+    int64_t grid_h, grid_w, out;
+    T divisor;
+};
+
+/* Shares out the (image, input channel) planes for each chunk of rois: for
+ * plane p = (n, c_in), which is bin (ph, pw) of output channel co
+ * (ps_rois.h), f(p, samples) for every roi of the chunk on image n, in
+ * order, so a plane stays in cache while the chunk's rois read (or add
+ * into) it. */
+template <typename T, typename F>
+int for_planes_and_rois(const Call<T> &call, const F &f) {
+    const int64_t planes = call.batch * call.channels, bins = call.pooled_h * call.pooled_w;
+    const int64_t c_out = call.out_channels();
+    RoiTable<T> table;
+    for (int64_t from = 0; from < call.num_rois; from = table.end) {
+        int s = table.build(call, from);
+        if (s) return s;
+        const int64_t rois = table.end - table.begin;
+        s = mmd_parallel_for(planes, mmd_even_chunk(planes),
+                             mmd_worth_threads(planes, planes * rois * 4),
+                             [&](int64_t begin, int64_t end) {
+            for (int64_t p = begin; p < end; ++p) {
+                const int64_t n = p / call.channels, c_in = p % call.channels;
+                const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
+                              pw = c_in % call.pooled_w;
+                for (int64_t k = table.begin; k < table.end; ++k) {
+                    const Geometry<T> &g = table.geometry[k - table.begin];
+                    if (g.batch != n) continue;
+                    f(p, BinSamples<T>{table.rows_of(k, ph), table.cols_of(k, pw), g.grid_h,
+                                       g.grid_w, (k * c_out + co) * bins + ph * call.pooled_w + pw,
+                                       table.divisor(k)});
+                }
+            }
+            return (int)MMD_OK;
+        });
+        if (s) return s;
+    }
+    return MMD_OK;
 }
 
 template <typename T> int forward(const Call<T> &call, const T *input, T *output) {
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
-    const int64_t planes = call.num_rois * c_out;
-    if (s || planes * bins == 0) return s;
+    if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t plane_size = call.height * call.width;
-    return mmd_parallel_for(planes, mmd_even_chunk(planes), mmd_worth_threads(planes, planes * bins * 4),
-                            [&](int64_t begin, int64_t end) {
-        RoiWeights<T> w;
-        int64_t have = -1;   /* the roi whose weights w holds */
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t k = p / c_out, co = p % c_out;
-            if (k != have) {
-                if (!w.compute(call, k, 0, call.pooled_h, 0, call.pooled_w))
-                    return out_of_memory(k);
-                have = k;
-            }
-            const Geometry<T> &g = w.g;
-            const T divisor = w.divisor();
-            T *out = output + p * bins;
-            for (int64_t ph = 0; ph < call.pooled_h; ++ph)
-                for (int64_t pw = 0; pw < call.pooled_w; ++pw) {
-                    const int64_t c_in = mmd_ps_channel(co, ph, pw, call.pooled_h, call.pooled_w);
-                    const T *plane = input + (g.batch * call.channels + c_in) * plane_size;
-                    T sum = 0;
-                    for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                        const Axis<T> &ay = w.rows[ph * g.grid_h + iy];
-                        for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                            const Axis<T> &ax = w.cols[pw * g.grid_w + ix];
-                            /* a sample outside the map adds 0 (its weights) */
-                            if (ay.valid && ax.valid)
-                                sum += mmd_ps_roi_align_bilinear(plane, call.width, ay, ax);
-                        }
-                    }
-                    out[ph * call.pooled_w + pw] = sum / divisor;
-                }
-        }
-        return (int)MMD_OK;
+    return for_planes_and_rois(call, [&](int64_t p, const BinSamples<T> &b) {
+        const T *plane = input + p * plane_size;
+        T sum = 0;
+        for (int64_t iy = 0; iy < b.grid_h; ++iy)
+            for (int64_t ix = 0; ix < b.grid_w; ++ix)
+                /* a sample outside the map adds 0 (its weights) */
+                if (b.rows[iy].valid && b.cols[ix].valid)
+                    sum += mmd_ps_roi_align_bilinear(plane, call.width, b.rows[iy], b.cols[ix]);
+        output[b.out] = sum / b.divisor;
     });
 }
 
 /* Adds into grad_input (the caller passes it initialised, zeros for a plain
- * gradient). */
+ * gradient); each plane gets the rois in order. */
 template <typename T> int backward(const Call<T> &call, const T *grad_output, T *grad_input) {
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
-    const int64_t plane_size = call.height * call.width;
-    const int64_t channels = call.channels;
-    return mmd_parallel_for(channels, mmd_even_chunk(channels),
-                            mmd_worth_threads(channels, call.num_rois * channels * 4),
-                            [&](int64_t begin, int64_t end) {
-        RoiWeights<T> w;
-        for (int64_t c_in = begin; c_in < end; ++c_in) {
-            const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
-                          pw = c_in % call.pooled_w;
-            for (int64_t k = 0; k < call.num_rois; ++k) {
-                if (!w.compute(call, k, ph, ph + 1, pw, pw + 1)) return out_of_memory(k);
-                const Geometry<T> &g = w.g;
-                const T grad = grad_output[(k * c_out + co) * bins + ph * call.pooled_w + pw] /
-                               w.divisor();
-                T *plane = grad_input + (g.batch * channels + c_in) * plane_size;
-                for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                    const Axis<T> &ay = w.rows[iy];
-                    if (!ay.valid) continue;
-                    for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                        const Axis<T> &ax = w.cols[ix];
-                        if (!ax.valid) continue;
-                        plane[ay.low * call.width + ax.low] += grad * ay.w_low * ax.w_low;
-                        plane[ay.low * call.width + ax.high] += grad * ay.w_low * ax.w_high;
-                        plane[ay.high * call.width + ax.low] += grad * ay.w_high * ax.w_low;
-                        plane[ay.high * call.width + ax.high] += grad * ay.w_high * ax.w_high;
-                    }
-                }
+    const int64_t plane_size = call.height * call.width, width = call.width;
+    return for_planes_and_rois(call, [&](int64_t p, const BinSamples<T> &b) {
+        const T grad = grad_output[b.out] / b.divisor;
+        T *plane = grad_input + p * plane_size;
+        for (int64_t iy = 0; iy < b.grid_h; ++iy) {
+            const Axis<T> &ay = b.rows[iy];
+            if (!ay.valid) continue;
+            for (int64_t ix = 0; ix < b.grid_w; ++ix) {
+                const Axis<T> &ax = b.cols[ix];
+                if (!ax.valid) continue;
+                plane[ay.low * width + ax.low] += grad * ay.w_low * ax.w_low;
+                plane[ay.low * width + ax.high] += grad * ay.w_low * ax.w_high;
+                plane[ay.high * width + ax.low] += grad * ay.w_high * ax.w_low;
+                plane[ay.high * width + ax.high] += grad * ay.w_high * ax.w_high;
             }
         }
-        return (int)MMD_OK;
     });
 }
 

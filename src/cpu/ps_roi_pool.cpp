@@ -1,8 +1,10 @@
-/* ps_roi_pool on CPU. Forward shares (roi, output channel) planes out over
- * the worker pool. Backward shares out input channels: input channel c_in
- * receives only bin (ph, pw) of output channel c_out (the three that name
- * it, ps_rois.h), from every roi in order, so its sums are race-free and
- * deterministic. */
+/* ps_roi_pool on CPU. Forward and backward share out the (image, input
+ * channel) planes: plane c_in is read (or added into) only by bin (ph, pw)
+ * of output channel c_out (the three that name it, ps_rois.h) of each roi,
+ * so a plane stays in cache while every roi uses it, and backward's sums,
+ * the rois in order, are race-free and deterministic. */
+#include <stdlib.h>
+
 #include "mmdispatch/ops/ps_roi_pool.h"
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
@@ -23,13 +25,6 @@ template <typename T> struct Call {
         return mmd_ps_roi_pool_geometry(rois + 5 * k, batch, scale, pooled_h, pooled_w, g);
     }
     int64_t out_channels() const { return channels / (pooled_h * pooled_w); }
-
-    /* The cells [h0, h1) x [w0, w1) of bin (ph, pw) of roi geometry g. */
-    void bin(const Geometry<T> &g, int64_t ph, int64_t pw, int64_t *h0, int64_t *h1,
-             int64_t *w0, int64_t *w1) const {
-        mmd_ps_roi_pool_bin(g.start_h, g.bin_h, ph, height, h0, h1);
-        mmd_ps_roi_pool_bin(g.start_w, g.bin_w, pw, width, w0, w1);
-    }
 };
 
 template <typename T>
@@ -39,64 +34,105 @@ Call<T> make_call(const mmd_tensor *map, const mmd_tensor *rois, int64_t pooled_
                    map->shape[2], map->shape[3], pooled_h, pooled_w, (T)spatial_scale};
 }
 
-template <typename T> int forward(const Call<T> &call, const T *input, T *output) {
-    int s = mmd_ps_check_rois<Geometry<T>>(call);
-    const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
-    const int64_t planes = call.num_rois * c_out;
-    if (s || planes * bins == 0) return s;
-    const int64_t plane_size = call.height * call.width;
+/* Every roi's image and the cells of each of its bin rows and columns:
+ * rows [row_lo, row_hi)[k * pooled_h + ph], columns likewise, computed once
+ * per call. */
+struct Cells {
+    int64_t *batch = nullptr, *row_lo = nullptr, *row_hi = nullptr, *col_lo = nullptr,
+            *col_hi = nullptr;
+
+    Cells() = default;
+    Cells(const Cells &) = delete;
+    Cells &operator=(const Cells &) = delete;
+    ~Cells() { free(batch), free(row_lo), free(row_hi), free(col_lo), free(col_hi); }
+
+    template <typename T> int build(const Call<T> &call) {
+        const size_t k = (size_t)call.num_rois + 1;
+        batch = (int64_t *)malloc(sizeof(int64_t) * k);
+        row_lo = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_h);
+        row_hi = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_h);
+        col_lo = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_w);
+        col_hi = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_w);
+        if (!batch || !row_lo || !row_hi || !col_lo || !col_hi)
+            return mmd_error(MMD_ERR_MEMORY, "out of memory for the bins of %lld rois",
+                             (long long)call.num_rois);
+        for (int64_t r = 0; r < call.num_rois; ++r) {
+            Geometry<T> g{};
+            call.geometry(r, &g);
+            batch[r] = g.batch;
+            for (int64_t ph = 0; ph < call.pooled_h; ++ph)
+                mmd_ps_roi_pool_bin(g.start_h, g.bin_h, ph, call.height,
+                                    &row_lo[r * call.pooled_h + ph],
+                                    &row_hi[r * call.pooled_h + ph]);
+            for (int64_t pw = 0; pw < call.pooled_w; ++pw)
+                mmd_ps_roi_pool_bin(g.start_w, g.bin_w, pw, call.width,
+                                    &col_lo[r * call.pooled_w + pw],
+                                    &col_hi[r * call.pooled_w + pw]);
+        }
+        return MMD_OK;
+    }
+};
+
+/* Shares out the (image, input channel) planes: for plane (n, c_in), which
+ * is bin (ph, pw) of output channel co (ps_rois.h), f(plane, out, k, h0, h1,
+ * w0, w1) for every roi k on image n, in order, with `out` its output (or
+ * grad_output) element and [h0, h1) x [w0, w1) its bin's cells; a plane
+ * stays in cache while every roi reads (or adds into) it. */
+template <typename T, typename F> int for_planes_and_rois(const Call<T> &call, const F &f) {
+    Cells cells;
+    int s = cells.build(call);
+    if (s) return s;
+    const int64_t planes = call.batch * call.channels, bins = call.pooled_h * call.pooled_w;
+    const int64_t c_out = call.out_channels();
     return mmd_parallel_for(planes, mmd_even_chunk(planes),
-                            mmd_worth_threads(planes, planes * bins * 4),
+                            mmd_worth_threads(planes, planes * call.num_rois * 4),
                             [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
-            const int64_t k = p / c_out, co = p % c_out;
-            Geometry<T> g{};
-            call.geometry(k, &g);
-            T *out = output + p * bins;
-            for (int64_t ph = 0; ph < call.pooled_h; ++ph)
-                for (int64_t pw = 0; pw < call.pooled_w; ++pw) {
-                    int64_t h0, h1, w0, w1;
-                    call.bin(g, ph, pw, &h0, &h1, &w0, &w1);
-                    const int64_t c_in = mmd_ps_channel(co, ph, pw, call.pooled_h, call.pooled_w);
-                    const T *plane = input + (g.batch * call.channels + c_in) * plane_size;
-                    T sum = 0;
-                    for (int64_t h = h0; h < h1; ++h)
-                        for (int64_t w = w0; w < w1; ++w) sum += plane[h * call.width + w];
-                    const bool empty = h1 <= h0 || w1 <= w0;
-                    out[ph * call.pooled_w + pw] = empty ? (T)0 : sum / (T)((h1 - h0) * (w1 - w0));
-                }
+            const int64_t n = p / call.channels, c_in = p % call.channels;
+            const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
+                          pw = c_in % call.pooled_w;
+            for (int64_t k = 0; k < call.num_rois; ++k) {
+                if (cells.batch[k] != n) continue;
+                f(p, (k * c_out + co) * bins + ph * call.pooled_w + pw,
+                  cells.row_lo[k * call.pooled_h + ph], cells.row_hi[k * call.pooled_h + ph],
+                  cells.col_lo[k * call.pooled_w + pw], cells.col_hi[k * call.pooled_w + pw]);
+            }
         }
         return (int)MMD_OK;
     });
 }
 
+template <typename T> int forward(const Call<T> &call, const T *input, T *output) {
+    int s = mmd_ps_check_rois<Geometry<T>>(call);
+    const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
+    if (s || call.num_rois * c_out * bins == 0) return s;
+    const int64_t plane_size = call.height * call.width, width = call.width;
+    return for_planes_and_rois(call, [&](int64_t p, int64_t out, int64_t h0, int64_t h1,
+                                         int64_t w0, int64_t w1) {
+        const T *plane = input + p * plane_size;
+        T sum = 0;
+        for (int64_t h = h0; h < h1; ++h)
+            for (int64_t w = w0; w < w1; ++w) sum += plane[h * width + w];
+        const bool empty = h1 <= h0 || w1 <= w0;
+        output[out] = empty ? (T)0 : sum / (T)((h1 - h0) * (w1 - w0));
+    });
+}
+
 /* Adds into grad_input (the caller passes it initialised, zeros for a plain
- * gradient): each cell of a bin gets the bin's gradient over its area. */
+ * gradient): each cell of a bin gets the bin's gradient over its area, the
+ * rois in order. */
 template <typename T> int backward(const Call<T> &call, const T *grad_output, T *grad_input) {
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
-    const int64_t plane_size = call.height * call.width, channels = call.channels;
-    return mmd_parallel_for(channels, mmd_even_chunk(channels),
-                            mmd_worth_threads(channels, call.num_rois * channels * 4),
-                            [&](int64_t begin, int64_t end) {
-        for (int64_t c_in = begin; c_in < end; ++c_in) {
-            const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
-                          pw = c_in % call.pooled_w;
-            for (int64_t k = 0; k < call.num_rois; ++k) {
-                Geometry<T> g{};
-                call.geometry(k, &g);
-                int64_t h0, h1, w0, w1;
-                call.bin(g, ph, pw, &h0, &h1, &w0, &w1);
-                if (h1 <= h0 || w1 <= w0) continue;
-                const T grad = grad_output[(k * c_out + co) * bins + ph * call.pooled_w + pw] /
-                               (T)((h1 - h0) * (w1 - w0));
-                T *plane = grad_input + (g.batch * channels + c_in) * plane_size;
-                for (int64_t h = h0; h < h1; ++h)
-                    for (int64_t w = w0; w < w1; ++w) plane[h * call.width + w] += grad;
-            }
-        }
-        return (int)MMD_OK;
+    const int64_t plane_size = call.height * call.width, width = call.width;
+    return for_planes_and_rois(call, [&](int64_t p, int64_t out, int64_t h0, int64_t h1,
+                                         int64_t w0, int64_t w1) {
+        if (h1 <= h0 || w1 <= w0) return;
+        const T grad = grad_output[out] / (T)((h1 - h0) * (w1 - w0));
+        T *plane = grad_input + p * plane_size;
+        for (int64_t h = h0; h < h1; ++h)
+            for (int64_t w = w0; w < w1; ++w) plane[h * width + w] += grad;
     });
 }
 
