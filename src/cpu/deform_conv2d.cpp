@@ -119,12 +119,19 @@ template <typename T> struct Call {
         const int64_t taps = d.taps(), plane = d.height * d.width;
         for_channels(count, table, [&](int64_t c, int64_t t, const Sample<T> *row, int64_t q0,
                                        int64_t q1) {
-            const T *src = input + (n * d.in_channels + c) * plane;
-            T *out = columns + (c * taps + t) * count;
+            const T *__restrict src = input + (n * d.in_channels + c) * plane;
+            T *__restrict out = columns + (c * taps + t) * count;
+            const int64_t width = d.width;
             for (int64_t q = q0; q < q1; ++q) {
                 const Sample<T> &s = row[q];
                 T v[4];
-                corners_of(s, src, d.width, v);
+                if (s.full) {   /* the same sums as mmd_dcn_value's, read from one index */
+                    const T *p = src + s.index[0];
+                    out[q] = s.mask * (s.weight[0] * p[0] + s.weight[1] * p[1] +
+                                       s.weight[2] * p[width] + s.weight[3] * p[width + 1]);
+                    continue;
+                }
+                mmd_dcn_corners(s, src, v);
                 out[q] = s.mask * mmd_dcn_value(s, v);
             }
         });
