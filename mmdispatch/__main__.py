@@ -68,6 +68,8 @@ def published_checks():
     yield "bbox_overlaps", np.allclose(ious, [[0.33333334, 0.5], [0.2, 0.5], [0, 0]])
     loss = ops.sigmoid_focal_loss(np.array([[1, 0], [0, 1]], np.float32), np.array([0, 1]))
     yield "sigmoid_focal_loss", bool(np.isclose(loss, 0.13562961))
+    loss = ops.softmax_focal_loss(np.array([[1, 0], [0, 1]], np.float32), np.array([0, 1]))
+    yield "softmax_focal_loss", bool(np.isclose(loss, 0.00566451))
     # DeformConv2dPack's case: offsets from a 2x2 convolution (8 channels) of the map
     x = np.array([[[[1.0, 2, 3], [0, 1, 2], [3, 5, 2]]]])
     offset_weight = np.array([[0.1, 0.4, 0.6, 0.1], [0.3, 0.2, 0.1, 0.3], [0.5, 0.5, 0.2, 0.8],
@@ -102,6 +104,9 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
         "nms": to_host(ops.nms(boxes, scores, 0.5)),
         "bbox_overlaps": to_host(ops.bbox_overlaps(boxes, boxes)),
         "sigmoid_focal_loss": to_host(ops.sigmoid_focal_loss(logits, targets, reduction="none")),
+        # the background class (16) is an ignored row for the softmax loss
+        "softmax_focal_loss": to_host(ops.softmax_focal_loss(
+            logits, xp.where(targets == 16, -1, targets), reduction="none")),
         "deform_conv2d": to_host(ops.deform_conv2d(feature, offset, weight, None, 1, 1, 1, mask)),
     }
 

@@ -222,3 +222,25 @@ def choice(op, name, value, options):
         return options[value]
     allowed = ", ".join(repr(k) for k in options)
     raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}")
+
+
+_REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
+
+
+def reduction_of(op, reduction):
+    """A loss's reduction parameter, checked: "none", "sum" or "mean"."""
+    return choice(op, "reduction", reduction, _REDUCTIONS)
+
+
+def reduce_loss(loss, reduction):
+    """A loss reduced as MMCV's losses reduce it (reduction checked by
+    reduction_of): "none" (as it is), "sum", or "mean" (the sum over its
+    first axis's N entries over N, NaN for N = 0), the last two as 0-d
+    arrays of loss's library."""
+    if reduction == "none":
+        return loss
+    total = loss.sum()   # numpy gives a scalar, other libraries a 0-d array
+    if reduction == "mean":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            total = total / loss.shape[0]
+    return np.asarray(total) if isinstance(total, np.generic) else total

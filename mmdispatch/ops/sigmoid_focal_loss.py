@@ -12,16 +12,12 @@ sigmoid_focal_loss_forward_impl / sigmoid_focal_loss_backward_impl.
 - reduction "mean" is MMCV's: the sum over all elements divided by N (the
   number of rows), not by N * C.
 """
-import numpy as np
-
 from mmdispatch import _core
-from mmdispatch.ops._arrays import choice, explain, index_array
+from mmdispatch.ops._arrays import explain, index_array, reduce_loss, reduction_of
 
 __all__ = ["sigmoid_focal_loss", "sigmoid_focal_loss_backward", "sigmoid_focal_loss_forward"]
 # the dispatch entry points (signatures.txt) these functions call
 ENTRY_POINTS = ("sigmoid_focal_loss_forward_impl", "sigmoid_focal_loss_backward_impl")
-
-_REDUCTIONS = {"none": "none", "mean": "mean", "sum": "sum"}
 
 # The gradient of `input` for the PyTorch layer's autograd (see
 # mmdispatch/ops/roi_align.py): the backward entry point gives d loss / d
@@ -59,12 +55,6 @@ def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduct
     """Focal loss reduced by "none" ((N, C)), "sum" or "mean" (0-d arrays).
     The mean of an empty batch (N = 0) is NaN, as in MMCV."""
     op = "sigmoid_focal_loss"
-    reduction = choice(op, "reduction", reduction, _REDUCTIONS)
+    reduction = reduction_of(op, reduction)
     loss = _run(op, _core.sigmoid_focal_loss_forward_impl, input, target, gamma, alpha, weight)
-    if reduction == "none":
-        return loss
-    total = loss.sum()   # numpy gives a scalar, other libraries a 0-d array
-    if reduction == "mean":
-        with np.errstate(invalid="ignore", divide="ignore"):
-            total = total / loss.shape[0]
-    return np.asarray(total) if isinstance(total, np.generic) else total
+    return reduce_loss(loss, reduction)

@@ -15,6 +15,7 @@ from mmdispatch.torch._vision import deform_groups as deform_groups_of
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
+_SOFTMAX_FOCAL_LOSS = DERIVED["softmax_focal_loss_forward_impl"]
 _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 
 
@@ -104,23 +105,38 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     return _OVERLAPS(bboxes1, bboxes2, code, bool(aligned), int(offset))
 
 
-def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
-    """mmcv.ops.sigmoid_focal_loss: input (N, C) logits, target (N,) class
-    indices in [0, C] (C: background), weight an optional (C,) per-class
-    weight; "mean" is the sum over N (rows), as in MMCV. Differentiable with
-    respect to input."""
+def _focal_loss(op, derived, input, target, gamma, alpha, weight, reduction):
+    """A focal loss's derived op, reduced as MMCV reduces it ("mean": the
+    sum over N, the rows)."""
     if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"sigmoid_focal_loss: reduction must be 'none', 'mean' or 'sum', got "
-                         f"{reduction!r}")
+        raise ValueError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     target = target.to(torch.int64)
     if weight is not None:
         weight = like_dtype(weight, input)
-    loss = _FOCAL_LOSS(input, target, weight, float(gamma), float(alpha))
+    loss = derived(input, target, weight, float(gamma), float(alpha))
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":
         return loss.sum() / input.shape[0]
     return loss
+
+
+def sigmoid_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
+    """mmcv.ops.sigmoid_focal_loss: input (N, C) logits, target (N,) class
+    indices in [0, C] (C: background), weight an optional (C,) per-class
+    weight; "mean" is the sum over N (rows), as in MMCV. Differentiable with
+    respect to input."""
+    return _focal_loss("sigmoid_focal_loss", _FOCAL_LOSS, input, target, gamma, alpha, weight,
+                       reduction)
+
+
+def softmax_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduction="mean"):
+    """mmcv.ops.softmax_focal_loss: input (N, C) logits, target (N,) class
+    indices in [0, C) (negative: the row is ignored), weight an optional
+    (C,) per-class weight; the loss is per row, "mean" divides its sum by N,
+    as in MMCV. Differentiable with respect to input."""
+    return _focal_loss("softmax_focal_loss", _SOFTMAX_FOCAL_LOSS, input, target, gamma, alpha,
+                       weight, reduction)
 
 
 class RoIAlign(nn.Module):
@@ -157,6 +173,7 @@ class RoIPool(_vision.RoIPool):
 
 class SigmoidFocalLoss(nn.Module):
     """mmcv.ops.SigmoidFocalLoss."""
+    loss = staticmethod(sigmoid_focal_loss)
 
     def __init__(self, gamma, alpha, weight=None, reduction="mean"):
         super().__init__()
@@ -166,12 +183,17 @@ class SigmoidFocalLoss(nn.Module):
         self.reduction = reduction
 
     def forward(self, input, target):
-        return sigmoid_focal_loss(input, target, self.gamma, self.alpha, self.weight,
-                                  self.reduction)
+        return self.loss(input, target, self.gamma, self.alpha, self.weight, self.reduction)
 
     def __repr__(self):
         return (f"{self.__class__.__name__}(gamma={self.gamma}, alpha={self.alpha}, "
                 f"reduction={self.reduction})")
+
+
+class SoftmaxFocalLoss(SigmoidFocalLoss):
+    """mmcv.ops.SoftmaxFocalLoss."""
+    loss = staticmethod(softmax_focal_loss)
+
 
 
 def _deform(op, input, offset, mask, weight, bias, stride, padding, dilation, groups,

@@ -4,7 +4,7 @@
  * index: by default its row is NaN and the first such row is reported as a
  * deferred error; in strict mode targets are checked before anything is
  * written and the call raises. */
-#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/cuda/targets.cuh"
 #include "mmdispatch/ops/sigmoid_focal_loss.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -13,14 +13,11 @@ namespace {
 
 using namespace mmd_cuda;
 
-enum { kBadTarget = 1 };
-
-__global__ void check_targets_kernel(const int64_t *target, int64_t rows, int64_t classes,
-                                     ErrorSink sink) {
-    MMD_GRID_STRIDE_LOOP(i, rows) {
-        if (target[i] < 0 || target[i] > classes) sink.report(i, kBadTarget);
-    }
-}
+/* A target in [0, C] (C: background). */
+struct ValidTarget {
+    int64_t classes;
+    __device__ bool operator()(int64_t t) const { return t >= 0 && t <= classes; }
+};
 
 /* Deferred messages; args[0] is the number of classes. */
 int format_error(const mmd_deferred_call *call, int64_t row, int) {
@@ -63,30 +60,15 @@ int focal_loss_run(int backward, const mmd_tensor *input, const mmd_tensor *targ
     const int64_t total = mmd_numel(input);
     return on_device(ctx, [&](cudaStream_t stream) -> int {
         const int64_t *t = (const int64_t *)target->data;
-        auto launch_check = [&](ErrorSink check) {
-            check_targets_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(t, rows, classes,
-                                                                            check);
-        };
-        int s = MMD_OK;
-        if (strict(ctx) && rows > 0)
-            s = check_on_device(stream, "sigmoid_focal_loss target check", launch_check,
-                                [&](int64_t row, int) {
-                                    int64_t value = 0;
-                                    cudaError_t err = cudaMemcpy(&value, t + row, sizeof value,
-                                                                 cudaMemcpyDeviceToHost);
-                                    if (err != cudaSuccess)
-                                        return cuda_error(err, "sigmoid_focal_loss target read");
-                                    return mmd_sigmoid_focal_loss_target_error(row, value,
-                                                                               classes);
-                                });
         ErrorSink sink;
-        if (!s) s = begin_deferred(ctx, format_error, classes, 0, 0, &sink);
-        if (s) return s;
-        if (total == 0) {   /* targets of (N, 0) logits are still checked, as on the CPU */
-            if (strict(ctx) || rows == 0) return MMD_OK;
-            launch_check(sink);
-            return launch_status("sigmoid_focal_loss target check");
-        }
+        const int s = check_targets(ctx, "sigmoid_focal_loss target check", t, rows,
+                                    ValidTarget{classes}, format_error, classes,
+                                    [&](int64_t row, int64_t value) {
+                                        return mmd_sigmoid_focal_loss_target_error(row, value,
+                                                                                   classes);
+                                    },
+                                    stream, total > 0, &sink);
+        if (s || total == 0) return s;
         return by_dtype(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             typedef typename Compute<T>::type A;

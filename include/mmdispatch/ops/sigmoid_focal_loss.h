@@ -16,7 +16,7 @@
 
 #include <math.h>
 
-#include "mmdispatch/checks.h"
+#include "mmdispatch/ops/focal_loss.h"
 
 /* Shape/dtype/scalar checks; `output` is the loss (forward) or grad_input
  * (backward), `float_mask` the device's supported dtypes. */
@@ -24,26 +24,7 @@ inline int mmd_sigmoid_focal_loss_check(const mmd_tensor *input, const mmd_tenso
                                         const mmd_tensor *weight, const mmd_tensor *output,
                                         const char *output_name, double gamma, double alpha,
                                         unsigned float_mask) {
-    const int64_t any2[2] = {MMD_ANY_DIM, MMD_ANY_DIM};
-    int s = mmd_check_shape(input, "input", 2, any2);
-    if (!s) s = mmd_check_dtype(input, "input", float_mask);
-    if (!s) s = mmd_check_contiguous(input, "input");
-    if (s) return s;
-    /* float16/float32 kernels compute in float: the scalars must fit it. */
-    const int in_float = input->dtype != MMD_FLOAT64;
-    if (!(isfinite(gamma) && gamma >= 0 && (!in_float || isfinite((float)gamma))))
-        return mmd_error(MMD_ERR_VALUE, "gamma must be finite%s and >= 0, got %g",
-                         in_float ? " in float32" : "", gamma);
-    if (!(isfinite(alpha) && (!in_float || isfinite((float)alpha))))
-        return mmd_error(MMD_ERR_VALUE, "alpha must be finite%s, got %g",
-                         in_float ? " in float32" : "", alpha);
-    const int64_t rows[1] = {input->shape[0]}, classes[1] = {input->shape[1]};
-    s = mmd_check_shape(target, "target", 1, rows);
-    if (!s) s = mmd_check_dtype(target, "target", MMD_DTYPE_BIT(MMD_INT64));
-    if (!s) s = mmd_check_contiguous(target, "target");
-    if (!s && weight) s = mmd_check_shape(weight, "weight", 1, classes);
-    if (!s && weight) s = mmd_check_same_dtype(weight, "weight", input, "input");
-    if (!s && weight) s = mmd_check_contiguous(weight, "weight");
+    int s = mmd_focal_loss_check_common(input, target, weight, gamma, alpha, float_mask);
     if (!s) s = mmd_check_shape(output, output_name, 2, input->shape);
     if (!s) s = mmd_check_same_dtype(output, output_name, input, "input");
     if (!s) s = mmd_check_contiguous(output, output_name);
