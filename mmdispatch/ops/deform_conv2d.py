@@ -15,6 +15,10 @@ deform_conv2d_backward_impl.
   (out_w alike), and offset and mask must have that size.
 - samples are bilinear with zeros outside the map; a NaN offset gives a
   NaN sample.
+- the CPU kernel's matrix products call a BLAS (gemm.h), which may skip a
+  product by zero: a NaN or inf in weight (or in grad_output, backward)
+  then need not reach an output that IEEE arithmetic would make NaN. NaN
+  in input, offset and mask always propagates.
 """
 from mmdispatch import _core
 from mmdispatch.ops._arrays import check_ndim, explain, native, pair

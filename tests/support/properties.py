@@ -344,7 +344,11 @@ def bad_entry_call(draw, spec, op_name):
         assume(arrays)
     if kind == "type":
         p = draw(st.sampled_from(arrays))
-        how = draw(st.sampled_from(BAD_TYPES if p.type != "Tensor?" else BAD_TYPES[:-1]))
+        # None is valid for an optional input and for an output the entry
+        # point allocates (an allocation line in signatures.txt)
+        allocated = {a.name for a in SIGNATURES[op_name].allocations}
+        none_valid = p.type == "Tensor?" or p.name in allocated
+        how = draw(st.sampled_from(BAD_TYPES[:-1] if none_valid else BAD_TYPES))
         bad[p.name] = bad_type(args[p.name], how)
         return bad, f"{kind}: {p.name} as {how}"
     if kind == "device":
