@@ -129,15 +129,18 @@ __global__ void gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB
 template <typename Acc, typename EA, typename EB, typename EC>
 int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
          int64_t ldc, Acc beta, const EC *bias) {
-    if (m == 0 || n == 0) return MMD_OK;
-    const int64_t blocks_y = (m + kTile - 1) / kTile;
-    if (blocks_y > 65535)
-        return mmd_error(MMD_ERR_VALUE, "a product of %lld rows is too large for one launch",
-                         (long long)m);
-    const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)blocks_y);
-    gemm_kernel<Acc><<<grid, dim3(kTile, kTile), 0, stream>>>(m, n, k, a, b, c, ldc, beta,
-                                                               bias);
-    return launch_status("deform_conv2d product launch");
+    /* rows in slabs: a grid has at most 65535 blocks along y */
+    const int64_t slab = int64_t(65535) * kTile;
+    for (int64_t r0 = 0; r0 < m; r0 += slab) {
+        const int64_t rows = m - r0 < slab ? m - r0 : slab;
+        const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)((rows + kTile - 1) / kTile));
+        const View<EA> a_slab{a.data + r0 * a.row, a.row, a.col};
+        gemm_kernel<Acc><<<grid, dim3(kTile, kTile), 0, stream>>>(
+            rows, n, k, a_slab, b, c + r0 * ldc, ldc, beta, bias ? bias + r0 : nullptr);
+        const int s = launch_status("deform_conv2d product launch");
+        if (s) return s;
+    }
+    return MMD_OK;
 }
 
 /* grad_offset and grad_mask of pixels [p0, p0 + count): a thread per
@@ -293,6 +296,7 @@ template <typename T> struct Sum {
             if (err != cudaSuccess) return cuda_error(err, "deform_conv2d gradient buffer");
             data = buffer.as<A>();
         }
+        if (size == 0) return MMD_OK;
         const cudaError_t err = cudaMemsetAsync(data, 0, sizeof(A) * size, stream);
         return err == cudaSuccess ? MMD_OK : cuda_error(err, "deform_conv2d gradient zeroing");
     }
@@ -314,6 +318,9 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
     typedef typename Compute<T>::type A;
     const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
     const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
+    if (deterministic && d.in_channels > INT32_MAX)   /* before anything is written */
+        return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d input "
+                         "channels, got %lld", INT32_MAX, (long long)d.in_channels);
     if (d.out_channels > 0) {
         bias_grad_kernel<T><<<(unsigned)d.out_channels, kThreads, 0, stream>>>(grad_output, d,
                                                                                grads.bias);
@@ -327,9 +334,12 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
     if (s) return s;
     const int64_t offset_size = d.batch * 2 * d.offset_groups * d.taps() * pixels;
     if (d.batch * pixels == 0 || rows == 0) {
-        cudaError_t err = cudaMemsetAsync(grads.offset, 0, sizeof(T) * offset_size, stream);
-        if (err == cudaSuccess)
-            err = cudaMemsetAsync(grads.mask, 0, sizeof(T) * offset_size / 2, stream);
+        cudaError_t err = cudaSuccess;
+        if (offset_size > 0) {
+            err = cudaMemsetAsync(grads.offset, 0, sizeof(T) * offset_size, stream);
+            if (err == cudaSuccess)
+                err = cudaMemsetAsync(grads.mask, 0, sizeof(T) * offset_size / 2, stream);
+        }
         if (err != cudaSuccess) return cuda_error(err, "deform_conv2d gradient zeroing");
         s = grad_input.finish(stream);
         return s ? s : grad_weight.finish(stream);
@@ -338,9 +348,6 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
     StreamBuffer columns(stream);
     cudaError_t err = columns.allocate(sizeof(A) * rows * chunk);
     if (err != cudaSuccess) return cuda_error(err, "deform_conv2d column buffer");
-    if (deterministic && d.in_channels > INT32_MAX)
-        return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d input "
-                         "channels, got %lld", INT32_MAX, (long long)d.in_channels);
     for (int64_t n = 0; n < d.batch; ++n)
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
