@@ -2,10 +2,14 @@
 defaults, on mmdispatch's kernels: `from mmdispatch.torch.mmcv import
 roi_align` in place of `from mmcv.ops import roi_align`. Rois are (K, 5)
 tensors [batch index, x1, y1, x2, y2]."""
+import math
+import warnings
+
 import torch
 from torch import nn
 
 from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
+from mmdispatch.ops.multi_scale_deformable_attn import _im2col_step
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
@@ -17,6 +21,7 @@ _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
 _SOFTMAX_FOCAL_LOSS = DERIVED["softmax_focal_loss_forward_impl"]
 _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
+_MSDA = DERIVED["multi_scale_deformable_attn_forward_impl"]
 
 
 def _choice(op, name, value, options):
@@ -258,3 +263,129 @@ class ModulatedDeformConv2d(_vision.DeformConv2d):
         return _deform("ModulatedDeformConv2d", x, offset, mask, self.weight, self.bias,
                        self.stride, self.padding, self.dilation, self.groups,
                        self.deform_groups)
+
+
+def multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_index,
+                                sampling_locations, attention_weights, im2col_step=64):
+    """MMCV's MultiScaleDeformableAttnFunction.apply as a function: value
+    (N, S, M, D), value_spatial_shapes (L, 2), value_level_start_index
+    (L,), sampling_locations (N, Q, M, L, P, 2) in [0, 1], attention_weights
+    (N, Q, M, L, P); returns (N, Q, M * D). Differentiable with respect to
+    value, sampling_locations and attention_weights, on the CPU as on CUDA.
+    im2col_step is checked and changes nothing (the kernels take the whole
+    batch); the level tensors move to value's device if they are elsewhere."""
+    _im2col_step("multi_scale_deformable_attn", im2col_step)
+    levels = (t.to(device=value.device, dtype=torch.int64)
+              for t in (value_spatial_shapes, value_level_start_index))
+    return _MSDA(value, *levels, like_dtype(sampling_locations, value),
+                 like_dtype(attention_weights, value))
+
+
+class MultiScaleDeformableAttnFunction:
+    """mmcv.ops.MultiScaleDeformableAttnFunction: `apply` is
+    multi_scale_deformable_attn (the op itself carries the autograd)."""
+    apply = staticmethod(multi_scale_deformable_attn)
+
+
+def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
+                                        attention_weights):
+    """mmcv.ops.multi_scale_deformable_attn_pytorch (MMCV's grid_sample
+    fallback, which takes no level_start_index) on the same kernels."""
+    sizes = value_spatial_shapes.to(torch.int64).prod(1)
+    starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    return multi_scale_deformable_attn(value, value_spatial_shapes, starts, sampling_locations,
+                                       attention_weights)
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """mmcv.ops.MultiScaleDeformableAttention (Deformable DETR's attention
+    module), with MMCV's arguments, parameter names (so its checkpoints
+    load), initialisation and forward. norm_cfg and init_cfg are accepted
+    for the signature's sake: MMCV uses neither in this module's
+    computation."""
+
+    def __init__(self, embed_dims=256, num_heads=8, num_levels=4, num_points=4, im2col_step=64,
+                 dropout=0.1, batch_first=False, norm_cfg=None, init_cfg=None,
+                 value_proj_ratio=1.0):
+        super().__init__()
+        if embed_dims % num_heads != 0:
+            raise ValueError(f"MultiScaleDeformableAttention: embed_dims must be divisible by "
+                             f"num_heads, got {embed_dims} and {num_heads}")
+        per_head = embed_dims // num_heads
+        if per_head & (per_head - 1) or per_head == 0:
+            warnings.warn("MultiScaleDeformableAttention: embed_dims // num_heads is not a "
+                          "power of 2 (MMCV warns that its CUDA kernel is slower then)")
+        _im2col_step("MultiScaleDeformableAttention", im2col_step)
+        self.norm_cfg, self.init_cfg = norm_cfg, init_cfg
+        self.dropout = nn.Dropout(dropout)
+        self.batch_first = batch_first
+        self.im2col_step = im2col_step
+        self.embed_dims, self.num_heads = embed_dims, num_heads
+        self.num_levels, self.num_points = num_levels, num_points
+        samples = num_heads * num_levels * num_points
+        self.sampling_offsets = nn.Linear(embed_dims, samples * 2)
+        self.attention_weights = nn.Linear(embed_dims, samples)
+        value_proj_size = int(embed_dims * value_proj_ratio)
+        self.value_proj = nn.Linear(embed_dims, value_proj_size)
+        self.output_proj = nn.Linear(value_proj_size, embed_dims)
+        self.init_weights()
+
+    def init_weights(self):
+        """MMCV's: offsets start on a ring of directions, one per head,
+        each point further out; uniform attention; xavier projections."""
+        nn.init.constant_(self.sampling_offsets.weight, 0.0)
+        angles = torch.arange(self.num_heads, dtype=torch.float32) * (2 * math.pi /
+                                                                        self.num_heads)
+        grid = torch.stack([angles.cos(), angles.sin()], -1)
+        grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(self.num_heads, 1, 1, 2)
+        grid = grid.repeat(1, self.num_levels, self.num_points, 1)
+        grid = grid * torch.arange(1, self.num_points + 1, dtype=torch.float32).view(1, 1, -1, 1)
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_(grid.reshape(-1))
+        nn.init.constant_(self.attention_weights.weight, 0.0)
+        nn.init.constant_(self.attention_weights.bias, 0.0)
+        for layer in (self.value_proj, self.output_proj):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.constant_(layer.bias, 0.0)
+
+    def forward(self, query, key=None, value=None, identity=None, query_pos=None,
+                key_padding_mask=None, reference_points=None, spatial_shapes=None,
+                level_start_index=None, **kwargs):
+        """query (Q, N, C), or (N, Q, C) with batch_first; value likewise
+        with S keys (None: the query); reference_points (N, Q, L, 2) as (x,
+        y) in [0, 1], or (N, Q, L, 4) boxes (cx, cy, w, h); returns the
+        query's shape: identity (None: the query) + the attention's output."""
+        op = "MultiScaleDeformableAttention"
+        value = query if value is None else value
+        identity = query if identity is None else identity
+        if query_pos is not None:
+            query = query + query_pos
+        if not self.batch_first:
+            query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
+        n, num_query, _ = query.shape
+        num_value = value.shape[1]
+        value = self.value_proj(value)
+        if key_padding_mask is not None:
+            value = value.masked_fill(key_padding_mask[..., None], 0.0)
+        value = value.view(n, num_value, self.num_heads, -1)
+        sample_shape = (n, num_query, self.num_heads, self.num_levels, self.num_points)
+        offsets = self.sampling_offsets(query).view(*sample_shape, 2)
+        weights = self.attention_weights(query).view(n, num_query, self.num_heads, -1)
+        weights = weights.softmax(-1).view(sample_shape)
+        if reference_points is None or reference_points.shape[-1] not in (2, 4):
+            got = None if reference_points is None else tuple(reference_points.shape)
+            raise ValueError(f"{op}: reference_points must be (N, Q, L, 2) or (N, Q, L, 4), got "
+                             f"{got}")
+        if reference_points.shape[-1] == 2:
+            normaliser = torch.stack([spatial_shapes[..., 1], spatial_shapes[..., 0]], -1)
+            locations = (reference_points[:, :, None, :, None, :] +
+                         offsets / normaliser[None, None, None, :, None, :])
+        else:
+            locations = (reference_points[:, :, None, :, None, :2] + offsets / self.num_points *
+                         reference_points[:, :, None, :, None, 2:] * 0.5)
+        output = multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations,
+                                             weights, self.im2col_step)
+        output = self.output_proj(output)
+        if not self.batch_first:
+            output = output.permute(1, 0, 2)
+        return self.dropout(output) + identity

@@ -29,7 +29,7 @@ constexpr int64_t kMaxChunk = 65536;                  /* pixels in a chunk */
 constexpr int64_t kChannelBlock = 16;                 /* channels sharing a sample block */
 constexpr int64_t kPixelBlock = 64;                   /* pixels in a sample block */
 
-template <typename T> struct Sample : mmd_dcn_sample<T> {
+template <typename T> struct Sample : mmd_bilinear_sample<T> {
     T mask;
     bool full;   /* all four cells on the map (and the position defined) */
 };
@@ -41,7 +41,7 @@ inline void corners_of(const Sample<T> &s, const T *plane, int64_t width, T v[4]
         const T *p = plane + s.index[0];
         v[0] = p[0], v[1] = p[1], v[2] = p[width], v[3] = p[width + 1];
     } else {
-        mmd_dcn_corners(s, plane, v);
+        mmd_bilinear_corners(s, plane, v);
     }
 }
 
@@ -74,7 +74,7 @@ template <typename T> struct Call {
                     const T y = mmd_dcn_base<T>(oy, i, d.stride_h, d.pad_h, d.dilation_h) + dy[p];
                     const T x = mmd_dcn_base<T>(ox, j, d.stride_w, d.pad_w, d.dilation_w) + dx[p];
                     Sample<T> &s = row[q];
-                    mmd_dcn_locate(y, x, d.height, d.width, &s);
+                    mmd_bilinear_locate(y, x, d.height, d.width, &s);
                     s.mask = m ? m[p] : (T)1;
                     s.full = !s.undefined && s.index[0] >= 0 && s.index[1] >= 0 &&
                              s.index[2] >= 0 && s.index[3] >= 0;
@@ -125,14 +125,14 @@ template <typename T> struct Call {
             for (int64_t q = q0; q < q1; ++q) {
                 const Sample<T> &s = row[q];
                 T v[4];
-                if (s.full) {   /* the same sums as mmd_dcn_value's, read from one index */
+                if (s.full) {   /* the same sums as mmd_bilinear_value's, read from one index */
                     const T *p = src + s.index[0];
                     out[q] = s.mask * (s.weight[0] * p[0] + s.weight[1] * p[1] +
                                        s.weight[2] * p[width] + s.weight[3] * p[width + 1]);
                     continue;
                 }
-                mmd_dcn_corners(s, src, v);
-                out[q] = s.mask * mmd_dcn_value(s, v);
+                mmd_bilinear_corners(s, src, v);
+                out[q] = s.mask * mmd_bilinear_value(s, v);
             }
         });
     }
@@ -223,9 +223,9 @@ int offset_and_mask_grads(const Call<T> &call, int64_t n, int64_t p0, int64_t co
                     const Sample<T> &s = row[q];
                     T v[4];
                     corners_of(s, src, d.width, v);
-                    gm[q] += gc[q] * mmd_dcn_value(s, v);
-                    gy[q] += gc[q] * mmd_dcn_dvalue_dy(s, v);
-                    gx[q] += gc[q] * mmd_dcn_dvalue_dx(s, v);
+                    gm[q] += gc[q] * mmd_bilinear_value(s, v);
+                    gy[q] += gc[q] * mmd_bilinear_dvalue_dy(s, v);
+                    gx[q] += gc[q] * mmd_bilinear_dvalue_dx(s, v);
                 }
             }
             T *out_y = grads.offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p0;

@@ -31,7 +31,7 @@ using namespace mmd_cuda;
 constexpr int64_t kColumnBudget = int64_t(1) << 24;   /* values in a column buffer */
 constexpr int kTile = 16;
 
-template <typename A> using Sample = mmd_dcn_sample<A>;
+template <typename A> using Sample = mmd_bilinear_sample<A>;
 
 int64_t chunk_of(const mmd_dcn_shape &d) {
     const int64_t rows = d.in_channels * d.taps();
@@ -51,7 +51,7 @@ __device__ inline void locate(const T *offset, const mmd_dcn_shape &d, int64_t n
                 to_compute(dy[p]);
     const A x = mmd_dcn_base<A>(ox, t % d.kernel_w, d.stride_w, d.pad_w, d.dilation_w) +
                 to_compute(dy[pixels + p]);
-    mmd_dcn_locate(y, x, d.height, d.width, s);
+    mmd_bilinear_locate(y, x, d.height, d.width, s);
 }
 
 template <typename T>
@@ -87,8 +87,8 @@ __global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mm
         Sample<A> s;
         A m, v[4];
         column(offset, mask, d, n, p0, count, i, &c, &s, &m);
-        mmd_dcn_corners(s, input + (n * d.in_channels + c) * d.height * d.width, v);
-        columns[i] = m * mmd_dcn_value(s, v);
+        mmd_bilinear_corners(s, input + (n * d.in_channels + c) * d.height * d.width, v);
+        columns[i] = m * mmd_bilinear_value(s, v);
     }
 }
 
@@ -161,11 +161,11 @@ __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T
         A gy = 0, gx = 0, gm = 0;
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             A v[4];
-            mmd_dcn_corners(s, input + (n * d.in_channels + c) * plane, v);
+            mmd_bilinear_corners(s, input + (n * d.in_channels + c) * plane, v);
             const A gc = grad_columns[(c * taps + t) * count + q];
-            gm += gc * mmd_dcn_value(s, v);
-            gy += gc * mmd_dcn_dvalue_dy(s, v);
-            gx += gc * mmd_dcn_dvalue_dx(s, v);
+            gm += gc * mmd_bilinear_value(s, v);
+            gy += gc * mmd_bilinear_dvalue_dy(s, v);
+            gx += gc * mmd_bilinear_dvalue_dx(s, v);
         }
         const A m = mask_at(mask, d, n, g, t, p);
         T *out = grad_offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p;

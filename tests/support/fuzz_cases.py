@@ -381,6 +381,29 @@ def plausible(r, op_name, names, types=None):
         return {"int": lambda: r.int(0, 3), "float": lambda: r.choice(small_floats),
                 "bool": r.bool}.get(kind, lambda: None)()
 
+    if op_name.startswith("multi_scale_deformable_attn"):
+        # levels of up to 3 x 3 cells, consistent unless the mutation breaks them
+        shapes = np.array([[r.int(0, 3), r.int(0, 3)] for _ in range(r.int(0, 3))],
+                          np.int64).reshape(-1, 2)
+        sizes = [int(a) * int(b) for a, b in shapes]
+        levels, keys = len(shapes), sum(sizes)
+        q, heads, dims, points = r.int(0, 3), r.int(1, 2), r.int(0, 3), r.int(1, 2)
+        samples = (n, q, heads, levels, points)
+        makers.update({
+            "value": lambda: fill(r, (n, keys, heads, dims), dtype),
+            "spatial_shapes": lambda: shapes,
+            "level_start_index": lambda: np.array([sum(sizes[:i]) for i in range(levels)],
+                                                  np.int64),
+            "sampling_locations": lambda: fill(r, samples + (2,), dtype),
+            "attention_weights": lambda: fill(r, samples, dtype),
+            "output": lambda: np.zeros((n, q, heads * dims), dtype),
+            "grad_output": lambda: fill(r, (n, q, heads * dims), dtype),
+            "grad_value": lambda: np.zeros((n, keys, heads, dims), dtype),
+            "grad_sampling_locations": lambda: np.zeros(samples + (2,), dtype),
+            "grad_attention_weights": lambda: np.zeros(samples, dtype),
+            "im2col_step": lambda: r.choice([64, 1, 0]),
+        })
+
     for name in ("stride_h", "stride_w", "dilation_h", "dilation_w", "groups", "offset_groups"):
         makers[name] = lambda: r.int(1, 2)
     makers["pad_h"] = makers["pad_w"] = lambda: r.int(0, 2)

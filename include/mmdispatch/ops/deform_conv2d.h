@@ -18,6 +18,7 @@
 
 #include <math.h>
 
+#include "mmdispatch/bilinear.h"
 #include "mmdispatch/checks.h"
 
 /* The convolution's shape: from the input and the weight, checked. */
@@ -156,61 +157,6 @@ inline int mmd_deform_conv2d_backward_check(
     if (!s) s = mmd_check_like(grad_weight, "grad_weight", 4, weight->shape, input, "input");
     if (!s) s = mmd_check_like(grad_bias, "grad_bias", 1, bias_shape, input, "input");
     return s;
-}
-
-/* One bilinear sample: the four cells around (y, x) as flat indices into a
- * plane (-1 for a cell outside the map) with their weights, the fractional
- * parts for the coordinate gradients, and whether the position is NaN. */
-template <typename T> struct mmd_dcn_sample {
-    int64_t index[4];   /* (y0, x0), (y0, x1), (y1, x0), (y1, x1) */
-    T weight[4];
-    T ly, lx;
-    bool undefined;
-};
-
-template <typename T>
-MMD_HOSTDEV inline void mmd_dcn_locate(T y, T x, int64_t height, int64_t width,
-                                       mmd_dcn_sample<T> *s) {
-    s->undefined = isnan(y) || isnan(x);
-    for (int q = 0; q < 4; ++q) {
-        s->index[q] = -1;
-        s->weight[q] = 0;
-    }
-    s->ly = s->lx = 0;
-    if (!(y > (T)-1 && y < (T)height && x > (T)-1 && x < (T)width)) return;
-    const T fy = floor(y), fx = floor(x);
-    const int64_t y0 = (int64_t)fy, x0 = (int64_t)fx, y1 = y0 + 1, x1 = x0 + 1;
-    const T ly = y - fy, lx = x - fx, hy = 1 - ly, hx = 1 - lx;
-    s->ly = ly;
-    s->lx = lx;
-    const bool vy0 = y0 >= 0, vy1 = y1 < height, vx0 = x0 >= 0, vx1 = x1 < width;
-    if (vy0 && vx0) s->index[0] = y0 * width + x0, s->weight[0] = hy * hx;
-    if (vy0 && vx1) s->index[1] = y0 * width + x1, s->weight[1] = hy * lx;
-    if (vy1 && vx0) s->index[2] = y1 * width + x0, s->weight[2] = ly * hx;
-    if (vy1 && vx1) s->index[3] = y1 * width + x1, s->weight[3] = ly * lx;
-}
-
-/* The four cells' values (0 outside the map). */
-template <typename T, typename V>
-MMD_HOSTDEV inline void mmd_dcn_corners(const mmd_dcn_sample<T> &s, const V *plane, T v[4]) {
-    for (int q = 0; q < 4; ++q) v[q] = s.index[q] >= 0 ? (T)plane[s.index[q]] : (T)0;
-}
-
-/* The interpolated value, and its derivatives with respect to y and x. */
-template <typename T>
-MMD_HOSTDEV inline T mmd_dcn_value(const mmd_dcn_sample<T> &s, const T v[4]) {
-    if (s.undefined) return (T)NAN;
-    return s.weight[0] * v[0] + s.weight[1] * v[1] + s.weight[2] * v[2] + s.weight[3] * v[3];
-}
-template <typename T>
-MMD_HOSTDEV inline T mmd_dcn_dvalue_dy(const mmd_dcn_sample<T> &s, const T v[4]) {
-    if (s.undefined) return (T)NAN;
-    return (1 - s.lx) * (v[2] - v[0]) + s.lx * (v[3] - v[1]);
-}
-template <typename T>
-MMD_HOSTDEV inline T mmd_dcn_dvalue_dx(const mmd_dcn_sample<T> &s, const T v[4]) {
-    if (s.undefined) return (T)NAN;
-    return (1 - s.ly) * (v[1] - v[0]) + s.ly * (v[3] - v[2]);
 }
 
 /* Where tap (i, j) of output pixel (oy, ox) samples, before its offset. */

@@ -1,0 +1,313 @@
+/* multi_scale_deformable_attn on CUDA, the math shared with the CPU kernels
+ * (mmdispatch/ops/multi_scale_deformable_attn.h); float16 and bfloat16
+ * compute in float32. Launches on ctx->stream, on ctx->device_id.
+ *
+ * - Forward: one thread per output element (image, query, head, channel),
+ *   so a warp reads a cell's channels together.
+ * - Backward: one warp per (image, query, head); its lanes share the
+ *   channels, and the sums over channels for the location and attention
+ *   gradients are warp reductions in a fixed order. grad_value is added
+ *   with atomics (default backend), or (deterministic backend) by a second
+ *   kernel with one warp per (image, head, channel) plane that takes every
+ *   sample 32 at a time in order, adding with warp_ordered_add: the same
+ *   sums in the same order on every run.
+ * - The levels (spatial_shapes, level_start_index) are on the device. By
+ *   default the first thread of the op's kernel checks them and reports a
+ *   fault as a deferred error, and every thread reads only a level that
+ *   lies within value's keys (others give NaN); in strict mode a check
+ *   kernel and one sync come first, so the call raises and writes nothing. */
+#include <vector>
+
+#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/ops/multi_scale_deformable_attn.h"
+#include "mmdispatch/registry.h"
+#include "mmdispatch_generated.h"
+
+namespace {
+
+using namespace mmd_cuda;
+
+struct Levels {
+    const int64_t *shapes, *starts;
+    int64_t count, keys;
+
+    /* the first thread of a kernel checks them all */
+    __device__ void check(ErrorSink sink) const {
+        int64_t level;
+        const int fault = mmd_msda_levels_fault(shapes, starts, count, keys, &level);
+        if (fault) sink.report(level, fault);
+    }
+};
+
+__global__ void check_levels_kernel(Levels levels, ErrorSink sink) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) levels.check(sink);
+}
+
+/* Deferred messages; args[0] is value's number of keys. */
+int format_error(const mmd_deferred_call *call, int64_t level, int code) {
+    return mmd_msda_level_error(code, level, nullptr, nullptr, call->args[0]);
+}
+
+/* Level l's size and start, and whether it lies within the keys. */
+struct Level {
+    int64_t h, w, start;
+    bool inside;
+
+    __device__ Level(const Levels &levels, int64_t l)
+        : h(levels.shapes[2 * l]), w(levels.shapes[2 * l + 1]), start(levels.starts[l]),
+          inside(mmd_msda_level_inside(h, w, start, levels.keys)) {}
+};
+
+template <typename T> struct Arrays {
+    const T *value, *locations, *weights;
+};
+
+template <typename T>
+__global__ void forward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, T *output,
+                               ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t total = d.batch * d.queries * d.heads * d.dims;
+    if (blockIdx.x == 0 && threadIdx.x == 0) levels.check(sink);
+    MMD_GRID_STRIDE_LOOP(i, total) {
+        const int64_t k = i % d.dims, m = i / d.dims % d.heads;
+        const int64_t q = i / (d.dims * d.heads) % d.queries;
+        const int64_t n = i / (d.dims * d.heads * d.queries);
+        const int64_t first = ((n * d.queries + q) * d.heads + m) * d.levels * d.points;
+        const int64_t stride = d.heads * d.dims;
+        A sum = 0;
+        for (int64_t l = 0; l < d.levels; ++l) {
+            const Level level(levels, l);
+            if (!level.inside) {
+                sum = (A)NAN;
+                continue;
+            }
+            const T *cells = in.value + ((n * d.keys + level.start) * d.heads + m) * d.dims + k;
+            for (int64_t p = 0; p < d.points; ++p) {
+                const int64_t j = first + l * d.points + p;
+                mmd_bilinear_sample<A> s;
+                mmd_msda_locate(to_compute(in.locations[2 * j]),
+                                to_compute(in.locations[2 * j + 1]), level.h, level.w, &s);
+                A v[4];
+                for (int c = 0; c < 4; ++c)
+                    v[c] = s.index[c] >= 0 ? to_compute(cells[s.index[c] * stride]) : (A)0;
+                sum += to_compute(in.weights[j]) * mmd_bilinear_value(s, v);
+            }
+        }
+        output[i] = from_compute<T>(sum);
+    }
+}
+
+constexpr int kWarp = 32;
+
+template <typename A> __device__ inline A warp_sum(A v) {
+    for (int delta = kWarp / 2; delta > 0; delta /= 2) v += __shfl_xor_sync(0xffffffffu, v, delta);
+    return v;
+}
+
+template <typename T> struct Grads {
+    const T *output;   /* grad_output */
+    T *value, *locations, *weights;
+};
+
+/* One warp per (image, query, head): the location and attention weight
+ * gradients, and (`atomics`) grad_value. */
+template <typename T>
+__global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, Grads<T> g,
+                                bool atomics, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t warps = d.batch * d.queries * d.heads;
+    const int lane = threadIdx.x % kWarp;
+    if (blockIdx.x == 0 && threadIdx.x == 0) levels.check(sink);
+    const int64_t step = (int64_t)gridDim.x * blockDim.x / kWarp;
+    for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp; w < warps;
+         w += step) {
+        const int64_t m = w % d.heads, n = w / (d.heads * d.queries);
+        const int64_t first = w * d.levels * d.points, stride = d.heads * d.dims;
+        const T *grad = g.output + w * d.dims;
+        for (int64_t l = 0; l < d.levels; ++l) {
+            const Level level(levels, l);
+            const int64_t offset = ((n * d.keys + (level.inside ? level.start : 0)) * d.heads + m) *
+                                   d.dims;
+            for (int64_t p = 0; p < d.points; ++p) {
+                const int64_t j = first + l * d.points + p;
+                mmd_bilinear_sample<A> s;
+                mmd_msda_locate(to_compute(in.locations[2 * j]),
+                                to_compute(in.locations[2 * j + 1]), level.h, level.w, &s);
+                if (!level.inside || s.undefined) {   /* NaN gradients, none for value */
+                    if (lane == 0) {
+                        const T nan = from_compute<T>((A)NAN);
+                        g.locations[2 * j] = g.locations[2 * j + 1] = g.weights[j] = nan;
+                    }
+                    continue;
+                }
+                const A attn = to_compute(in.weights[j]);
+                A sum_value = 0, sum_dy = 0, sum_dx = 0;
+                for (int64_t k = lane; k < d.dims; k += kWarp) {
+                    const A gk = to_compute(grad[k]);
+                    A v[4];
+                    for (int c = 0; c < 4; ++c)
+                        v[c] = s.index[c] >= 0
+                                   ? to_compute(in.value[offset + s.index[c] * stride + k])
+                                   : (A)0;
+                    sum_value += gk * mmd_bilinear_value(s, v);
+                    sum_dy += gk * mmd_bilinear_dvalue_dy(s, v);
+                    sum_dx += gk * mmd_bilinear_dvalue_dx(s, v);
+                    if (atomics)
+                        for (int c = 0; c < 4; ++c)
+                            if (s.index[c] >= 0)
+                                atomicAdd(g.value + offset + s.index[c] * stride + k,
+                                          from_compute<T>(attn * s.weight[c] * gk));
+                }
+                sum_value = warp_sum(sum_value);
+                sum_dy = warp_sum(sum_dy);
+                sum_dx = warp_sum(sum_dx);
+                if (lane == 0) {
+                    g.weights[j] = from_compute<T>(sum_value);
+                    g.locations[2 * j] = from_compute<T>(attn * sum_dx * (A)level.w);
+                    g.locations[2 * j + 1] = from_compute<T>(attn * sum_dy * (A)level.h);
+                }
+            }
+        }
+    }
+}
+
+/* The deterministic backend's grad_value: one warp per (image, head,
+ * channel) plane, which alone writes it; its lanes take the samples
+ * (query, level, point) 32 at a time, in order. */
+template <typename T>
+__global__ void value_grad_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, Grads<T> g) {
+    typedef typename Compute<T>::type A;
+    const int64_t planes = d.batch * d.heads * d.dims, samples = d.queries * d.levels * d.points;
+    const int lane = threadIdx.x % kWarp;
+    const int64_t step = (int64_t)gridDim.x * blockDim.x / kWarp;
+    for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp; w < planes;
+         w += step) {
+        const int64_t k = w % d.dims, m = w / d.dims % d.heads, n = w / (d.dims * d.heads);
+        const int64_t stride = d.heads * d.dims;
+        T *plane = g.value + (n * d.keys * d.heads + m) * d.dims + k;
+        for (int64_t j0 = 0; j0 < samples; j0 += kWarp) {
+            const int64_t j = j0 + lane;
+            mmd_bilinear_sample<A> s;
+            s.undefined = true;
+            int64_t start = 0;
+            A scale = 0;
+            if (j < samples) {
+                const int64_t q = j / (d.levels * d.points), l = j / d.points % d.levels;
+                const Level level(levels, l);
+                const int64_t at = ((n * d.queries + q) * d.heads + m) * d.levels * d.points +
+                                   j % (d.levels * d.points);
+                if (level.inside) {
+                    mmd_msda_locate(to_compute(in.locations[2 * at]),
+                                    to_compute(in.locations[2 * at + 1]), level.h, level.w, &s);
+                    start = level.start;
+                    scale = to_compute(in.weights[at]) *
+                            to_compute(g.output[((n * d.queries + q) * d.heads + m) * d.dims + k]);
+                }
+            }
+            for (int c = 0; c < 4; ++c) {
+                const bool cell = !s.undefined && s.index[c] >= 0;
+                warp_ordered_add(plane, cell ? (start + s.index[c]) * stride : (int64_t)-1,
+                                 cell ? scale * s.weight[c] : (A)0);
+            }
+        }
+    }
+}
+
+unsigned warp_blocks(int64_t warps) { return blocks_for(warps * kWarp); }
+
+int run(const mmd_tensor *value, const mmd_tensor *spatial_shapes,
+        const mmd_tensor *level_start_index, const mmd_tensor *sampling_locations,
+        const mmd_tensor *attention_weights, const mmd_tensor *output,
+        const mmd_tensor *const *grads, bool deterministic, const mmd_context *ctx) {
+    mmd_msda_shape d;
+    int s = mmd_msda_check(value, spatial_shapes, level_start_index, sampling_locations,
+                           attention_weights, output, grads, MMD_FLOAT16_BF16_32_64, &d);
+    if (s) return s;
+    const Levels levels{(const int64_t *)spatial_shapes->data,
+                        (const int64_t *)level_start_index->data, d.levels, d.keys};
+    const bool work = d.batch * d.queries * d.heads * (output ? d.dims : 1) > 0;
+    return on_device(ctx, [&](cudaStream_t stream) -> int {
+        const char *what = "multi_scale_deformable_attn level check";
+        auto launch_check = [&](ErrorSink sink) {
+            check_levels_kernel<<<1, 1, 0, stream>>>(levels, sink);
+        };
+        int s = MMD_OK;
+        if (strict(ctx))
+            s = check_on_device(stream, what, launch_check, [&](int64_t level, int code) {
+                std::vector<int64_t> shapes(2 * d.levels), starts(d.levels);
+                cudaError_t err = cudaMemcpy(shapes.data(), levels.shapes,
+                                             sizeof(int64_t) * shapes.size(),
+                                             cudaMemcpyDeviceToHost);
+                if (err == cudaSuccess)
+                    err = cudaMemcpy(starts.data(), levels.starts, sizeof(int64_t) * starts.size(),
+                                     cudaMemcpyDeviceToHost);
+                if (err != cudaSuccess) return cuda_error(err, what);
+                return mmd_msda_level_error(code, level, shapes.data(), starts.data(), d.keys);
+            });
+        ErrorSink sink;
+        if (!s) s = begin_deferred(ctx, format_error, d.keys, 0, 0, &sink);
+        if (s) return s;
+        if (!work) {   /* the levels are checked whatever the size, as on the CPU */
+            if (strict(ctx)) return MMD_OK;
+            launch_check(sink);
+            return launch_status(what);
+        }
+        return by_dtype(value->dtype, [&](auto tag) {
+            typedef decltype(tag) T;
+            const Arrays<T> in{(const T *)value->data, (const T *)sampling_locations->data,
+                               (const T *)attention_weights->data};
+            if (output) {
+                forward_kernel<T><<<blocks_for(mmd_numel(output)), kThreads, 0, stream>>>(
+                    in, levels, d, (T *)output->data, sink);
+                return launch_status("multi_scale_deformable_attn launch");
+            }
+            const Grads<T> g{(const T *)grads[0]->data, (T *)grads[1]->data,
+                             (T *)grads[2]->data, (T *)grads[3]->data};
+            const int64_t warps = d.batch * d.queries * d.heads;
+            backward_kernel<T><<<warp_blocks(warps), kThreads, 0, stream>>>(
+                in, levels, d, g, !deterministic, sink);
+            int s = launch_status("multi_scale_deformable_attn backward launch");
+            if (s || !deterministic || d.dims == 0) return s;
+            value_grad_kernel<T><<<warp_blocks(d.batch * d.heads * d.dims), kThreads, 0,
+                                   stream>>>(in, levels, d, g);
+            return launch_status("multi_scale_deformable_attn value gradient launch");
+        });
+    });
+}
+
+int multi_scale_deformable_attn_forward_cuda(const mmd_tensor *value,
+                                             const mmd_tensor *spatial_shapes,
+                                             const mmd_tensor *level_start_index,
+                                             const mmd_tensor *sampling_locations,
+                                             const mmd_tensor *attention_weights,
+                                             const mmd_tensor *output, const mmd_context *ctx) {
+    return run(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+               output, nullptr, false, ctx);
+}
+
+template <bool Deterministic>
+int multi_scale_deformable_attn_backward_cuda(
+    const mmd_tensor *value, const mmd_tensor *spatial_shapes,
+    const mmd_tensor *level_start_index, const mmd_tensor *sampling_locations,
+    const mmd_tensor *attention_weights, const mmd_tensor *grad_output,
+    const mmd_tensor *grad_value, const mmd_tensor *grad_sampling_locations,
+    const mmd_tensor *grad_attention_weights, const mmd_context *ctx) {
+    const mmd_tensor *grads[4] = {grad_output, grad_value, grad_sampling_locations,
+                                  grad_attention_weights};
+    return run(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+               nullptr, grads, Deterministic, ctx);
+}
+
+}  // namespace
+
+MMD_REGISTRATIONS(cuda, multi_scale_deformable_attn) {
+    MMD_REGISTER_DEVICE_IMPL(multi_scale_deformable_attn_forward_impl, CUDA, DEFAULT,
+                             multi_scale_deformable_attn_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(multi_scale_deformable_attn_backward_impl, CUDA, DEFAULT,
+                             multi_scale_deformable_attn_backward_cuda<false>);
+    /* forward: one thread per output element, no atomics */
+    MMD_REGISTER_DEVICE_IMPL(multi_scale_deformable_attn_forward_impl, CUDA, DETERMINISTIC,
+                             multi_scale_deformable_attn_forward_cuda);
+    MMD_REGISTER_DEVICE_IMPL(multi_scale_deformable_attn_backward_impl, CUDA, DETERMINISTIC,
+                             multi_scale_deformable_attn_backward_cuda<true>);
+}
