@@ -108,7 +108,24 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
         "softmax_focal_loss": to_host(ops.softmax_focal_loss(
             logits, xp.where(targets == 16, -1, targets), reduction="none")),
         "deform_conv2d": to_host(ops.deform_conv2d(feature, offset, weight, None, 1, 1, 1, mask)),
+        "multi_scale_deformable_attn": to_host(ops.multi_scale_deformable_attn(
+            *attention_inputs(feature, xp))),
     }
+
+
+def attention_inputs(feature, xp):
+    """Deformable attention over the map as one level: its channels as two
+    heads, 16 queries of 4 points spread over (and a little beyond) it."""
+    n, c, h, w = feature.shape
+    heads = 2 if c % 2 == 0 else 1
+    value = xp.ascontiguousarray(feature.reshape(n, c, h * w).transpose(0, 2, 1)
+                                 .reshape(n, h * w, heads, c // heads))
+    samples = (n, 16, heads, 1, 4)
+    spread = xp.arange(2 * int(np.prod(samples)), dtype=feature.dtype) * 0.37 % 1.1 - 0.05
+    locations = spread.reshape(samples + (2,))
+    weights = xp.full(samples, 0.25, dtype=feature.dtype)
+    return (value, xp.asarray(np.array([[h, w]])), xp.asarray(np.array([0])), locations,
+            weights)
 
 
 def demo():

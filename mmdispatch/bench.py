@@ -59,6 +59,11 @@ PS_QUICK = dict(PS_STANDARD, channels=98, rois_per_image=128)
 DCN_STANDARD = dict(batch=2, in_channels=256, out_channels=256, height=64, width=64, kernel=3,
                     offset_groups=1)
 DCN_QUICK = dict(DCN_STANDARD, in_channels=64, out_channels=64, height=32, width=32)
+# Deformable DETR's encoder: 4 levels of an 800x1216 image at strides 8 to
+# 64, every position a query, 8 heads of 32 channels, 4 points per level.
+MSDA_STANDARD = dict(batch=2, heads=8, dims=32, points=4, spread=2.0,
+                     levels=((100, 150), (50, 75), (25, 38), (13, 19)))
+MSDA_QUICK = dict(MSDA_STANDARD, levels=((25, 38), (13, 19), (7, 10), (4, 5)))
 
 
 def progress(text):
@@ -702,6 +707,93 @@ def deform_cases(cfg, to_device, sync, theirs_device=None, tv=None):
     yield f"deform_conv2d forward+backward ({shape})", forward_backward, theirs_fb, None
 
 
+def grid_sample_attention(torch, value, shapes, locations, weights):
+    """Multi-scale deformable attention as the pure-PyTorch fallback of MMCV
+    and Deformable DETR computes it: per level, value as an (N*M, D, H, W)
+    map, sampled by grid_sample at 2 * location - 1, then weighted and summed
+    over levels and points. (N, Q, M * D)."""
+    import torch.nn.functional as F
+    n, _, m, d = value.shape
+    q, levels, points = locations.shape[1], locations.shape[3], locations.shape[4]
+    sampled, start = [], 0
+    for level, (h, w) in enumerate(shapes):
+        plane = value[:, start:start + h * w].permute(0, 2, 3, 1).reshape(n * m, d, h, w)
+        start += h * w
+        grid = (2 * locations[:, :, :, level] - 1).permute(0, 2, 1, 3, 4).reshape(n * m, q,
+                                                                                  points, 2)
+        sampled.append(F.grid_sample(plane, grid, mode="bilinear", padding_mode="zeros",
+                                     align_corners=False))      # (N*M, D, Q, P)
+    attn = weights.permute(0, 2, 1, 3, 4).reshape(n * m, 1, q, levels * points)
+    out = (torch.cat(sampled, dim=-1) * attn).sum(-1)            # (N*M, D, Q)
+    return out.reshape(n, m * d, q).transpose(1, 2)
+
+
+def msda_cases(cfg, to_device, sync, theirs_device=None, tv=None):
+    """(name, ours, theirs, bytes) for multi-scale deformable attention with
+    every position a query, against grid_sample_attention (the fallback
+    MMCV and Deformable DETR ship): forward, and forward+backward with
+    respect to value, sampling_locations and attention_weights. bytes: each
+    input read and each output written once."""
+    rng = np.random.default_rng(0)
+    shapes = np.array(cfg["levels"], np.int64)
+    sizes = shapes.prod(1)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    n, m, d, p = cfg["batch"], cfg["heads"], cfg["dims"], cfg["points"]
+    s = q = int(sizes.sum())
+    # as in the encoder: each query's reference point is its own cell's
+    # centre; a point samples around it, `spread` cells away on each level
+    # (the normal scale of learned offsets, MMCV's initial ring: 1 to 4)
+    centres = np.concatenate([np.stack(np.meshgrid((np.arange(w) + 0.5) / w,
+                                                   (np.arange(h) + 0.5) / h), -1).reshape(-1, 2)
+                              for h, w in shapes])
+    cells = rng.standard_normal((n, q, m, len(shapes), p, 2)) * cfg["spread"]
+    locations = centres[None, :, None, None, None, :] + cells / shapes[:, ::-1][:, None, :]
+    host = [rng.standard_normal((n, s, m, d)).astype(np.float32), locations.astype(np.float32),
+            rng.random((n, q, m, len(shapes), p)).astype(np.float32)]
+    host[2] /= host[2].sum(axis=(3, 4), keepdims=True)
+    value, locations, weights = (to_device(a) for a in host)
+    d_shapes, d_starts = to_device(shapes), to_device(starts)
+    grad = to_device(np.ones((n, q, m * d), np.float32))
+    inputs = sum(a.nbytes for a in host)
+    out_bytes = n * q * m * d * 4
+
+    def forward():
+        ops.multi_scale_deformable_attn(value, d_shapes, d_starts, locations, weights)
+        sync()
+
+    def forward_backward():
+        ops.multi_scale_deformable_attn(value, d_shapes, d_starts, locations, weights)
+        ops.multi_scale_deformable_attn_backward(value, d_shapes, d_starts, locations, weights,
+                                                 grad)
+        sync()
+
+    theirs_fwd = theirs_fb = None
+    if tv is not None and theirs_device is not None:
+        torch = tv[0]
+        t = [torch.from_numpy(a).to(theirs_device) for a in host]
+        levels = [tuple(map(int, hw)) for hw in shapes]
+
+        def theirs_sync():
+            if theirs_device != "cpu":
+                torch.cuda.synchronize()
+
+        def theirs_fwd():
+            with torch.no_grad():
+                grid_sample_attention(torch, *t[:1], levels, *t[1:])
+            theirs_sync()
+
+        def theirs_fb():
+            leaves = [a.detach().requires_grad_(True) for a in t]
+            grid_sample_attention(torch, leaves[0], levels, *leaves[1:]).sum().backward()
+            theirs_sync()
+    shape = (f"N={n}, {q} queries, {m}x{d}, {len(shapes)} levels x {p} points; vs a "
+             f"grid_sample fallback")
+    yield (f"multi_scale_deformable_attn forward ({shape})", forward, theirs_fwd,
+           inputs + out_bytes)
+    yield (f"multi_scale_deformable_attn forward+backward ({shape})", forward_backward,
+           theirs_fb, 2 * (inputs + out_bytes))
+
+
 def run_cuda(quick, repeat, tv):
     """The GPU benchmarks, or (None, reason) when they cannot run here."""
     cupy, reason = cuda_runtime()
@@ -721,6 +813,8 @@ def run_cuda(quick, repeat, tv):
                                 theirs_device, tv), repeat, "CUDA ")
     rows += timed_rows(deform_cases(DCN_QUICK if quick else DCN_STANDARD, cupy.asarray, sync,
                                     theirs_device, tv), repeat, "CUDA ")
+    msda = MSDA_QUICK if quick else MSDA_STANDARD
+    rows += timed_rows(msda_cases(msda, cupy.asarray, sync, theirs_device, tv), repeat, "CUDA ")
 
     def deterministic(fn):
         def run_deterministic():
@@ -729,7 +823,9 @@ def run_cuda(quick, repeat, tv):
         return run_deterministic
 
     rows += timed_rows([(f"{name}, deterministic backend", deterministic(fn), None, traffic)
-                        for name, fn, _, traffic in device_cases(cfg, cupy.asarray, sync)
+                        for cases in (device_cases(cfg, cupy.asarray, sync),
+                                      msda_cases(msda, cupy.asarray, sync))
+                        for name, fn, _, traffic in cases
                         if name.endswith("backward")], repeat, "CUDA ")
     peak = peak_bandwidth(cupy)
     for row in rows:
@@ -769,6 +865,8 @@ def run(quick=False, repeat=None):
                                 "cpu" if tv is not None else None, tv), repeat)
     rows += timed_rows(deform_cases(DCN_QUICK if quick else DCN_STANDARD, np.asarray,
                                     lambda: None, "cpu" if tv is not None else None, tv), repeat)
+    rows += timed_rows(msda_cases(MSDA_QUICK if quick else MSDA_STANDARD, np.asarray,
+                                  lambda: None, "cpu" if tv is not None else None, tv), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None

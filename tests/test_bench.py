@@ -35,6 +35,32 @@ def test_device_cases_run_roi_align_and_nms_and_wait_for_the_device_each_call():
         assert traffic > 0
 
 
+def test_msda_cases_compare_the_op_with_a_grid_sample_fallback_that_computes_the_same():
+    torch = pytest.importorskip("torch")
+    tiny = dict(bench.MSDA_STANDARD, batch=1, heads=2, dims=4, points=2,
+                levels=((4, 6), (2, 3)))
+    waits = []
+    cases = list(bench.msda_cases(tiny, np.asarray, lambda: waits.append(1), "cpu",
+                                  (torch, None)))
+    assert [name.split(" (")[0] for name, _, _, _ in cases] == [
+        "multi_scale_deformable_attn forward", "multi_scale_deformable_attn forward+backward"]
+    for _, ours, theirs, traffic in cases:
+        ours()
+        theirs()
+        assert traffic > 0
+    assert len(waits) == 2
+    rng = np.random.default_rng(1)
+    value = rng.standard_normal((1, 30, 2, 4))
+    locations = rng.uniform(-0.2, 1.2, (1, 5, 2, 2, 2, 2))
+    weights = rng.random((1, 5, 2, 2, 2))
+    shapes = np.array([[4, 6], [2, 3]])
+    expected = mmdispatch.ops.multi_scale_deformable_attn(value, shapes, np.array([0, 24]),
+                                                           locations, weights)
+    got = bench.grid_sample_attention(torch, torch.from_numpy(value), [(4, 6), (2, 3)],
+                                      torch.from_numpy(locations), torch.from_numpy(weights))
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_device_call_costs_time_both_host_costs_and_restore_the_registry():
     waits = []
     before = mmdispatch.registry_table()

@@ -141,26 +141,22 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
                     continue;
                 }
                 const A attn = to_compute(in.weights[j]);
-                A sum_value = 0, sum_dy = 0, sum_dx = 0;
+                /* grad's dot products with the four corners, from which those with
+                 * the sample and its derivatives follow (as on the CPU) */
+                A dots[4] = {0, 0, 0, 0};
                 for (int64_t k = lane; k < d.dims; k += kWarp) {
                     const A gk = to_compute(grad[k]);
-                    A v[4];
-                    for (int c = 0; c < 4; ++c)
-                        v[c] = s.index[c] >= 0
-                                   ? to_compute(in.value[offset + s.index[c] * stride + k])
-                                   : (A)0;
-                    sum_value += gk * mmd_bilinear_value(s, v);
-                    sum_dy += gk * mmd_bilinear_dvalue_dy(s, v);
-                    sum_dx += gk * mmd_bilinear_dvalue_dx(s, v);
-                    if (atomics)
-                        for (int c = 0; c < 4; ++c)
-                            if (s.index[c] >= 0)
-                                atomicAdd(g.value + offset + s.index[c] * stride + k,
-                                          from_compute<T>(attn * s.weight[c] * gk));
+                    for (int c = 0; c < 4; ++c) {
+                        if (s.index[c] < 0) continue;
+                        T *cell = g.value + offset + s.index[c] * stride + k;
+                        dots[c] += gk * to_compute(in.value[offset + s.index[c] * stride + k]);
+                        if (atomics) atomicAdd(cell, from_compute<T>(attn * s.weight[c] * gk));
+                    }
                 }
-                sum_value = warp_sum(sum_value);
-                sum_dy = warp_sum(sum_dy);
-                sum_dx = warp_sum(sum_dx);
+                for (int c = 0; c < 4; ++c) dots[c] = warp_sum(dots[c]);
+                const A sum_value = mmd_bilinear_value(s, dots);
+                const A sum_dy = mmd_bilinear_dvalue_dy(s, dots);
+                const A sum_dx = mmd_bilinear_dvalue_dx(s, dots);
                 if (lane == 0) {
                     g.weights[j] = from_compute<T>(sum_value);
                     g.locations[2 * j] = from_compute<T>(attn * sum_dx * (A)level.w);
