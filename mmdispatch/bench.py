@@ -48,8 +48,9 @@ from mmdispatch import _benchkit, _core, ops
 
 # Standard workload: an FPN P2 level of an 800x1216 image, 512 rois per image.
 STANDARD = dict(batch=2, channels=256, height=200, width=304, rois_per_image=512,
-                image=(800, 1216), spatial_scale=0.25, output=7, nms_boxes=20000)
-QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000)
+                image=(800, 1216), spatial_scale=0.25, output=7, nms_boxes=20000,
+                rotated_boxes=2000)
+QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000, rotated_boxes=500)
 # R-FCN's position-sensitive head on ResNet-50 stage 3 (stride 16): 10 output
 # channels of 7x7 bins, 512 rois per image.
 PS_STANDARD = dict(batch=2, channels=490, height=50, width=76, rois_per_image=512,
@@ -794,6 +795,83 @@ def msda_cases(cfg, to_device, sync, theirs_device=None, tv=None):
            theirs_fb, 2 * (inputs + out_bytes))
 
 
+def rotated_corners(boxes, clockwise=True):
+    """(n, 4, 2) corners of (n, 5) rotated boxes, in order of positive
+    signed area (box_iou_rotated's definition)."""
+    angle = boxes[:, 4] if clockwise else -boxes[:, 4]
+    c, s = np.cos(angle)[:, None], np.sin(angle)[:, None]
+    dx = np.array([-0.5, 0.5, 0.5, -0.5]) * boxes[:, 2:3]
+    dy = np.array([-0.5, -0.5, 0.5, 0.5]) * boxes[:, 3:4]
+    return np.stack([boxes[:, :1] + dx * c - dy * s, boxes[:, 1:2] + dx * s + dy * c], -1)
+
+
+def numpy_box_iou_rotated(boxes1, boxes2, rows=64):
+    """IoU of every pair of rotated boxes, vectorised with numpy: the
+    intersection is the convex hull of the corners of each box inside the
+    other and of the edges' crossings (24 candidate points a pair), its
+    area by the shoelace formula over the candidates sorted by angle (the
+    ones that do not count replaced by the first that does). In blocks of
+    `rows` rows, so memory stays bounded."""
+    b1, b2 = np.asarray(boxes1, np.float64), np.asarray(boxes2, np.float64)
+    p_all, q_all = rotated_corners(b1), rotated_corners(b2)
+    area1, area2 = b1[:, 2] * b1[:, 3], b2[:, 2] * b2[:, 3]
+    out = np.zeros((len(b1), len(b2)))
+    q = q_all[None]                                          # (1, M, 4, 2)
+
+    def inside(points, polygon):                             # points (R, M, K, 2)
+        a, b = polygon, np.roll(polygon, -1, axis=-2)         # (R, M, 4, 2)
+        e = (b - a)[:, :, None]                               # (R, M, 1, 4, 2)
+        d = points[:, :, :, None] - a[:, :, None]             # (R, M, K, 4, 2)
+        return ((e[..., 0] * d[..., 1] - e[..., 1] * d[..., 0]) >= -1e-9).all(-1)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for r0 in range(0, len(b1), rows):
+            p = np.broadcast_to(p_all[r0:r0 + rows, None], (min(rows, len(b1) - r0),
+                                                             len(b2), 4, 2))
+            qq = np.broadcast_to(q, p.shape)
+            a, b = p, np.roll(p, -1, axis=-2)                   # edges of box 1
+            c, d = qq, np.roll(qq, -1, axis=-2)                 # edges of box 2
+            ab, cd = (b - a)[:, :, :, None], (d - c)[:, :, None]
+            ca = c[:, :, None] - a[:, :, :, None]               # (R, M, 4, 4, 2)
+            den = ab[..., 0] * cd[..., 1] - ab[..., 1] * cd[..., 0]
+            t = (ca[..., 0] * cd[..., 1] - ca[..., 1] * cd[..., 0]) / den
+            u = (ca[..., 0] * ab[..., 1] - ca[..., 1] * ab[..., 0]) / den
+            cross = a[:, :, :, None] + t[..., None] * ab
+            ok_cross = (den != 0) & (t >= 0) & (t <= 1) & (u >= 0) & (u <= 1)
+            points = np.concatenate([p, qq, cross.reshape(*p.shape[:2], 16, 2)], axis=2)
+            valid = np.concatenate([inside(p, qq), inside(qq, p),
+                                    ok_cross.reshape(*p.shape[:2], 16)], axis=2)
+            points = np.where(valid[..., None], points, 0.0)   # parallel edges: NaN
+            count = valid.sum(-1, keepdims=True)
+            centre = points.sum(2) / np.maximum(count, 1)
+            angle = np.arctan2(points[..., 1] - centre[..., None, 1],
+                               points[..., 0] - centre[..., None, 0])
+            order = np.argsort(np.where(valid, angle, np.inf), axis=-1)
+            points = np.take_along_axis(points, order[..., None], axis=2)
+            valid = np.take_along_axis(valid, order, axis=2)
+            points = np.where(valid[..., None], points, points[:, :, :1])
+            nxt = np.roll(points, -1, axis=2)
+            twice = (points[..., 0] * nxt[..., 1] - nxt[..., 0] * points[..., 1]).sum(-1)
+            inter = np.where(count[..., 0] >= 3, np.abs(twice) / 2, 0.0)
+            union = area1[r0:r0 + rows, None] + area2[None] - inter
+            out[r0:r0 + rows] = np.where(union > 0, inter / union, 0.0)
+    return out
+
+
+def rotated_cases(cfg):
+    """(name, ours, theirs, None) for box_iou_rotated of boxes spread over
+    an image, against numpy_box_iou_rotated."""
+    rng = np.random.default_rng(0)
+    img_h, img_w = cfg["image"]
+    n = cfg["rotated_boxes"]
+    boxes = np.concatenate([rng.uniform([0, 0], [img_w, img_h], (n, 2)),
+                            rng.uniform(16, 400, (n, 2)), rng.uniform(-np.pi, np.pi, (n, 1))],
+                           axis=1).astype(np.float32)
+    yield (f"box_iou_rotated {n}x{n} (vs vectorised numpy)",
+           lambda: ops.box_iou_rotated(boxes, boxes), lambda: numpy_box_iou_rotated(boxes, boxes),
+           None)
+
+
 def run_cuda(quick, repeat, tv):
     """The GPU benchmarks, or (None, reason) when they cannot run here."""
     cupy, reason = cuda_runtime()
@@ -867,6 +945,7 @@ def run(quick=False, repeat=None):
                                     lambda: None, "cpu" if tv is not None else None, tv), repeat)
     rows += timed_rows(msda_cases(MSDA_QUICK if quick else MSDA_STANDARD, np.asarray,
                                   lambda: None, "cpu" if tv is not None else None, tv), repeat)
+    rows += timed_rows(rotated_cases(cfg), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None

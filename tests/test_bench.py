@@ -99,3 +99,18 @@ def test_bandwidth_table_lists_gpu_rows_with_their_share_of_the_peak():
     text = bench.table(report)
     assert "device peak 6000 GB/s" in text
     assert "| CUDA x | 2861 MiB | 3000 GB/s | 50.0 % | 1500 GB/s | 25.0 % |" in text
+
+
+def test_rotated_case_compares_with_a_numpy_implementation_that_computes_the_same():
+    rng = np.random.default_rng(2)
+    boxes = np.concatenate([rng.uniform(0, 6, (40, 2)), rng.uniform(0.2, 4, (40, 2)),
+                            rng.uniform(-3, 3, (40, 1))], axis=1)
+    turned = boxes[::-1].copy()
+    turned[:5, 4] += np.pi / 2          # the same boxes, sides swapped
+    turned[:5, 2:4] = turned[:5, 3:1:-1]
+    np.testing.assert_allclose(bench.numpy_box_iou_rotated(boxes, turned, rows=7),
+                               mmdispatch.ops.box_iou_rotated(boxes, turned), atol=1e-12)
+    (name, ours, theirs, _), = bench.rotated_cases(dict(bench.QUICK, rotated_boxes=30))
+    assert name.startswith("box_iou_rotated 30x30")
+    ours()
+    theirs()

@@ -17,6 +17,10 @@ multi_scale_deformable_attn_forward_impl / _backward_impl.
   grid_sample with align_corners=False and zero padding).
 - A NaN location makes its query and head's output NaN (and its gradients
   NaN); a location outside the level, however far, reads zeros.
+- Backward sums grad_output x each corner's value before weighting the
+  corners, so an infinite grad_output may give NaN where the definition's
+  order (weights first) gives an infinity; finite gradients follow IEEE
+  arithmetic as the definition does.
 - im2col_step is MMCV's batch step for its CUDA kernel. It is checked (an
   int >= 1) and changes nothing here: the kernels take the whole batch.
 """

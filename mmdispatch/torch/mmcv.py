@@ -22,6 +22,7 @@ _FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
 _SOFTMAX_FOCAL_LOSS = DERIVED["softmax_focal_loss_forward_impl"]
 _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 _MSDA = DERIVED["multi_scale_deformable_attn_forward_impl"]
+_BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
 
 
 def _choice(op, name, value, options):
@@ -108,6 +109,16 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
     bboxes2 = like_dtype(bboxes2, bboxes1)
     return _OVERLAPS(bboxes1, bboxes2, code, bool(aligned), int(offset))
+
+
+def box_iou_rotated(bboxes1, bboxes2, mode="iou", aligned=False, clockwise=True):
+    """mmcv.ops.box_iou_rotated: boxes (cx, cy, w, h, angle in radians),
+    (N, M) or (N,) when aligned; the intersection is the exact polygon.
+    Not differentiable (as in MMCV)."""
+    op = "box_iou_rotated"
+    code = _choice(op, "mode", mode, _OVERLAP_MODES)
+    return _BOX_IOU_ROTATED(bboxes1, like_dtype(bboxes2, bboxes1), code, bool(aligned),
+                            bool(clockwise))
 
 
 def _focal_loss(op, derived, input, target, gamma, alpha, weight, reduction):

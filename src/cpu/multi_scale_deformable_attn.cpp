@@ -149,6 +149,8 @@ template <typename T> int backward(const Call<T> &c, const Grads<T> &g) {
                         T dots[4];
                         for (int corner = 0; corner < 4; ++corner) {
                             dots[corner] = 0;
+                            /* a corner off the level reads no value (not grad x 0) */
+                            if (s.index[corner] < 0) continue;
                             for (int j = 0; j < kLanes; ++j) dots[corner] += sums[corner][j];
                         }
                         const T sum_value = mmd_bilinear_value(s, dots);

@@ -499,7 +499,10 @@ def forward_case(draw, dtype):
 def backward_case(draw, dtype):
     value, shapes, starts, locations, weights = draw(problem(dtype))
     out_shape = (value.shape[0], locations.shape[1], value.shape[2] * value.shape[3])
-    grad = draw(float_arrays(out_shape, dtype, -2, 2))
+    # finite: backward weights the corners after the sums over channels, so
+    # an infinite gradient may give NaN where the definition gives inf (the
+    # module docstring says so)
+    grad = draw(float_arrays(out_shape, dtype, -2, 2, specials=False))
     initial = draw(float_arrays(value.shape, dtype, -2, 2, specials=False))
     args = dict(value=guarded(value), spatial_shapes=guarded(shapes),
                 level_start_index=guarded(starts), sampling_locations=guarded(locations),

@@ -367,6 +367,8 @@ def plausible(r, op_name, names, types=None):
         "iou_threshold": lambda: r.choice([0.5, 0.0, -1.0, 1.0]),
         "offset": lambda: r.int(0, 1), "bboxes1": lambda: fill(r, (m, 4), dtype),
         "bboxes2": lambda: fill(r, (m, 4), dtype),
+        "boxes1": lambda: fill(r, (m, 5), dtype), "boxes2": lambda: fill(r, (m, 5), dtype),
+        "clockwise": r.bool,
         "ious": lambda: np.zeros((m,) if aligned else (m, m), dtype),
         "mode": lambda: r.int(0, 1), "gamma": lambda: 2.0, "alpha": lambda: 0.25,
         "target": lambda: np.array([r.int(0, c) for _ in range(n)], np.int64),
