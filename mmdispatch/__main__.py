@@ -97,6 +97,9 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
     offset = 0.5 * xp.concatenate([feature, feature[:, :2]], axis=1)
     mask = xp.abs(feature[:, :9])
     weight = 0.01 * feature[:, :, :3, :3]   # 2 output channels
+    # the boxes turned by an angle made from their scores: (cx, cy, w, h, angle)
+    rotated = xp.concatenate([(boxes[:, :2] + boxes[:, 2:]) / 2, boxes[:, 2:] - boxes[:, :2],
+                              (6 * scores - 3)[:, None]], axis=1)
     return {
         "roi_align avg": to_host(ops.roi_align(feature, rois, 7, 0.25, 2, "avg")),
         "roi_align max": to_host(ops.roi_align(feature, rois, 7, 0.25, 2, "max")),
@@ -110,6 +113,8 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
         "deform_conv2d": to_host(ops.deform_conv2d(feature, offset, weight, None, 1, 1, 1, mask)),
         "multi_scale_deformable_attn": to_host(ops.multi_scale_deformable_attn(
             *attention_inputs(feature, xp))),
+        "box_iou_rotated": to_host(ops.box_iou_rotated(rotated, rotated)),
+        "nms_rotated": to_host(ops.nms_rotated(rotated, scores, 0.5)),
     }
 
 
@@ -171,7 +176,7 @@ def demo():
         gpu = run_ops(*(cupy.asarray(a) for a in (feature, rois, scores, logits, targets)),
                       cupy=cupy)
         for name, expected in cpu.items():
-            if name == "nms":
+            if name.startswith("nms"):
                 good = np.array_equal(gpu[name], expected)
                 detail = f"{gpu[name].size} kept, {'same' if good else 'DIFFERENT'} indices"
             else:

@@ -110,7 +110,13 @@ def test_rotated_case_compares_with_a_numpy_implementation_that_computes_the_sam
     turned[:5, 2:4] = turned[:5, 3:1:-1]
     np.testing.assert_allclose(bench.numpy_box_iou_rotated(boxes, turned, rows=7),
                                mmdispatch.ops.box_iou_rotated(boxes, turned), atol=1e-12)
-    (name, ours, theirs, _), = bench.rotated_cases(dict(bench.QUICK, rotated_boxes=30))
-    assert name.startswith("box_iou_rotated 30x30")
-    ours()
-    theirs()
+    scores = rng.random(40)
+    np.testing.assert_array_equal(bench.numpy_nms_rotated(boxes * [40, 40, 1, 1, 1], scores, 0.3),
+                                  mmdispatch.ops.nms_rotated(boxes * [40, 40, 1, 1, 1], scores,
+                                                             0.3))
+    cases = list(bench.rotated_cases(dict(bench.QUICK, rotated_boxes=30, nms_boxes=50)))
+    assert [name.split(" (")[0] for name, _, _, _ in cases] == [
+        "box_iou_rotated 30x30", "nms_rotated 50 boxes, IoU 0.5"]
+    for _, ours, theirs, _ in cases:
+        ours()
+        theirs()

@@ -23,6 +23,7 @@ _SOFTMAX_FOCAL_LOSS = DERIVED["softmax_focal_loss_forward_impl"]
 _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 _MSDA = DERIVED["multi_scale_deformable_attn_forward_impl"]
 _BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
+_NMS_ROTATED = DERIVED["nms_rotated_impl"]
 
 
 def _choice(op, name, value, options):
@@ -119,6 +120,19 @@ def box_iou_rotated(bboxes1, bboxes2, mode="iou", aligned=False, clockwise=True)
     code = _choice(op, "mode", mode, _OVERLAP_MODES)
     return _BOX_IOU_ROTATED(bboxes1, like_dtype(bboxes2, bboxes1), code, bool(aligned),
                             bool(clockwise))
+
+
+def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
+    """mmcv.ops.nms_rotated: dets (N, 5) rotated boxes (cx, cy, w, h,
+    angle), scores (N,), labels (N,) or None (nms within each label).
+    Returns (dets (k, 6): the kept boxes with their scores, keep_inds) by
+    decreasing score; the IoU is box_iou_rotated's, exactly."""
+    if dets.shape[0] == 0:
+        return dets.new_zeros((0, 6)), torch.zeros(0, dtype=torch.int64, device=dets.device)
+    scores = like_dtype(scores, dets)
+    keep = _NMS_ROTATED(dets, scores, None if labels is None else labels.to(torch.int64),
+                        float(iou_threshold), bool(clockwise))
+    return torch.cat([dets[keep], scores[keep].reshape(-1, 1)], dim=1), keep
 
 
 def _focal_loss(op, derived, input, target, gamma, alpha, weight, reduction):

@@ -7,40 +7,9 @@
 #include "mmdispatch/ops/nms.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "score_order.h"
 
 namespace {
-
-/* n items of heap memory (at least one, so that an empty input is not an
- * allocation failure), freed with the holder; zeroed when asked. */
-template <typename U> class HeapArray {
-  public:
-    explicit HeapArray(int64_t n, bool zeroed = false) {
-        const size_t count = (size_t)(n > 0 ? n : 1);
-        data_ = (U *)(zeroed ? calloc(count, sizeof(U)) : malloc(count * sizeof(U)));
-    }
-    ~HeapArray() { free(data_); }
-    HeapArray(const HeapArray &) = delete;
-    HeapArray &operator=(const HeapArray &) = delete;
-    U *get() const { return data_; }
-    U &operator[](int64_t i) const { return data_[i]; }
-    explicit operator bool() const { return data_ != nullptr; }
-
-  private:
-    U *data_;
-};
-
-struct ScoredIndex {
-    uint64_t key;
-    int64_t index;
-};
-
-/* Descending key, then ascending index: a strict total order, so the
- * (unstable) qsort gives the stable order nms promises. */
-int compare_scored(const void *a, const void *b) {
-    const ScoredIndex *x = (const ScoredIndex *)a, *y = (const ScoredIndex *)b;
-    if (x->key != y->key) return x->key < y->key ? 1 : -1;
-    return (x->index > y->index) - (x->index < y->index);
-}
 
 /* Boxes in visiting order, one array per coordinate. */
 template <typename T> struct SortedBoxes {
@@ -226,11 +195,7 @@ int nms(bool reference, const mmd_tensor *boxes, const mmd_tensor *scores, const
     HeapArray<int64_t> kept_rank(n);
     int64_t kept = -1;
     if (order && coords && cls && kept_rank) {
-        for (int64_t i = 0; i < n; ++i) {
-            order[i].key = mmd_score_key(sc[i]);
-            order[i].index = i;
-        }
-        qsort(order.get(), (size_t)n, sizeof(ScoredIndex), compare_scored);
+        score_order(sc, n, order.get());
         T *c = coords.get();
         const SortedBoxes<T> s = {n,         c,         c + count,
                                   c + 2 * count, c + 3 * count, c + 4 * count,

@@ -1,18 +1,7 @@
-/* nms / batched_nms on CUDA, entirely on the device (only the count of kept
- * boxes is read back, by the caller):
- *   1. score keys (mmdispatch/ops/boxes.h) sorted descending with CUB's
- *      stable radix sort, so ties keep the lower index first, as on CPU;
- *   2. boxes (and classes) gathered in that order;
- *   3. a 64-wide bitmask per box: bit j of mask[i][b] says box i (in sorted
- *      order) suppresses box 64 * b + j, computed for all pairs in parallel;
- *   4. one block walks the 64-box blocks in order: a warp resolves the block
- *      with register shuffles, then all threads fold the kept boxes' masks
- *      into the later blocks' `removed` words.
- * The IoU math is the CPU kernel's, so both keep the same boxes. float16
- * and bfloat16 boxes compute in float32. Memory: n * ceil(n / 64) * 8 bytes of mask. */
-#include <cub/device/device_radix_sort.cuh>
-
-#include "mmdispatch/cuda/common.cuh"
+/* nms / batched_nms on CUDA: the pipeline of mmdispatch/cuda/nms.cuh with
+ * this mask kernel. The IoU math is the CPU kernel's, so both keep the same
+ * boxes. float16 and bfloat16 boxes compute in float32. */
+#include "mmdispatch/cuda/nms.cuh"
 #include "mmdispatch/ops/nms.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -20,32 +9,6 @@
 namespace {
 
 using namespace mmd_cuda;
-
-constexpr int kBlockBoxes = 64;
-constexpr int kReduceThreads = 256;
-constexpr int64_t kMaxBoxes = (int64_t)kBlockBoxes * 65535;  // gridDim.y limit of step 3
-
-/* Sort key type of a compute type. */
-template <typename A> struct KeyOf { typedef uint32_t type; };
-template <> struct KeyOf<double> { typedef uint64_t type; };
-
-template <typename T, typename K>
-__global__ void keys_kernel(const T *scores, int64_t n, K *keys, int64_t *indices) {
-    MMD_GRID_STRIDE_LOOP(i, n) {
-        keys[i] = mmd_score_key(to_compute(scores[i]));
-        indices[i] = i;
-    }
-}
-
-template <typename T, typename A>
-__global__ void gather_kernel(const T *boxes, const int64_t *idxs, const int64_t *order,
-                              int64_t n, A *sorted_boxes, int64_t *sorted_classes) {
-    MMD_GRID_STRIDE_LOOP(k, n) {
-        const int64_t i = order[k];
-        for (int c = 0; c < 4; ++c) sorted_boxes[4 * k + c] = to_compute(boxes[4 * i + c]);
-        sorted_classes[k] = idxs ? idxs[i] : 0;
-    }
-}
 
 template <typename A>
 __global__ void mask_kernel(const A *boxes, const int64_t *classes, int64_t n,
@@ -78,115 +41,16 @@ __global__ void mask_kernel(const A *boxes, const int64_t *classes, int64_t n,
     mask[i * col_blocks + col_block] = bits;
 }
 
-__global__ void reduce_kernel(const unsigned long long *mask, const int64_t *order, int64_t n,
-                              int64_t col_blocks, unsigned long long *removed, int64_t *keep,
-                              int64_t *num_kept) {
-    __shared__ unsigned long long kept_shared;
-    const unsigned lane = threadIdx.x % 32;
-    int64_t count = 0;
-    for (int64_t b = 0; b < col_blocks; ++b) {
-        const int64_t start = b * kBlockBoxes;
-        const int size = (int)min((int64_t)kBlockBoxes, n - start);
-        if (threadIdx.x < 32) {
-            /* lane l holds the in-block masks of rows l and l + 32 */
-            const unsigned long long row_lo =
-                lane < size ? mask[(start + lane) * col_blocks + b] : 0;
-            const unsigned long long row_hi =
-                lane + 32 < size ? mask[(start + lane + 32) * col_blocks + b] : 0;
-            unsigned long long word = removed[b], kept = 0;
-            for (int t = 0; t < size; ++t) {
-                const unsigned long long row =
-                    __shfl_sync(0xffffffffu, t < 32 ? row_lo : row_hi, t % 32);
-                if (!((word >> t) & 1ull)) {
-                    kept |= 1ull << t;
-                    word |= row;
-                }
-            }
-            for (int t = lane; t < size; t += 32)
-                if ((kept >> t) & 1ull)
-                    keep[count + __popcll(kept & ((1ull << t) - 1))] = order[start + t];
-            if (lane == 0) kept_shared = kept;
-        }
-        __syncthreads();
-        const unsigned long long kept = kept_shared;
-        if (kept)
-            for (int64_t c = b + 1 + threadIdx.x; c < col_blocks; c += blockDim.x) {
-                unsigned long long acc = removed[c];
-                for (unsigned long long rest = kept; rest; rest &= rest - 1)
-                    acc |= mask[(start + __ffsll((long long)rest) - 1) * col_blocks + c];
-                removed[c] = acc;
-            }
-        count += __popcll(kept);
-        __syncthreads();
+/* Launches mask_kernel for nms_on_device. */
+struct Mask {
+    template <typename A>
+    static void launch(dim3 grid, cudaStream_t stream, const A *sorted, const int64_t *classes,
+                       int64_t n, int64_t col_blocks, A threshold, int64_t extra,
+                       unsigned long long *mask) {
+        mask_kernel<A><<<grid, kBlockBoxes, 0, stream>>>(sorted, classes, n, col_blocks,
+                                                         threshold, (A)extra, mask);
     }
-    if (threadIdx.x == 0) *num_kept = count;
-}
-
-int allocate(StreamBuffer &buffer, size_t bytes, const char *what, int64_t n) {
-    cudaError_t err = buffer.allocate(bytes);
-    if (err == cudaSuccess) return MMD_OK;
-    cudaGetLastError();  // consumed here, so no later check reports it again
-    if (err == cudaErrorMemoryAllocation)
-        return mmd_error(MMD_ERR_MEMORY, "out of GPU memory: %.1f MiB for the %s of %lld boxes",
-                         (double)bytes / 1048576.0, what, (long long)n);
-    return cuda_error(err, what);
-}
-
-template <typename T>
-int nms_run(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor *idxs,
-            const mmd_tensor *keep, const mmd_tensor *num_kept, double iou_threshold,
-            int64_t offset, cudaStream_t stream) {
-    typedef typename Compute<T>::type A;
-    typedef typename KeyOf<A>::type K;
-    const int64_t n = boxes->shape[0];
-    int64_t *count_out = (int64_t *)num_kept->data;
-    if (n == 0) {
-        cudaMemsetAsync(count_out, 0, sizeof *count_out, stream);
-        return launch_status("nms");
-    }
-    if (n > kMaxBoxes)
-        return mmd_error(MMD_ERR_VALUE, "CUDA nms takes at most %lld boxes, got %lld",
-                         (long long)kMaxBoxes, (long long)n);
-    const int64_t col_blocks = (n + kBlockBoxes - 1) / kBlockBoxes;
-    StreamBuffer keys_in(stream), keys_out(stream), index_in(stream), order(stream);
-    StreamBuffer sorted(stream), classes(stream), mask(stream), removed(stream), scratch(stream);
-    int s = allocate(keys_in, n * sizeof(K), "sort keys", n);
-    if (!s) s = allocate(keys_out, n * sizeof(K), "sort keys", n);
-    if (!s) s = allocate(index_in, n * sizeof(int64_t), "sort order", n);
-    if (!s) s = allocate(order, n * sizeof(int64_t), "sort order", n);
-    if (!s) s = allocate(sorted, 4 * n * sizeof(A), "sorted boxes", n);
-    if (!s) s = allocate(classes, n * sizeof(int64_t), "sorted classes", n);
-    if (!s) s = allocate(mask, (size_t)n * col_blocks * sizeof(unsigned long long),
-                         "suppression mask", n);
-    if (!s) s = allocate(removed, col_blocks * sizeof(unsigned long long), "suppression mask", n);
-    if (s) return s;
-
-    keys_kernel<T, K><<<blocks_for(n), kThreads, 0, stream>>>(
-        (const T *)scores->data, n, keys_in.as<K>(), index_in.as<int64_t>());
-    size_t scratch_bytes = 0;
-    cudaError_t err = cub::DeviceRadixSort::SortPairsDescending(
-        nullptr, scratch_bytes, keys_in.as<K>(), keys_out.as<K>(), index_in.as<int64_t>(),
-        order.as<int64_t>(), (int)n, 0, (int)sizeof(K) * 8, stream);
-    if (err != cudaSuccess) return cuda_error(err, "nms sort size");
-    s = allocate(scratch, scratch_bytes, "sort scratch", n);
-    if (s) return s;
-    err = cub::DeviceRadixSort::SortPairsDescending(
-        scratch.as<void>(), scratch_bytes, keys_in.as<K>(), keys_out.as<K>(),
-        index_in.as<int64_t>(), order.as<int64_t>(), (int)n, 0, (int)sizeof(K) * 8, stream);
-    if (err != cudaSuccess) return cuda_error(err, "nms sort");
-    gather_kernel<T, A><<<blocks_for(n), kThreads, 0, stream>>>(
-        (const T *)boxes->data, idxs ? (const int64_t *)idxs->data : nullptr,
-        order.as<int64_t>(), n, sorted.as<A>(), classes.as<int64_t>());
-    mask_kernel<A><<<dim3((unsigned)col_blocks, (unsigned)col_blocks), kBlockBoxes, 0, stream>>>(
-        sorted.as<A>(), classes.as<int64_t>(), n, col_blocks,
-        mmd_threshold_below<A>(iou_threshold), (A)offset, mask.as<unsigned long long>());
-    err = cudaMemsetAsync(removed.as<void>(), 0, col_blocks * sizeof(unsigned long long), stream);
-    if (err != cudaSuccess) return cuda_error(err, "nms");
-    reduce_kernel<<<1, kReduceThreads, 0, stream>>>(
-        mask.as<unsigned long long>(), order.as<int64_t>(), n, col_blocks,
-        removed.as<unsigned long long>(), (int64_t *)keep->data, count_out);
-    return launch_status("nms launch");
-}
+};
 
 int nms_cuda(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor *idxs,
              const mmd_tensor *keep, const mmd_tensor *num_kept, double iou_threshold,
@@ -194,12 +58,8 @@ int nms_cuda(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_tensor
     int s = mmd_nms_check(boxes, scores, idxs, keep, num_kept, iou_threshold, offset,
                           MMD_FLOAT16_BF16_32_64);
     if (s) return s;
-    return on_device(ctx, [&](cudaStream_t stream) {
-        return by_dtype(boxes->dtype, [&](auto tag) {
-            return nms_run<decltype(tag)>(boxes, scores, idxs, keep, num_kept, iou_threshold,
-                                          offset, stream);
-        });
-    });
+    return nms_on_device<4, Mask>(ctx, boxes, scores, idxs, keep, num_kept, iou_threshold,
+                                  offset, "nms");
 }
 
 }  // namespace

@@ -11,16 +11,11 @@
 #include "mmdispatch/checks.h"
 #include "mmdispatch/ops/boxes.h"
 
-/* Shape/dtype/scalar checks; `float_mask` is the device's supported dtypes. */
-inline int mmd_nms_check(const mmd_tensor *boxes, const mmd_tensor *scores,
-                         const mmd_tensor *idxs, const mmd_tensor *keep,
-                         const mmd_tensor *num_kept, double iou_threshold, int64_t offset,
-                         unsigned float_mask) {
-    if (iou_threshold != iou_threshold)
-        return mmd_error(MMD_ERR_VALUE, "iou_threshold must not be NaN");
-    if (offset != 0 && offset != 1)
-        return mmd_error(MMD_ERR_VALUE, "offset must be 0 or 1, got %lld", (long long)offset);
-    const int64_t box_shape[2] = {MMD_ANY_DIM, 4};
+/* The arrays' checks, boxes (N, width). */
+inline int mmd_nms_check_arrays(const mmd_tensor *boxes, int64_t width, const mmd_tensor *scores,
+                                const mmd_tensor *idxs, const mmd_tensor *keep,
+                                const mmd_tensor *num_kept, unsigned float_mask) {
+    const int64_t box_shape[2] = {MMD_ANY_DIM, width};
     int s = mmd_check_shape(boxes, "boxes", 2, box_shape);
     if (!s) s = mmd_check_dtype(boxes, "boxes", float_mask);
     if (!s) s = mmd_check_contiguous(boxes, "boxes");
@@ -38,6 +33,18 @@ inline int mmd_nms_check(const mmd_tensor *boxes, const mmd_tensor *scores,
     if (!s) s = mmd_check_shape(num_kept, "num_kept", 1, one);
     if (!s) s = mmd_check_dtype(num_kept, "num_kept", MMD_DTYPE_BIT(MMD_INT64));
     return s;
+}
+
+/* Shape/dtype/scalar checks; `float_mask` is the device's supported dtypes. */
+inline int mmd_nms_check(const mmd_tensor *boxes, const mmd_tensor *scores,
+                         const mmd_tensor *idxs, const mmd_tensor *keep,
+                         const mmd_tensor *num_kept, double iou_threshold, int64_t offset,
+                         unsigned float_mask) {
+    if (iou_threshold != iou_threshold)
+        return mmd_error(MMD_ERR_VALUE, "iou_threshold must not be NaN");
+    if (offset != 0 && offset != 1)
+        return mmd_error(MMD_ERR_VALUE, "offset must be 0 or 1, got %lld", (long long)offset);
+    return mmd_nms_check_arrays(boxes, 4, scores, idxs, keep, num_kept, float_mask);
 }
 
 #endif

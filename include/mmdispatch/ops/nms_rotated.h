@@ -1,0 +1,35 @@
+/* nms_rotated / batched_nms_rotated: the argument checks shared by the CPU
+ * kernel (src/cpu/nms_rotated.cpp) and the CUDA kernel
+ * (src/cuda/nms_rotated.cu).
+ *
+ * Boxes are (cx, cy, w, h, angle) as box_iou_rotated takes them, visited by
+ * descending score (ties: lower index first; NaN scores after every
+ * number); a box is kept unless a kept box of the same class (idxs, when
+ * given) has IoU > iou_threshold with it, the IoU being box_iou_rotated's
+ * of (kept box, box) in the boxes' dtype (mmdispatch/ops/box_iou_rotated.h),
+ * so the decisions are exactly those of box_iou_rotated's values. */
+#ifndef MMDISPATCH_OPS_NMS_ROTATED_H
+#define MMDISPATCH_OPS_NMS_ROTATED_H
+
+#include "mmdispatch/ops/box_iou_rotated.h"
+#include "mmdispatch/ops/nms.h"
+
+inline int mmd_nms_rotated_check(const mmd_tensor *boxes, const mmd_tensor *scores,
+                                 const mmd_tensor *idxs, const mmd_tensor *keep,
+                                 const mmd_tensor *num_kept, double iou_threshold,
+                                 unsigned float_mask) {
+    if (iou_threshold != iou_threshold)
+        return mmd_error(MMD_ERR_VALUE, "iou_threshold must not be NaN");
+    return mmd_nms_check_arrays(boxes, 5, scores, idxs, keep, num_kept, float_mask);
+}
+
+/* Whether kept box a suppresses box b: box_iou_rotated's IoU of (a, b),
+ * rounded to the boxes' type T, above the threshold (rounded down to T,
+ * so that the comparison is the one of the values box_iou_rotated gives). */
+template <typename T>
+MMD_HOSTDEV inline bool mmd_rotated_suppresses(const mmd_rbox &a, const mmd_rbox &b,
+                                               bool clockwise, T threshold) {
+    return (T)mmd_rbox_overlap(a, b, 0, clockwise) > threshold;
+}
+
+#endif

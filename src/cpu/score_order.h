@@ -1,0 +1,56 @@
+/* What the CPU nms kernels (nms.cpp, nms_rotated.cpp) share: heap arrays
+ * and the visiting order (descending score key, then ascending index). */
+#ifndef MMDISPATCH_CPU_SCORE_ORDER_H
+#define MMDISPATCH_CPU_SCORE_ORDER_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "mmdispatch/ops/boxes.h"
+
+namespace {
+
+/* n items of heap memory (at least one, so that an empty input is not an
+ * allocation failure), freed with the holder; zeroed when asked. */
+template <typename U> class HeapArray {
+  public:
+    explicit HeapArray(int64_t n, bool zeroed = false) {
+        const size_t count = (size_t)(n > 0 ? n : 1);
+        data_ = (U *)(zeroed ? calloc(count, sizeof(U)) : malloc(count * sizeof(U)));
+    }
+    ~HeapArray() { free(data_); }
+    HeapArray(const HeapArray &) = delete;
+    HeapArray &operator=(const HeapArray &) = delete;
+    U *get() const { return data_; }
+    U &operator[](int64_t i) const { return data_[i]; }
+    explicit operator bool() const { return data_ != nullptr; }
+
+  private:
+    U *data_;
+};
+
+struct ScoredIndex {
+    uint64_t key;
+    int64_t index;
+};
+
+/* Descending key, then ascending index: a strict total order, so the
+ * (unstable) qsort gives the stable order nms promises. */
+int compare_scored(const void *a, const void *b) {
+    const ScoredIndex *x = (const ScoredIndex *)a, *y = (const ScoredIndex *)b;
+    if (x->key != y->key) return x->key < y->key ? 1 : -1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+/* order[0:n]: the indices of `scores` in visiting order. */
+template <typename T> void score_order(const T *scores, int64_t n, ScoredIndex *order) {
+    for (int64_t i = 0; i < n; ++i) {
+        order[i].key = mmd_score_key(scores[i]);
+        order[i].index = i;
+    }
+    qsort(order, (size_t)n, sizeof(ScoredIndex), compare_scored);
+}
+
+}  // namespace
+
+#endif

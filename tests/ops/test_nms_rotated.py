@@ -1,0 +1,228 @@
+"""nms_rotated / batched_nms_rotated (MMCV's semantics): exactly the
+greedy definition on box_iou_rotated's values, classes, ties and NaN
+scores, undefined boxes, thresholds, bad input, the MMCV drop-in,
+properties and CPU/CUDA agreement."""
+import importlib
+import math
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from mmdispatch.ops import batched_nms_rotated, box_iou_rotated, nms, nms_rotated
+from properties import OpProperties, float_arrays, guarded, sentinel
+
+nms_module = importlib.import_module("mmdispatch.ops.nms_rotated")
+DTYPES = [np.float32, np.float64]
+
+
+def ref_keep(boxes, scores, threshold, idxs=None, clockwise=True):
+    """The definition on box_iou_rotated's values: by descending score
+    (NaN last, ties by index), keep a box unless a kept box of its class has
+    IoU(kept, box) > threshold."""
+    n = len(boxes)
+    iou = box_iou_rotated(boxes, boxes, clockwise=clockwise) if n else np.zeros((0, 0))
+    key = [(1, 0.0, i) if math.isnan(s) else (0, -float(s), i) for i, s in enumerate(scores)]
+    kept = []
+    for _, _, i in sorted(key):
+        if all(not (iou[k, i] > threshold) for k in kept
+               if idxs is None or idxs[k] == idxs[i]):
+            kept.append(i)
+    return kept
+
+
+def random_boxes(rng, n, dtype, spread=20.0):
+    return np.concatenate([rng.uniform(0, spread, (n, 2)), rng.uniform(1, 6, (n, 2)),
+                           rng.uniform(-math.pi, math.pi, (n, 1))], axis=1).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.0, 0.1, 0.3, 0.7, -0.5, 1.0])
+@pytest.mark.parametrize("clockwise", [True, False])
+def test_keeps_exactly_what_the_definition_keeps(dtype, threshold, clockwise):
+    rng = np.random.default_rng(int(threshold * 10) + 10 + clockwise)
+    boxes = random_boxes(rng, 300, dtype)
+    scores = rng.random(300).astype(dtype)
+    got = nms_rotated(boxes, scores, threshold, clockwise)
+    assert got.dtype == np.int64
+    assert got.tolist() == ref_keep(boxes, scores, threshold, clockwise=clockwise)
+    if 0 < threshold < 1:
+        assert 10 < len(got) < 300
+
+
+def test_classes_never_suppress_each_other():
+    rng = np.random.default_rng(1)
+    boxes = random_boxes(rng, 200, np.float64)
+    scores = rng.random(200)
+    idxs = rng.integers(0, 4, 200)
+    got = batched_nms_rotated(boxes, scores, idxs, 0.2)
+    assert got.tolist() == ref_keep(boxes, scores, 0.2, idxs)
+    # the same boxes in two classes are both kept
+    twice = batched_nms_rotated(np.concatenate([boxes[:1], boxes[:1]]), np.array([0.9, 0.8]),
+                                np.array([0, 1]), 0.5)
+    assert twice.tolist() == [0, 1]
+    assert batched_nms_rotated(boxes, scores, idxs.astype(np.int32), 0.2).tolist() == got.tolist()
+
+
+def test_ties_keep_input_order_and_nan_scores_come_last():
+    box = [5.0, 5.0, 4.0, 2.0, 0.3]
+    boxes = np.array([box, box, box, [50, 50, 2, 2, 0]])
+    assert nms_rotated(boxes, np.array([0.5, 0.5, 0.9, math.nan]), 0.5).tolist() == [2, 3]
+    assert nms_rotated(boxes, np.array([0.5, 0.5, 0.1, 0.2]), 0.5).tolist() == [0, 3]
+    assert nms_rotated(boxes, np.array([math.nan, 0.5, 0.1, 0.2]), 0.5).tolist() == [1, 3]
+
+
+def test_rotation_matters_and_axis_aligned_boxes_agree_with_nms():
+    rng = np.random.default_rng(2)
+    boxes = random_boxes(rng, 200, np.float64)
+    boxes[:, 4] = 0
+    scores = rng.random(200)
+    corners = np.concatenate([boxes[:, :2] - boxes[:, 2:4] / 2, boxes[:, :2] + boxes[:, 2:4] / 2],
+                             axis=1)
+    assert nms_rotated(boxes, scores, 0.3).tolist() == nms(corners, scores, 0.3).tolist()
+    # a thin box and the same box turned a quarter overlap little
+    cross = np.array([[0, 0, 10, 1, 0], [0, 0, 10, 1, math.pi / 2]])
+    assert nms_rotated(cross, np.array([0.9, 0.8]), 0.2).tolist() == [0, 1]
+    assert nms_rotated(cross[[0, 0]], np.array([0.9, 0.8]), 0.2).tolist() == [0]
+
+
+def test_undefined_boxes_neither_suppress_nor_are_suppressed():
+    box = [5.0, 5.0, 4.0, 2.0, 0.3]
+    boxes = np.array([box, [math.nan, 5, 4, 2, 0.3], [5, 5, -4, 2, 0.3], box])
+    assert nms_rotated(boxes, np.array([0.9, 0.8, 0.7, 0.6]), 0.5).tolist() == [0, 1, 2]
+
+
+def test_empty_input_keeps_nothing():
+    assert nms_rotated(np.zeros((0, 5)), np.zeros(0), 0.5).tolist() == []
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: nms_rotated(np.zeros((2, 4)), np.zeros(2), 0.5), ValueError,
+     r"^nms_rotated_impl: boxes must have shape \(\*, 5\)"),
+    (lambda: nms_rotated(np.zeros((2, 5)), np.zeros(3), 0.5), ValueError,
+     r"^nms_rotated_impl: scores must have shape \(2,\)"),
+    (lambda: nms_rotated(np.zeros((2, 5)), np.zeros(2), math.nan), ValueError,
+     r"^nms_rotated_impl: iou_threshold must not be NaN"),
+    (lambda: nms_rotated(np.zeros((2, 5)), np.zeros(2, np.float32), 0.5), TypeError,
+     r"^nms_rotated_impl: scores"),
+    (lambda: nms_rotated(np.zeros((2, 5)), np.zeros(2), 0.5, clockwise="yes"), TypeError,
+     r"^nms_rotated: clockwise must be a bool"),
+    (lambda: batched_nms_rotated(np.zeros((2, 5)), np.zeros(2), np.zeros(2), 0.5), TypeError,
+     r"^batched_nms_rotated: idxs must have an integer dtype"),
+    (lambda: nms_rotated(np.zeros(5), np.zeros(1), 0.5), ValueError,
+     r"^nms_rotated: boxes must be 2-D"),
+])
+def test_bad_arguments_raise_clear_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --- the PyTorch layer -----------------------------------------------------------------------
+
+def test_mmcv_drop_in_returns_dets_and_indices():
+    torch = pytest.importorskip("torch")
+    from mmdispatch.torch.mmcv import nms_rotated as mmcv_nms_rotated
+    rng = np.random.default_rng(3)
+    boxes, scores = random_boxes(rng, 100, np.float32), rng.random(100).astype(np.float32)
+    labels = rng.integers(0, 3, 100)
+    dets, keep = mmcv_nms_rotated(torch.from_numpy(boxes), torch.from_numpy(scores), 0.3)
+    expected = ref_keep(boxes, scores, 0.3)
+    assert keep.tolist() == expected and dets.shape == (len(expected), 6)
+    np.testing.assert_array_equal(dets[:, :5].numpy(), boxes[expected])
+    np.testing.assert_array_equal(dets[:, 5].numpy(), scores[expected])
+    _, keep = mmcv_nms_rotated(torch.from_numpy(boxes), torch.from_numpy(scores), 0.3,
+                               torch.from_numpy(labels))
+    assert keep.tolist() == ref_keep(boxes, scores, 0.3, labels)
+    dets, keep = mmcv_nms_rotated(torch.zeros(0, 5), torch.zeros(0), 0.3)
+    assert dets.shape == (0, 6) and keep.shape == (0,)
+
+
+# --- CUDA ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_cpu(cupy, dtype):
+    rng = np.random.default_rng(11)
+    boxes, scores = random_boxes(rng, 3000, dtype, 200), rng.random(3000).astype(dtype)
+    idxs = rng.integers(0, 5, 3000)
+    for threshold in (0.1, 0.5):
+        got = nms_rotated(cupy.asarray(boxes), cupy.asarray(scores), threshold)
+        assert cupy.asnumpy(got).tolist() == nms_rotated(boxes, scores, threshold).tolist()
+    got = batched_nms_rotated(cupy.asarray(boxes), cupy.asarray(scores), cupy.asarray(idxs), 0.3)
+    assert cupy.asnumpy(got).tolist() == batched_nms_rotated(boxes, scores, idxs, 0.3).tolist()
+
+
+# --- properties (tests/support/properties.py) --------------------------------------------------
+
+@st.composite
+def nms_case(draw, dtype):
+    n = draw(st.integers(0, 6))
+    boxes = draw(float_arrays((n, 5), dtype, -3, 3))
+    boxes[:, 2:4] = np.abs(boxes[:, 2:4]) if draw(st.booleans()) else boxes[:, 2:4]
+    scores = draw(float_arrays((n,), dtype, 0, 1))
+    idxs = (np.array(draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), np.int64)
+            if draw(st.booleans()) else None)
+    threshold = draw(st.sampled_from([0.0, 0.3, 0.5, 1.0, -1.0]))
+    clockwise = draw(st.booleans())
+    args = dict(boxes=guarded(boxes), scores=guarded(scores),
+                idxs=None if idxs is None else guarded(idxs),
+                keep=guarded(sentinel((n,), np.int64)),
+                num_kept=guarded(sentinel((1,), np.int64)), iou_threshold=threshold,
+                clockwise=clockwise)
+
+    def check(a):
+        expected = ref_keep(boxes, scores, threshold, idxs, clockwise)
+        assert int(a["num_kept"][0]) == len(expected)
+        assert a["keep"][:len(expected)].tolist() == expected
+    return args, check
+
+
+def user_case(draw, name, dtype, layout):
+    a, check = draw(nms_case(dtype))
+    batched = name == "batched_nms_rotated"
+    if batched and a["idxs"] is None:
+        a = dict(a, idxs=guarded(np.zeros(len(a["scores"]), np.int64)))
+    inputs = {"boxes": layout(a["boxes"]), "scores": layout(a["scores"])}
+    if batched:
+        inputs["idxs"] = layout(a["idxs"])
+
+    def run():
+        if batched:
+            return batched_nms_rotated(inputs["boxes"], inputs["scores"], inputs["idxs"],
+                                       a["iou_threshold"], a["clockwise"])
+        return nms_rotated(inputs["boxes"], inputs["scores"], a["iou_threshold"], a["clockwise"])
+
+    def verify(result):
+        expected = ref_keep(a["boxes"], a["scores"], a["iou_threshold"],
+                            a["idxs"] if batched else None, a["clockwise"])
+        assert np.asarray(result).tolist() == expected
+    return run, inputs, verify
+
+
+def torch_calls(torch, device):
+    rng = np.random.default_rng(0)
+    boxes = torch.from_numpy(random_boxes(rng, 20, np.float64, 8)).to(device)
+    scores = torch.rand(20, dtype=torch.float64, device=device)
+    return [(boxes, scores, None, 0.3, True),
+            (boxes, scores, torch.randint(0, 3, (20,), device=device), 0.5, False)]
+
+
+def small_args():
+    return [random_boxes(np.random.default_rng(0), 4, np.float64), np.array([0.9, 0.1, 0.5, 0.3])]
+
+
+class TestProperties(OpProperties):
+    module = nms_module
+    torch_calls = {"nms_rotated_impl": torch_calls}
+    entry_cases = {"nms_rotated_impl": nms_case}
+    fixed_axes = {"nms_rotated_impl": {"boxes": [1], "scores": [0], "idxs": [0], "keep": [0],
+                                       "num_kept": [0]}}
+    bad_scalars = {"iou_threshold": [math.nan]}
+    user_cases = {name: user_case for name in nms_module.__all__}
+    good_user_args = {"nms_rotated": lambda: small_args() + [0.5, True],
+                      "batched_nms_rotated": lambda: small_args()[:2] + [np.zeros(4, np.int64),
+                                                                         0.5, True]}
+    user_bad_values = {
+        ("nms_rotated", 2): [math.nan, "0.5", None],
+        ("nms_rotated", 3): [1, "yes", None],
+        ("batched_nms_rotated", 2): [np.zeros(4), np.zeros(3, np.int64), [0, 0, 0, 0]],
+    }
