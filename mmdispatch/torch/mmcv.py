@@ -24,6 +24,7 @@ _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 _MSDA = DERIVED["multi_scale_deformable_attn_forward_impl"]
 _BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
 _NMS_ROTATED = DERIVED["nms_rotated_impl"]
+_ROI_ALIGN_ROTATED = DERIVED["roi_align_rotated_forward_impl"]
 
 
 def _choice(op, name, value, options):
@@ -133,6 +134,37 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
     keep = _NMS_ROTATED(dets, scores, None if labels is None else labels.to(torch.int64),
                         float(iou_threshold), bool(clockwise))
     return torch.cat([dets[keep], scores[keep].reshape(-1, 1)], dim=1), keep
+
+
+def roi_align_rotated(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0,
+                      aligned=True, clockwise=False):
+    """mmcv.ops.roi_align_rotated: rois (K, 6) [batch index, cx, cy, w, h,
+    angle]; (K, C, *output_size); differentiable with respect to input."""
+    h, w = _pair("roi_align_rotated", output_size)
+    return _ROI_ALIGN_ROTATED(input, like_dtype(rois, input), h, w, float(spatial_scale),
+                              int(sampling_ratio), bool(aligned), bool(clockwise))
+
+
+class RoIAlignRotated(nn.Module):
+    """mmcv.ops.RoIAlignRotated."""
+
+    def __init__(self, output_size, spatial_scale=1.0, sampling_ratio=0, aligned=True,
+                 clockwise=False):
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = float(spatial_scale)
+        self.sampling_ratio = int(sampling_ratio)
+        self.aligned = aligned
+        self.clockwise = clockwise
+
+    def forward(self, input, rois):
+        return roi_align_rotated(input, rois, self.output_size, self.spatial_scale,
+                                 self.sampling_ratio, self.aligned, self.clockwise)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio}, "
+                f"aligned={self.aligned}, clockwise={self.clockwise})")
 
 
 def _focal_loss(op, derived, input, target, gamma, alpha, weight, reduction):

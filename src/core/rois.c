@@ -18,6 +18,11 @@ int mmd_roi_error(int code, int64_t roi_index, int64_t batch_size) {
                          "aligned sampling (roi_align's aligned=True, ps_roi_align) does not "
                          "allow",
                          (long long)roi_index);
+    case MMD_ROI_NEGATIVE_SIDES:
+        return mmd_error(MMD_ERR_VALUE,
+                         "rois[%lld] has a negative width or height (columns 3 and 4), which "
+                         "aligned sampling does not allow",
+                         (long long)roi_index);
     case MMD_ROI_GRID_TOO_LARGE:
         return mmd_error(MMD_ERR_VALUE,
                          "rois[%lld] needs more than %d samples per bin axis; use a smaller "

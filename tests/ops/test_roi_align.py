@@ -14,6 +14,7 @@ from mmdispatch.ops import roi_align, roi_align_backward, roi_align_forward
 from properties import (TOL, OpProperties, assert_close, bad_rois, float_arrays, guarded,
                         roi_problem_sizes, rois_for, sentinel, small_map_and_rois,
                         torch_map_and_rois)
+from references import mmcv_bilinear_terms
 
 roi_align_module = importlib.import_module("mmdispatch.ops.roi_align")
 
@@ -24,27 +25,6 @@ CPU_BACKENDS = ["default", "reference"]
 
 
 # --- slow reference, straight from the MMCV / Detectron2 definition -----------
-
-def ref_bilinear_terms(height, width, y, x):
-    """[(row, col, weight)] of one sample; [] when it lies outside the map."""
-    if y < -1.0 or y > height or x < -1.0 or x > width or height == 0 or width == 0:
-        return []
-    y, x = max(y, 0.0), max(x, 0.0)
-    y0, x0 = int(math.floor(y)), int(math.floor(x))
-    if y0 >= height - 1:
-        y0 = y1 = height - 1
-        y = float(y0)
-    else:
-        y1 = y0 + 1
-    if x0 >= width - 1:
-        x0 = x1 = width - 1
-        x = float(x0)
-    else:
-        x1 = x0 + 1
-    ly, lx = y - y0, x - x0
-    hy, hx = 1 - ly, 1 - lx
-    return [(y0, x0, hy * hx), (y0, x1, hy * lx), (y1, x0, ly * hx), (y1, x1, ly * lx)]
-
 
 def ref_bins(roi, out_h, out_w, scale, sampling_ratio, aligned):
     """Yields (ph, pw, [sample (y, x)]) for one roi."""
@@ -71,7 +51,7 @@ def ref_forward(x, rois, out_h, out_w, scale, sampling_ratio, mode, aligned):
     for k, roi in enumerate(rois):
         plane = x[int(roi[0])].astype(np.float64)
         for ph, pw, samples in ref_bins(roi, out_h, out_w, scale, sampling_ratio, aligned):
-            values = [[sum(wt * plane[ch, a, b] for a, b, wt in ref_bilinear_terms(h, w, sy, sx))
+            values = [[sum(wt * plane[ch, a, b] for a, b, wt in mmcv_bilinear_terms(h, w, sy, sx))
                        for sy, sx in samples] for ch in range(c)]
             for ch in range(c):
                 if mode == "avg":
@@ -94,10 +74,10 @@ def ref_backward(grad_out, rois, arg_y, arg_x, shape, scale, sampling_ratio, mod
                 g = grad_out[k, ch, ph, pw]
                 if mode == "avg":
                     for sy, sx in samples:
-                        for a, bb, wt in ref_bilinear_terms(h, w, sy, sx):
+                        for a, bb, wt in mmcv_bilinear_terms(h, w, sy, sx):
                             grad[b, ch, a, bb] += g * wt / max(len(samples), 1)
                 elif arg_y[k, ch, ph, pw] != -1:
-                    for a, bb, wt in ref_bilinear_terms(h, w, arg_y[k, ch, ph, pw],
+                    for a, bb, wt in mmcv_bilinear_terms(h, w, arg_y[k, ch, ph, pw],
                                                         arg_x[k, ch, ph, pw]):
                         grad[b, ch, a, bb] += g * wt
     return grad

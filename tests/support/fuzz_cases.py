@@ -383,6 +383,15 @@ def plausible(r, op_name, names, types=None):
         return {"int": lambda: r.int(0, 3), "float": lambda: r.choice(small_floats),
                 "bool": r.bool}.get(kind, lambda: None)()
 
+    if op_name.startswith("roi_align_rotated"):
+        def rotated_rois():
+            out = np.zeros((k, 6), dtype)
+            for i in range(k):
+                out[i] = [r.int(0, n - 1)] + [r.choice([-2.0, 0.0, 0.5, 1.0, 2.5, 4.0, 9.0, 1e6,
+                                                         math.nan]) for _ in range(5)]
+            return out
+        makers["rois"] = rotated_rois
+
     if op_name.startswith("multi_scale_deformable_attn"):
         # levels of up to 3 x 3 cells, consistent unless the mutation breaks them
         shapes = np.array([[r.int(0, 3), r.int(0, 3)] for _ in range(r.int(0, 3))],

@@ -101,6 +101,29 @@ template <typename T> struct mmd_interp_axis {
     int valid;   /* 0: sample outside [-1, size]; it contributes 0 */
 };
 
+/* A roi's batch index (its first value, finite) as an integer in
+ * [0, batch_size): MMD_ROI_OK, or MMD_ROI_BAD_BATCH. */
+template <typename T>
+MMD_HOSTDEV inline int mmd_roi_batch(T value, int64_t batch_size, int64_t *batch) {
+    if (!(value >= 0 && value < (T)batch_size && value == floor(value))) return MMD_ROI_BAD_BATCH;
+    *batch = (int64_t)value;
+    return MMD_ROI_OK;
+}
+
+/* Samples per bin axis: sampling_ratio, or when it is <= 0 the ceiling of
+ * the bin's size; MMD_ROI_OK, or MMD_ROI_GRID_TOO_LARGE past the cap. */
+template <typename T>
+MMD_HOSTDEV inline int mmd_roi_grid(T bin_h, T bin_w, int64_t sampling_ratio, int64_t *grid_h,
+                                    int64_t *grid_w) {
+    const T h = sampling_ratio > 0 ? (T)sampling_ratio : ceil(bin_h);
+    const T w = sampling_ratio > 0 ? (T)sampling_ratio : ceil(bin_w);
+    if (!(h <= MMD_ROI_ALIGN_MAX_GRID && w <= MMD_ROI_ALIGN_MAX_GRID))
+        return MMD_ROI_GRID_TOO_LARGE;
+    *grid_h = (int64_t)h;
+    *grid_w = (int64_t)w;
+    return MMD_ROI_OK;
+}
+
 /* Validates one roi ([batch, x1, y1, x2, y2]) and computes its geometry.
  * Returns MMD_ROI_OK or the reason it is rejected. */
 template <typename T>
@@ -110,10 +133,8 @@ MMD_HOSTDEV inline int mmd_roi_align_geometry(const T roi[5], int64_t batch_size
                                               mmd_roi_geometry<T> *g) {
     for (int i = 0; i < 5; ++i)
         if (!isfinite(roi[i])) return MMD_ROI_NONFINITE;
-    if (!(roi[0] >= 0 && roi[0] < (T)batch_size && roi[0] == floor(roi[0])))
-        return MMD_ROI_BAD_BATCH;
+    if (mmd_roi_batch(roi[0], batch_size, &g->batch) != MMD_ROI_OK) return MMD_ROI_BAD_BATCH;
     const T offset = aligned ? (T)0.5 : (T)0;
-    g->batch = (int64_t)roi[0];
     g->start_w = roi[1] * spatial_scale - offset;
     g->start_h = roi[2] * spatial_scale - offset;
     T roi_w = roi[3] * spatial_scale - offset - g->start_w;
@@ -127,13 +148,7 @@ MMD_HOSTDEV inline int mmd_roi_align_geometry(const T roi[5], int64_t batch_size
     }
     g->bin_h = roi_h / (T)pooled_h;
     g->bin_w = roi_w / (T)pooled_w;
-    const T grid_h = sampling_ratio > 0 ? (T)sampling_ratio : ceil(g->bin_h);
-    const T grid_w = sampling_ratio > 0 ? (T)sampling_ratio : ceil(g->bin_w);
-    if (!(grid_h <= MMD_ROI_ALIGN_MAX_GRID && grid_w <= MMD_ROI_ALIGN_MAX_GRID))
-        return MMD_ROI_GRID_TOO_LARGE;
-    g->grid_h = (int64_t)grid_h;
-    g->grid_w = (int64_t)grid_w;
-    return MMD_ROI_OK;
+    return mmd_roi_grid(g->bin_h, g->bin_w, sampling_ratio, &g->grid_h, &g->grid_w);
 }
 
 /* Coordinate of sample `i` of bin `bin_index` along one axis. */

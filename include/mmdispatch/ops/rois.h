@@ -21,7 +21,8 @@ enum {
     MMD_ROI_NONFINITE = 1,      /* NaN or inf, also after scaling */
     MMD_ROI_BAD_BATCH = 2,      /* batch index not an integer in [0, N) */
     MMD_ROI_NEGATIVE_SIZE = 3,  /* roi_align aligned=True: x2 < x1 or y2 < y1 */
-    MMD_ROI_GRID_TOO_LARGE = 4  /* roi_align: too many samples per bin */
+    MMD_ROI_GRID_TOO_LARGE = 4, /* roi_align: too many samples per bin */
+    MMD_ROI_NEGATIVE_SIDES = 5  /* roi_align_rotated aligned=True: w < 0 or h < 0 */
 };
 
 /* Samples per bin axis are capped so that a huge roi or sampling_ratio is an
