@@ -21,6 +21,7 @@
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "heap_array.h"
 
 namespace {
 
@@ -138,26 +139,17 @@ template <typename T> struct Call {
     }
 };
 
-/* A buffer of n values, freed at scope exit. */
-template <typename T> struct Buffer {
-    T *data;
-    explicit Buffer(int64_t n) : data((T *)malloc(sizeof(T) * (size_t)(n > 0 ? n : 1))) {}
-    ~Buffer() { free(data); }
-    Buffer(const Buffer &) = delete;
-    Buffer &operator=(const Buffer &) = delete;
-};
-
 /* A chunk's columns and sample table. */
 template <typename T> struct Workspace {
     int64_t bytes;
-    Buffer<T> columns;
-    Buffer<Sample<T>> table;
+    HeapArray<T> columns;
+    HeapArray<Sample<T>> table;
 
     Workspace(const mmd_dcn_shape &d, int64_t chunk)
         : bytes((int64_t)(sizeof(T) * d.in_channels + sizeof(Sample<T>) * d.offset_groups) *
                 d.taps() * chunk),
           columns(d.in_channels * d.taps() * chunk), table(d.offset_groups * d.taps() * chunk) {}
-    bool ok() const { return columns.data != nullptr && table.data != nullptr; }
+    bool ok() const { return columns.get() != nullptr && table.get() != nullptr; }
     int no_memory() const {
         return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's columns",
                          (long long)bytes);
@@ -171,18 +163,18 @@ template <typename T> int forward(const Call<T> &call, const T *bias, T *output)
     const int64_t rows = d.in_channels * d.taps();
     Workspace<T> work(d, chunk);
     if (!work.ok()) return work.no_memory();
-    Buffer<T> &columns = work.columns;
-    Buffer<Sample<T>> &table = work.table;
+    HeapArray<T> &columns = work.columns;
+    HeapArray<Sample<T>> &table = work.table;
     const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
     for (int64_t n = 0; n < d.batch; ++n) {
         T *out = output + n * d.out_channels * pixels;
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            call.locate(n, p0, count, table.data);
-            call.im2col(n, count, table.data, columns.data);
+            call.locate(n, p0, count, table.get());
+            call.im2col(n, count, table.get(), columns.get());
             for (int64_t g = 0; g < d.groups; ++g)
                 mmd_gemm(0, 0, out_per_group, count, k, (T)1, call.weight + g * out_per_group * k,
-                         k, columns.data + g * k * count, count, (T)0,
+                         k, columns.get() + g * k * count, count, (T)0,
                          out + g * out_per_group * pixels + p0, pixels);
         }
         if (bias != nullptr)
@@ -207,15 +199,15 @@ int offset_and_mask_grads(const Call<T> &call, int64_t n, int64_t p0, int64_t co
     const int64_t plane = d.height * d.width, per_group = d.channels_per_offset_group();
     return mmd_parallel_for(rows, 1, mmd_worth_threads(rows, rows * per_group * count * 8),
                             [&](int64_t begin, int64_t end) {
-        Buffer<T> sums(3 * count);
-        if (!sums.data)
+        HeapArray<T> sums(3 * count);
+        if (!sums.get())
             return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's "
                              "offset gradient", (long long)(3 * count * sizeof(T)));
-        T *gy = sums.data, *gx = gy + count, *gm = gx + count;
+        T *gy = sums.get(), *gx = gy + count, *gm = gx + count;
         for (int64_t r = begin; r < end; ++r) {
             const int64_t g = r / taps, t = r % taps;
             const Sample<T> *row = table + r * count;
-            memset(sums.data, 0, sizeof(T) * 3 * count);
+            memset(sums.get(), 0, sizeof(T) * 3 * count);
             for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
                 const T *src = call.input + (n * d.in_channels + c) * plane;
                 const T *gc = grad_columns + (c * taps + t) * count;
@@ -289,18 +281,18 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
     const int64_t chunk = call.chunk();
     Workspace<T> work(d, chunk);
     if (!work.ok()) return work.no_memory();
-    Buffer<T> &columns = work.columns;
-    Buffer<Sample<T>> &table = work.table;
+    HeapArray<T> &columns = work.columns;
+    HeapArray<Sample<T>> &table = work.table;
     const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
     for (int64_t n = 0; n < d.batch; ++n) {
         const T *grad_out = grad_output + n * d.out_channels * pixels;
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            call.locate(n, p0, count, table.data);
-            call.im2col(n, count, table.data, columns.data);
+            call.locate(n, p0, count, table.get());
+            call.im2col(n, count, table.get(), columns.get());
             for (int64_t g = 0; g < d.groups; ++g) {
                 const T *grad_g = grad_out + g * out_per_group * pixels + p0;
-                T *columns_g = columns.data + g * k * count;
+                T *columns_g = columns.get() + g * k * count;
                 /* grad_weight += grad_output x columns^T */
                 mmd_gemm(0, 1, out_per_group, k, count, (T)1, grad_g, pixels, columns_g, count,
                          (T)1, grads.weight + g * out_per_group * k, k);
@@ -309,9 +301,9 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
                          call.weight + g * out_per_group * k, k, grad_g, pixels, (T)0, columns_g,
                          count);
             }
-            int s = offset_and_mask_grads(call, n, p0, count, table.data, columns.data, grads);
+            int s = offset_and_mask_grads(call, n, p0, count, table.get(), columns.get(), grads);
             if (s) return s;
-            col2im(call, n, count, table.data, columns.data, grads.input);
+            col2im(call, n, count, table.get(), columns.get(), grads.input);
         }
     }
     return MMD_OK;

@@ -7,13 +7,11 @@
  * so the scattered sums into grad_value are race-free, and deterministic
  * (queries, levels and points in order). The levels are checked before
  * anything is written. */
-#include <stdlib.h>
-#include <string.h>
-
 #include "mmdispatch/ops/multi_scale_deformable_attn.h"
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "heap_array.h"
 
 namespace {
 
@@ -42,10 +40,11 @@ inline const T *cell_of(const mmd_bilinear_sample<T> &s, int corner, const T *le
 
 template <typename T> int forward(const Call<T> &c, T *output) {
     const mmd_msda_shape &d = c.d;
-    T *zeros = (T *)calloc((size_t)(d.dims > 0 ? d.dims : 1), sizeof(T));
-    if (!zeros)
+    const HeapArray<T> zero_row(d.dims, true);   /* what a corner off the level reads */
+    if (!zero_row)
         return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes",
                          (long long)(d.dims * sizeof(T)));
+    const T *zeros = zero_row.get();
     const int64_t items = d.batch * d.queries, stride = c.key_stride();
     const int64_t work = items * d.heads * d.levels * d.points * (d.dims + 8);
     mmd_parallel_for(items, mmd_even_chunk(items), mmd_worth_threads(items, work),
@@ -84,7 +83,6 @@ template <typename T> int forward(const Call<T> &c, T *output) {
         }
         return (int)MMD_OK;
     });
-    free(zeros);
     return MMD_OK;
 }
 
@@ -97,10 +95,11 @@ template <typename T> struct Grads {
 
 template <typename T> int backward(const Call<T> &c, const Grads<T> &g) {
     const mmd_msda_shape &d = c.d;
-    T *zeros = (T *)calloc((size_t)(d.dims > 0 ? d.dims : 1), sizeof(T));
-    if (!zeros)
+    const HeapArray<T> zero_row(d.dims, true);   /* what a corner off the level reads */
+    if (!zero_row)
         return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes",
                          (long long)(d.dims * sizeof(T)));
+    const T *zeros = zero_row.get();
     const int64_t items = d.batch * d.heads, stride = c.key_stride();
     const int64_t work = items * d.queries * d.levels * d.points * (4 * d.dims + 8);
     mmd_parallel_for(items, 1, mmd_worth_threads(items, work), [&](int64_t begin, int64_t end) {
@@ -175,7 +174,6 @@ template <typename T> int backward(const Call<T> &c, const Grads<T> &g) {
         }
         return (int)MMD_OK;
     });
-    free(zeros);
     return MMD_OK;
 }
 

@@ -9,7 +9,7 @@
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
-#include "score_order.h"
+#include "heap_array.h"
 
 namespace {
 

@@ -1,0 +1,31 @@
+/* Heap arrays for the CPU kernels' scratch memory, freed at scope exit. */
+#ifndef MMDISPATCH_CPU_HEAP_ARRAY_H
+#define MMDISPATCH_CPU_HEAP_ARRAY_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+namespace {
+
+/* n items of heap memory (at least one, so that an empty input is not an
+ * allocation failure), freed with the holder; zeroed when asked. */
+template <typename U> class HeapArray {
+  public:
+    explicit HeapArray(int64_t n, bool zeroed = false) {
+        const size_t count = (size_t)(n > 0 ? n : 1);
+        data_ = (U *)(zeroed ? calloc(count, sizeof(U)) : malloc(count * sizeof(U)));
+    }
+    ~HeapArray() { free(data_); }
+    HeapArray(const HeapArray &) = delete;
+    HeapArray &operator=(const HeapArray &) = delete;
+    U *get() const { return data_; }
+    U &operator[](int64_t i) const { return data_[i]; }
+    explicit operator bool() const { return data_ != nullptr; }
+
+  private:
+    U *data_;
+};
+
+}  // namespace
+
+#endif
