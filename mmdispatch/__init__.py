@@ -26,7 +26,8 @@ from mmdispatch import _cuda  # resolves __cuda_array_interface__ pointers' devi
 # Every dispatch entry point, generated from signatures.txt.
 globals().update({name: getattr(_core, name) for name in _core.op_signatures()})
 
-from mmdispatch import ops  # noqa: E402
+from mmdispatch import fallbacks, ops  # noqa: E402
+from mmdispatch.profiler import profile  # noqa: E402
 
 
 def build_info():

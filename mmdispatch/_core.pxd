@@ -62,6 +62,7 @@ cdef extern from "mmdispatch/registry.h" nogil:
         MMD_STRICT_OFF
         MMD_STRICT_ON
     unsigned char *mmd_thread_strict()
+    int *mmd_thread_hook_guard()
 
 cdef extern from "mmdispatch_generated.h" nogil:
     ctypedef struct mmd_device_module:
@@ -138,6 +139,7 @@ cdef struct CallState:
     uintptr_t hi[MAX_ARRAY_ARGS]
     void *kernel
     bint python_kernel
+    bint boxed       # the Python kernel is a fallback's (_BoxedKernel): nothing is allocated
     mmd_context ctx
 
 cdef class OpRegistry:

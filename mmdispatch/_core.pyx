@@ -7,11 +7,12 @@ One call of an entry point (generated per op into _dispatch_gen.pxi):
   1. classify every array argument and read its device (no copies);
   2. every array must sit on the first array's device (type and index);
   3. slot = device_type * MMD_MAX_BACKENDS + the thread's backend;
-     a Python kernel there wins, else the C table's pointer, else
-     KernelNotFoundError;
+     a Python kernel there wins, else the C table's pointer, else the
+     device's fallback (register_fallback), else KernelNotFoundError;
   4. view each array as an mmd_tensor, check outputs (writable, no overlap);
-  5. call the kernel without the GIL; a nonzero status becomes an exception
-     in one place (OpRegistry.raise_kernel_error).
+  5. call the kernel without the GIL (with the hooks' begin and end around
+     it where a hook is added: _layers.pxi); a nonzero status becomes an
+     exception in one place (OpRegistry.raise_kernel_error).
 """
 cimport cython
 cimport numpy as cnp
@@ -505,6 +506,8 @@ cdef class OpRegistry:
         if st.python_kernel:
             if not missing:
                 return python_kernel
+            if st.boxed:   # the fallback gets the missing outputs as None
+                return python_kernel, None
         elif _device_count[device_type] >= 0 and not 0 <= device_id < _device_count[device_type]:
             raise self.no_such_device(ref, device_type, device_id)
         held = None
@@ -524,6 +527,8 @@ cdef class OpRegistry:
         cdef int i
         cdef int kind
         python_kernel, capsules = self.prepare(st, missing)
+        if st.boxed:
+            return python_kernel
         if capsules:
             held.extend(capsules)
         for i in range(self.n_arrays):
@@ -688,6 +693,11 @@ cdef class OpRegistry:
                          f"'{backend_name}'.")
         lines.append(f"To supply one: mmdispatch.register_impl({self.name!r}, "
                      f"{type_name!r}, fn{'' if backend == 0 else f', backend={backend_name!r}'}).")
+        if device_type != MMD_DEVICE_CPU:
+            lines.append(f"Or opt in to running the CPU kernels on host copies of the arrays "
+                         f"(slow: every call copies its arrays to the host and its outputs "
+                         f"back): mmdispatch.register_fallback({type_name!r}, "
+                         f"mmdispatch.fallbacks.copy_to_cpu).")
         return KernelNotFoundError(" ".join(lines))
 
     cdef int raise_kernel_error(self, int status) except -1:
@@ -695,20 +705,24 @@ cdef class OpRegistry:
 
 
 cdef int _raise_status(str prefix, int status) except -1:
+    raise _status_error(prefix, status)
+
+
+cdef object _status_error(str prefix, int status):
     """The one place where kernel status codes become exceptions; the
     message is the calling thread's mmd_error, after `prefix` (the op). A
     deferred error's message names its own op."""
     detail = mmd_last_error().decode('utf-8', 'replace')
     if status == MMD_ERR_DEFERRED:
-        raise DeferredKernelError(detail)
+        return DeferredKernelError(detail)
     message = f"{prefix}: {detail}"
     if status == MMD_ERR_VALUE:
-        raise ValueError(message)
+        return ValueError(message)
     if status == MMD_ERR_TYPE:
-        raise TypeError(message)
+        return TypeError(message)
     if status == MMD_ERR_MEMORY:
-        raise MemoryError(message)
-    raise RuntimeError(message)
+        return MemoryError(message)
+    return RuntimeError(message)
 
 
 cdef OpRegistry _define_op(str name, str signature, void **c_table, const char **c_origin,
@@ -742,8 +756,10 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
                                 int backend):
     """Step 3 of a call: the Python kernel for the slot (returned, with
     st.python_kernel set), else its C kernel in st.kernel with st.ctx set for
-    the device (None returned), else KernelNotFoundError."""
+    the device (None returned), else the device's fallback (a Python kernel
+    with st.boxed set too), else KernelNotFoundError."""
     cdef int slot = device_type * MMD_MAX_BACKENDS + backend
+    st.boxed = False
     python_kernel = op.python_kernels[slot]
     if python_kernel is not None:
         st.python_kernel = True
@@ -754,6 +770,9 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
         st.kernel = op.c_table[slot]
     if st.kernel == NULL:
         st.kernel = _kernel_after_probe(op, slot, device_type, device_id, backend)
+        if st.kernel == NULL:   # the slot is empty: the device's fallback takes the call
+            st.python_kernel = st.boxed = True
+            return _boxed_kernel(op, device_type, device_id)
     st.ctx.device_id = device_id
     st.ctx.stream = NULL
     st.ctx.flags = _context_flags()
@@ -995,6 +1014,7 @@ cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple
         return (cupy.zeros if zeros else cupy.empty)(shape, dtype=dtype)
 
 
+include "_layers.pxi"
 include "_dispatch_gen.pxi"
 
 
@@ -1032,15 +1052,16 @@ cdef int _probe_all_devices() except -1:
 
 
 cdef void *_kernel_after_probe(OpRegistry op, int slot, int device_type, int device_id,
-                               int backend) except NULL:
+                               int backend) except? NULL:
     """An empty slot on the first call for a device type: the device module
-    registers now, and the slot is read again; else KernelNotFoundError."""
+    registers now, and the slot is read again; else NULL where the device
+    has a fallback, else KernelNotFoundError."""
     cdef void *kernel = NULL
     if _probe_device(device_type):
         kernel = op.runtime_c_kernels[slot]
         if kernel == NULL:
             kernel = op.c_table[slot]
-    if kernel == NULL:
+    if kernel == NULL and _active_fallbacks[device_type] is None:
         raise op.not_found(device_type, device_id, backend)
     return kernel
 

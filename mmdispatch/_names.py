@@ -4,9 +4,11 @@ package's type stub (__init__.pyi) from them."""
 
 # re-exported from the Cython core (mmdispatch._core)
 FROM_CORE = (
-    "DeferredKernelError", "DeviceMismatchError", "KernelHandle", "KernelNotFoundError",
-    "backends", "device_name", "devices", "get_backend", "is_strict", "kernel_capsule_name",
-    "op_signatures", "register_impl", "registry_table", "strict", "synchronize", "use_backend",
+    "BoxedCall", "CallRecord", "DeferredKernelError", "DeviceMismatchError", "FallbackHandle",
+    "FallbackWarning", "HookHandle", "KernelHandle", "KernelNotFoundError", "add_hook",
+    "backends", "device_name", "devices", "get_backend", "hooks", "is_strict",
+    "kernel_capsule_name", "op_signatures", "register_fallback", "register_impl",
+    "registered_fallbacks", "registry_table", "strict", "synchronize", "trace", "use_backend",
 )
 # defined by the package itself
-OWN = ("build_info", "ops", "__version__")
+OWN = ("build_info", "fallbacks", "ops", "profile", "__version__")

@@ -32,6 +32,12 @@ workload runs through mmdispatch.torch on torch tensors (forward+backward
 through autograd) beside torchvision's ops on the same tensors, on the CPU
 and, where our CUDA kernels run and torch sees a GPU, on CUDA, with the
 per-call cost of a tiny roi_align without and with autograd recorded.
+The cost of dispatch hooks: the tiny ops.roi_align call with
+mmdispatch.trace(a no-op callback) and with mmdispatch.profile() active,
+beside the same call without hooks (ratio below 1: the hooked call is
+slower). Where Dask is installed (extra 'dask'), mmdispatch.dask's
+workloads run on a LocalCluster of 1 and then 2 worker processes; their
+ratio column is the speed-up of 2 workers over 1.
 """
 import argparse
 import json
@@ -40,6 +46,7 @@ import statistics
 import sys
 import time
 import timeit
+import warnings
 
 import numpy as np
 
@@ -239,6 +246,75 @@ def call_cost_cases(tv):
            lambda: mmdispatch.roi_align_forward_impl(x, rois, out, empty, empty, 1, 1, 1.0, 2, 1,
                                                      True), None)
     yield "np.add, 1-element arrays", lambda: np.add(one, one), None
+
+
+def hook_cost(repeat):
+    """(seconds per tiny ops.roi_align call without a hook, with
+    mmdispatch.trace(no-op) active, with mmdispatch.profile() active),
+    medians of batches timed in turn."""
+    x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    rois = np.array([[0, 0, 0, 3, 3]], dtype=np.float32)
+
+    def call():
+        ops.roi_align(x, rois, 1, 1.0, 2)
+
+    plain, traced, profiled = [], [], []
+    for _ in range(max(repeat, 5)):
+        plain.append(median_call(call, 1))
+        with mmdispatch.trace(lambda event, record: None):
+            traced.append(median_call(call, 1))
+        with mmdispatch.profile():
+            profiled.append(median_call(call, 1))
+    return statistics.median(plain), statistics.median(traced), statistics.median(profiled)
+
+
+# mmdispatch.dask workloads: (boxes per side of the IoU, images, boxes per image)
+DASK_STANDARD = (40_000, 1000, 1000)
+DASK_QUICK = (8_000, 100, 1000)
+
+
+def dask_scaling(quick, repeat):
+    """Wall times of mmdispatch.dask workloads on a LocalCluster of 1 and of
+    2 worker processes (one thread each), computed from in-memory inputs:
+    per-row maxima of an n x n IoU (5000-box blocks) and NMS over a Bag of
+    images. Returns ({workload: {workers: seconds}}, None) or (None, why
+    skipped)."""
+    try:
+        import dask.array as da
+        import dask.bag as db
+        import distributed
+        from mmdispatch import dask as mdask
+    except ImportError as exc:
+        return None, f"Dask is not installed ({exc.name}): pip install 'mmdispatch[dask]'"
+    n, images, per_image = DASK_QUICK if quick else DASK_STANDARD
+    rng = np.random.default_rng(0)
+
+    def boxes(count):
+        b = rng.random((count, 4), dtype=np.float32) * 3000
+        b[:, 2:] = b[:, :2] + rng.random((count, 2), dtype=np.float32) * 100
+        return b
+
+    a, b = da.from_array(boxes(n), chunks=(5000, 4)), da.from_array(boxes(n), chunks=(5000, 4))
+    records = [{"image_id": i, "boxes": boxes(per_image),
+                "scores": rng.random(per_image, dtype=np.float32)} for i in range(images)]
+    workloads = {
+        f"dask: bbox_overlaps {n:,} x {n:,} per-row max":
+            lambda: mdask.bbox_overlaps(a, b).max(axis=1).compute(),
+        f"dask: nms over a Bag of {images:,} images x {per_image:,} boxes":
+            lambda: mdask.nms(db.from_sequence(records, npartitions=16), 0.5).compute(),
+    }
+    times = {name: {} for name in workloads}
+    for workers in (1, 2):
+        progress(f"bench: mmdispatch.dask on {workers} worker process(es) ...")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # distributed's notes on large graphs
+            with distributed.LocalCluster(n_workers=workers, threads_per_worker=1,
+                                          processes=True, dashboard_address=None) as cluster, \
+                    distributed.Client(cluster):
+                for name, fn in workloads.items():
+                    fn()   # warm-up: workers import mmdispatch
+                    times[name][workers] = median_time(fn, min(repeat, 3))
+    return times, None
 
 
 def cuda_runtime():
@@ -1001,6 +1077,12 @@ def run(quick=False, repeat=None):
     record("no-op kernel through roi_align_forward_impl", dispatched_ns * 1e-9, None, "s/call")
     record("no-op kernel, raw Cython call", raw_ns * 1e-9, None, "s/call")
     record("dispatch overhead (difference)", overhead_ns * 1e-9, None, "s/call")
+    progress("bench: hook cost (tiny roi_align with trace() / profile() active) ...")
+    plain, traced, profiled = hook_cost(repeat)
+    record("roi_align call, tiny input, mmdispatch.trace(no-op) active (vs none)", traced,
+           plain, "s/call")
+    record("roi_align call, tiny input, mmdispatch.profile() active (vs none)", profiled,
+           plain, "s/call")
     progress("bench: overhead fraction sweep ...")
     sweep = overhead_sweep(overhead_ns, quick, repeat)
     progress("bench: tail latency of a mid-size call, idle and under load ...")
@@ -1015,6 +1097,10 @@ def run(quick=False, repeat=None):
     rows += cuda_rows or []
     torch_rows, torch_skipped = run_torch(quick, repeat, tv)
     rows += torch_rows or []
+    dask_times, dask_skipped = dask_scaling(quick, repeat)
+    for name, by_workers in (dask_times or {}).items():
+        # the ratio column: 1 worker's time / 2 workers' time, the speed-up
+        record(f"{name}, 2 workers (vs 1)", by_workers[2], by_workers[1], "s")
     progress("bench: peak memory of a forward call ...")
     feature, rois = roi_workload(cfg)
     out_bytes = rois.shape[0] * feature.shape[1] * cfg["output"] ** 2 * feature.itemsize
@@ -1034,6 +1120,7 @@ def run(quick=False, repeat=None):
         "torchvision": None if tv is None else tv[1].__version__,
         "cuda_skipped": cuda_skipped,
         "torch_skipped": torch_skipped,
+        "dask_skipped": dask_skipped,
         "results": rows,
         "overhead": {"overhead_ns": overhead_ns, "sweep": sweep},
     }
@@ -1057,6 +1144,8 @@ def table(report):
                if report.get("cuda_skipped") else []),
              *([f"PyTorch benchmarks skipped: {report['torch_skipped']}"]
                if report.get("torch_skipped") else []),
+             *([f"Dask benchmarks skipped: {report['dask_skipped']}"]
+               if report.get("dask_skipped") else []),
              "",
              "| benchmark | mmdispatch | torchvision | torchvision / mmdispatch |",
              "|---|---|---|---|"]

@@ -34,6 +34,20 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True)
+def no_dispatch_layers_leak():
+    """Every test leaves no hook and no fallback behind (they are
+    process-wide); one that does fails, and they are removed."""
+    yield
+    leaked = (mmdispatch.hooks(), mmdispatch.registered_fallbacks())
+    if leaked != ([], {}):
+        for hook in leaked[0]:
+            mmdispatch._core._remove_hook(hook)
+        for device in leaked[1]:
+            mmdispatch._core._remove_fallbacks(device)
+        pytest.fail(f"the test left hooks {leaked[0]} or fallbacks {leaked[1]} behind")
+
+
 @pytest.fixture
 def cupy():
     """CuPy with a usable GPU and CUDA kernels, else the test is skipped.

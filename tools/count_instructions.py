@@ -11,6 +11,8 @@ Prints, per call:
   side), raw: _benchkit.raw_roi_align_forward (its baseline), and their
   difference, the instructions the dispatcher adds;
 - tiny: a whole ops.roi_align call on the tiny input (1x1x4x4, one roi, 1x1);
+- tiny+trace, tiny+profile: the same call with mmdispatch.trace(a no-op
+  callback) or mmdispatch.profile() active (the hooks' cost);
 - allocating: roi_align_forward_impl on it with its outputs None (the
   dispatcher allocates them), the built-in kernel;
 - with --torch (torch installed): the same tiny call through
@@ -51,11 +53,18 @@ x = np.zeros((1, 1, 4, 4), np.float32)
 rois = np.array([[0, 0, 0, 3, 3]], np.float32)
 out = np.empty((1, 1, 1, 1), np.float32)
 empty = np.empty((0,), np.float32)
-if which == "tiny":
+if which.startswith("tiny"):
     def loop(f, n):
         for _ in range(n):
             f(x, rois, 1, 1.0, 2)
-    loop(ops.roi_align, n)
+    if which == "tiny+trace":
+        with mmdispatch.trace(lambda event, call: None):
+            loop(ops.roi_align, n)
+    elif which == "tiny+profile":
+        with mmdispatch.profile() as p:
+            loop(ops.roi_align, n)
+    else:
+        loop(ops.roi_align, n)
 elif which == "allocating":
     def loop(f, n):
         for _ in range(n):
@@ -109,7 +118,11 @@ def main(argv=None):
     allocating = per_call("allocating", args.calls // 5)
     print(f"dispatch {dispatch:.0f}  raw {raw:.0f}  dispatcher adds {dispatch - raw:.0f} "
           f"instructions per call")
-    print(f"ops.roi_align tiny call {tiny:.0f} instructions")
+    traced = per_call("tiny+trace", args.calls // 5)
+    profiled = per_call("tiny+profile", args.calls // 5)
+    print(f"ops.roi_align tiny call {tiny:.0f} instructions; with trace(no-op) "
+          f"{traced:.0f} ({traced / tiny:.2f}x), with profile() {profiled:.0f} "
+          f"({profiled / tiny:.2f}x)")
     print(f"roi_align_forward_impl allocating its outputs, tiny call {allocating:.0f} "
           "instructions")
     if args.torch:

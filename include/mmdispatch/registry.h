@@ -54,6 +54,11 @@ unsigned char *mmd_thread_backends(void);
 enum { MMD_STRICT_UNSET = 0, MMD_STRICT_OFF = 1, MMD_STRICT_ON = 2 };
 unsigned char *mmd_thread_strict(void);
 
+/* Thread-local exclusion guard of the dispatch hooks (mmdispatch.add_hook):
+ * while it is above 0 (a hook or a fallback is running in this thread), the
+ * thread's calls are not shown to hooks. */
+int *mmd_thread_hook_guard(void);
+
 #ifdef __cplusplus
 }
 #endif

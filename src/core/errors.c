@@ -1,5 +1,5 @@
-/* Thread-local error message, backend selection and strict mode, plus dtype
- * metadata. */
+/* Thread-local error message, backend selection, strict mode and hook guard,
+ * plus dtype metadata. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,6 +10,7 @@
 static _Thread_local char mmd_error_message[1024];
 static _Thread_local unsigned char mmd_backends[MMD_MAX_DEVICE_TYPES];
 static _Thread_local unsigned char mmd_strict;
+static _Thread_local int mmd_hook_guard;
 
 int mmd_error(int status, const char *fmt, ...) {
     va_list args;
@@ -24,6 +25,8 @@ const char *mmd_last_error(void) { return mmd_error_message; }
 unsigned char *mmd_thread_backends(void) { return mmd_backends; }
 
 unsigned char *mmd_thread_strict(void) { return &mmd_strict; }
+
+int *mmd_thread_hook_guard(void) { return &mmd_hook_guard; }
 
 static const struct {
     const char *name;

@@ -1,0 +1,293 @@
+"""Boxed fallbacks (mmdispatch.register_fallback, _layers.pxi) and the
+ready one, mmdispatch.fallbacks.copy_to_cpu, on stand-in arrays of a device
+mmdispatch has no kernels for (ROCm), seen only through DLPack and the
+Array API."""
+import random
+import warnings
+
+import numpy as np
+import pytest
+
+import mmdispatch
+from mmdispatch import ops
+from mmdispatch.fallbacks import copy_to_cpu
+from stand_ins import HostBackedDeviceArray as OnRocm
+
+import fuzz_cases
+
+
+@pytest.fixture
+def rocm_fallback():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", copy_to_cpu) as handle:
+            yield handle
+
+
+def roi_inputs():
+    rng = np.random.default_rng(0)
+    x = rng.random((2, 3, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [1, 2, 1, 8, 6.5]], np.float32)
+    return x, rois
+
+
+def test_without_fallback_the_error_names_it_and_nothing_is_read():
+    x, rois = roi_inputs()
+    a, b = OnRocm(x), OnRocm(rois)
+    with pytest.raises(mmdispatch.KernelNotFoundError) as info:
+        ops.roi_align(a, b, 2)
+    message = str(info.value)
+    assert "roi_align_forward_impl: implementation for device rocm:0 not found." in message
+    assert "mmdispatch.register_fallback('rocm', mmdispatch.fallbacks.copy_to_cpu)" in message
+    assert a.exported == b.exported == 0
+    assert mmdispatch.registered_fallbacks() == {}
+
+
+def test_cpu_not_found_error_does_not_offer_the_copy_fallback():
+    x, rois = roi_inputs()
+    # the CPU has no kernels of the "deterministic" backend (its default ones are)
+    with mmdispatch.use_backend("cpu", "deterministic"):
+        with pytest.raises(mmdispatch.KernelNotFoundError) as info:
+            mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 0, 1, True)
+    assert "register_fallback" not in str(info.value)
+
+
+def test_copy_to_cpu_gives_the_cpu_results_on_the_device(rocm_fallback):
+    x, rois = roi_inputs()
+    result = ops.roi_align(OnRocm(x), OnRocm(rois), 3, 0.5, 2)
+    assert isinstance(result, OnRocm) and result.device == (10, 0)
+    np.testing.assert_array_equal(result.host(), ops.roi_align(x, rois, 3, 0.5, 2))
+
+
+def test_copy_to_cpu_writes_given_outputs_back_and_leaves_inputs_alone(rocm_fallback):
+    x, rois = roi_inputs()
+    output = OnRocm(np.full((2, 3, 2, 2), -7, np.float32))
+    argmax_y, argmax_x = (OnRocm(np.zeros((2, 3, 2, 2), np.float32)) for _ in range(2))
+    a, b = OnRocm(x), OnRocm(rois)
+    assert mmdispatch.roi_align_forward_impl(a, b, output, argmax_y, argmax_x, 2, 2, 1.0, 2,
+                                             0, True) is None
+    expected = ops.roi_align_forward(x, rois, 2, 1.0, 2, "max", True)
+    for got, want in zip((output, argmax_y, argmax_x), expected):
+        np.testing.assert_array_equal(got.host(), want)
+    np.testing.assert_array_equal(a.host(), x)
+    np.testing.assert_array_equal(b.host(), rois)
+
+
+def test_copy_to_cpu_keeps_what_an_accumulating_output_held(rocm_fallback):
+    x, rois = roi_inputs()
+    grad = np.random.default_rng(1).random((2, 3, 2, 2), dtype=np.float32)
+    start = np.full(x.shape, 0.5, np.float32)
+    grad_input = OnRocm(start.copy())
+    empty = OnRocm(np.zeros((0,), np.float32))
+    mmdispatch.roi_align_backward_impl(OnRocm(grad), OnRocm(rois), empty, empty, grad_input,
+                                       2, 2, 1.0, 2, 1, True)
+    expected = start.copy()
+    mmdispatch.roi_align_backward_impl(grad, rois, np.zeros((0,), np.float32),
+                                       np.zeros((0,), np.float32), expected, 2, 2, 1.0, 2, 1,
+                                       True)
+    np.testing.assert_array_equal(grad_input.host(), expected)
+
+
+def test_copy_to_cpu_trims_a_given_keep_array_like_the_entry_point(rocm_fallback):
+    boxes = np.array([[0, 0, 1, 1], [0, 0, 1, 1.1], [5, 5, 6, 6]], np.float32)
+    scores = np.array([0.9, 0.8, 0.7], np.float32)
+    keep = OnRocm(np.full(3, -1, np.int64))
+    count = OnRocm(np.zeros(1, np.int64))
+    assert mmdispatch.nms_impl(OnRocm(boxes), OnRocm(scores), None, keep, count, 0.5, 0) is None
+    np.testing.assert_array_equal(keep.host()[:2], [0, 2])
+    np.testing.assert_array_equal(count.host(), [2])
+    kept = mmdispatch.nms_impl(OnRocm(boxes), OnRocm(scores), None, keep, None, 0.5, 0)
+    assert isinstance(kept, OnRocm)
+    np.testing.assert_array_equal(kept.host(), [0, 2])
+    np.testing.assert_array_equal(ops.nms(OnRocm(boxes), OnRocm(scores), 0.5).host(), [0, 2])
+
+
+def test_copy_to_cpu_raises_the_cpu_kernels_error_naming_op_and_parameter(rocm_fallback):
+    boxes = OnRocm(np.zeros((3, 3), np.float32))   # wrong box width
+    with pytest.raises(ValueError, match=r"^bbox_overlaps_impl: .*bboxes1"):
+        mmdispatch.bbox_overlaps_impl(boxes, OnRocm(np.zeros((2, 4), np.float32)), None, 0,
+                                      False, 0)
+
+
+def _plausible_call(op_name, seed):
+    sig = fuzz_cases.SIGNATURES[op_name]
+    r = fuzz_cases.Reader(random.Random(seed).randbytes(256))
+    values = fuzz_cases.plausible(r, op_name, [p.name for p in sig.params],
+                                  {p.name: p.type for p in sig.params})
+    return [values[p.name] for p in sig.params], sig
+
+
+def _outcome(function, args):
+    try:
+        result = function(*args)
+    except Exception as exc:   # the CPU kernel's error: the fallback must give the same
+        return type(exc), str(exc)
+    return result
+
+
+def _host(value):
+    if isinstance(value, tuple):
+        return tuple(_host(v) for v in value)
+    return value.host() if isinstance(value, OnRocm) else value
+
+
+@pytest.mark.parametrize("op_name", sorted(mmdispatch.op_signatures()))
+def test_every_entry_point_through_copy_to_cpu_matches_the_cpu_kernel(op_name, rocm_fallback):
+    for seed in range(12):
+        args, sig = _plausible_call(op_name, seed)
+        on_cpu = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        on_rocm = [OnRocm(a.copy()) if isinstance(a, np.ndarray) else a for a in args]
+        for allocate in (False, True):
+            if allocate and not sig.allocations:
+                continue
+            if allocate:   # the entry point (or the fallback) allocates the outputs
+                for a in sig.allocations:
+                    index = [p.name for p in sig.params].index(a.name)
+                    on_cpu[index] = on_rocm[index] = None
+            expected = _outcome(getattr(mmdispatch, op_name), on_cpu)
+            got = _outcome(getattr(mmdispatch, op_name), on_rocm)
+            if isinstance(expected, tuple) and isinstance(expected[0], type):
+                assert got == expected, (op_name, seed, allocate)
+                continue
+            np.testing.assert_equal(_host(got), expected, err_msg=f"{op_name} seed {seed}")
+            for cpu, rocm in zip(on_cpu, on_rocm):
+                if isinstance(rocm, OnRocm):   # outputs written back, inputs untouched
+                    np.testing.assert_equal(rocm.host(), cpu, err_msg=f"{op_name} seed {seed}")
+
+
+def test_the_first_use_per_op_and_device_warns_once_naming_the_cost():
+    x, rois = roi_inputs()
+    boxes = np.array([[0, 0, 1, 1]], np.float32)
+    with mmdispatch.register_fallback("rocm", copy_to_cpu):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                ops.roi_align(OnRocm(x), OnRocm(rois), 2)
+            ops.nms(OnRocm(boxes), OnRocm(np.ones(1, np.float32)), 0.5)
+            ops.roi_align(OnRocm(x, device=(10, 1)), OnRocm(rois, device=(10, 1)), 2)
+    messages = [str(w.message) for w in caught if w.category is mmdispatch.FallbackWarning]
+    assert len(messages) == 3
+    assert messages[0].startswith("roi_align_forward_impl: no kernel for rocm:0")
+    assert "copies its arrays to host memory" in messages[0]
+    assert messages[1].startswith("nms_impl: no kernel for rocm:0")
+    assert messages[2].startswith("roi_align_forward_impl: no kernel for rocm:1")
+    assert all(w.filename == __file__ for w in caught)   # points at the caller
+
+
+def test_a_fallback_gets_the_op_name_and_the_boxed_arguments():
+    seen = []
+
+    def fallback(op, call):
+        seen.append((op, call))
+        return "from the fallback"
+
+    x, rois = roi_inputs()
+    a, b = OnRocm(x), OnRocm(rois)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", fallback) as handle:
+            assert handle.active and mmdispatch.registered_fallbacks() == {
+                "rocm": handle.origin}
+            result = mmdispatch.roi_align_forward_impl(a, b, None, None, None, 2, 3, 0.5, 0, 1,
+                                                       False)
+    assert result == "from the fallback"
+    (op, call), = seen
+    assert op == call.op == "roi_align_forward_impl" and call.device == "rocm:0"
+    assert list(call.arrays) == ["input", "rois", "output", "argmax_y", "argmax_x"]
+    assert call.arrays["input"] is a and call.arrays["output"] is None
+    assert call.devices == {"input": "rocm:0", "rois": "rocm:0", "output": None,
+                            "argmax_y": None, "argmax_x": None}
+    assert call.scalars == {"aligned_height": 2, "aligned_width": 3, "spatial_scale": 0.5,
+                            "sampling_ratio": 0, "pool_mode": 1, "aligned": False}
+    assert call.outputs == ("output", "argmax_y", "argmax_x")
+    assert call.allocating and call.returns == ("output", "argmax_y", "argmax_x")
+    np.testing.assert_array_equal(call.redispatch({"input": x, "rois": rois})[0],
+                                  ops.roi_align(x, rois, (2, 3), 0.5, 0, aligned=False))
+    assert not handle.active and mmdispatch.registered_fallbacks() == {}
+
+
+def test_fallbacks_never_apply_where_a_kernel_is():
+    called = []
+
+    def fallback(op, call):
+        called.append(op)
+        with mmdispatch.use_backend("cpu", "default"):
+            return call.redispatch()
+
+    with mmdispatch.register_fallback("cpu", fallback):
+        x, rois = roi_inputs()
+        ops.roi_align(x, rois, 2)
+        assert called == []
+        # a backend without CPU kernels: the slot is empty, the fallback serves it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+            with mmdispatch.use_backend("cpu", "deterministic"):
+                ops.roi_align(x, rois, 2)
+    assert called == ["roi_align_forward_impl"]
+
+
+def test_copy_to_cpu_refuses_to_serve_the_cpu():
+    x, rois = roi_inputs()
+    with mmdispatch.register_fallback("cpu", copy_to_cpu):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+            with mmdispatch.use_backend("cpu", "deterministic"):
+                with pytest.raises(TypeError, match="roi_align_forward_impl: copy_to_cpu "
+                                                    "serves devices other than the CPU"):
+                    ops.roi_align(x, rois, 2)
+
+
+def test_register_fallback_refuses_a_second_one_unless_override_and_restores_on_remove():
+    first = mmdispatch.register_fallback("oneapi", copy_to_cpu)
+    try:
+        with pytest.raises(ValueError, match="oneapi already has a fallback"):
+            mmdispatch.register_fallback("oneapi", print)
+        second = mmdispatch.register_fallback("oneapi", print, override=True)
+        assert second.active and not first.active
+        second.remove()
+        second.remove()
+        assert first.active
+    finally:
+        first.remove()
+    assert mmdispatch.registered_fallbacks() == {}
+    with pytest.raises(TypeError, match="fn must be callable"):
+        mmdispatch.register_fallback("oneapi", 3)
+    with pytest.raises(ValueError, match="unknown device"):
+        mmdispatch.register_fallback("tpu", copy_to_cpu)
+
+
+def test_copy_to_cpu_explains_an_array_it_cannot_copy(rocm_fallback, fake_array):
+    rois = fake_array(10, 0)   # refuses every export
+    x = OnRocm(np.zeros((1, 1, 4, 4), np.float32))
+    with pytest.raises(TypeError, match=r"roi_align_forward_impl: the copy_to_cpu fallback "
+                                        r"cannot copy rois \(FakeDeviceArray\) to the host"):
+        mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 0, 1, True)
+
+
+def _user_cases():
+    rng = np.random.default_rng(3)
+    f = np.float64
+    x = rng.random((2, 8, 6, 6))
+    rois = np.array([[0, 0, 0, 4, 4], [1, 1, 0.5, 5, 3]], f)
+    offset = rng.normal(size=(2, 18, 6, 6))
+    mask = rng.random((2, 9, 6, 6))
+    weight = rng.normal(size=(4, 8, 3, 3))
+    rboxes = np.array([[5, 5, 4, 2, 0.3], [5, 5.2, 4, 2, 0.35], [20, 20, 3, 3, 1.0]], f)
+    logits, target = rng.normal(size=(5, 4)), np.array([0, 3, 1, -1, 2], np.int64)
+    return [
+        (ops.deform_conv2d, (x, offset, weight), {"padding": 1, "mask": mask}),
+        (ops.ps_roi_align, (x, rois, 2, 1.0, 2), {}),
+        (ops.ps_roi_pool, (x, rois, 2), {}),
+        (ops.nms_rotated, (rboxes, np.array([0.9, 0.8, 0.7]), 0.5), {}),
+        (ops.softmax_focal_loss, (logits, target), {"reduction": "none"}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_user_functions_on_a_device_without_kernels_give_the_cpu_results(case, rocm_fallback):
+    function, args, kwargs = _user_cases()[case]
+    on_rocm = [OnRocm(a) if isinstance(a, np.ndarray) else a for a in args]
+    kw_rocm = {k: OnRocm(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    got = function(*on_rocm, **kw_rocm)
+    assert isinstance(got, OnRocm) and got.device == (10, 0)
+    np.testing.assert_array_equal(got.host(), function(*args, **kwargs))
