@@ -170,3 +170,15 @@ def test_misaligned_chunks_from_the_network_are_copied_not_refused():
     np.testing.assert_array_equal(
         mdask.bbox_overlaps(da.from_array(boxes, chunks=2), boxes).compute(scheduler="sync"),
         ops.bbox_overlaps(boxes.copy(), boxes.copy()))
+
+
+def test_cupy_chunks_run_the_cuda_kernel_and_stay_on_the_gpu(cupy):
+    rng = np.random.default_rng(8)
+    a, b = random_boxes(rng, 300), random_boxes(rng, 200)
+    lazy = mdask.bbox_overlaps(da.from_array(cupy.asarray(a), chunks=(64, 4), asarray=False),
+                               da.from_array(cupy.asarray(b), chunks=(50, 4), asarray=False))
+    assert isinstance(lazy._meta, cupy.ndarray)
+    got = lazy.max(axis=1).compute(scheduler="sync")
+    assert isinstance(got, cupy.ndarray)
+    expected = ops.bbox_overlaps(cupy.asarray(a), cupy.asarray(b)).max(axis=1)
+    cupy.testing.assert_array_equal(got, expected)
