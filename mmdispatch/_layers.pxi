@@ -138,7 +138,8 @@ cdef dict _signature_cache = {}
 
 cdef tuple _op_outputs(OpRegistry op):
     """(output names, names an allocating call returns, {output: its length
-    array}) of an op, from its signature; computed once per op."""
+    array}, names of the outputs an allocation line can make) of an op,
+    from its signature; computed once per op."""
     cached = _signature_cache.get(op.name)
     if cached is None:
         from mmdispatch._codegen import parse_signature
