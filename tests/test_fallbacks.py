@@ -274,16 +274,27 @@ def _user_cases():
     weight = rng.normal(size=(4, 8, 3, 3))
     rboxes = np.array([[5, 5, 4, 2, 0.3], [5, 5.2, 4, 2, 0.35], [20, 20, 3, 3, 1.0]], f)
     logits, target = rng.normal(size=(5, 4)), np.array([0, 3, 1, -1, 2], np.int64)
+    grad, ps_grad = rng.normal(size=(2, 8, 2, 2)), rng.normal(size=(2, 2, 2, 2))
+    rotated = np.array([[0, 3, 3, 4, 2, 0.4], [1, 2, 3, 3, 3, -0.2]], f)
+    _, argmax_y, argmax_x = ops.roi_align_forward(x, rois, 2, 1.0, 2, "max", True)
+    argmax = ops.roi_pool_forward(x, rois, 2)[1]
     return [
         (ops.deform_conv2d, (x, offset, weight), {"padding": 1, "mask": mask}),
         (ops.ps_roi_align, (x, rois, 2, 1.0, 2), {}),
         (ops.ps_roi_pool, (x, rois, 2), {}),
         (ops.nms_rotated, (rboxes, np.array([0.9, 0.8, 0.7]), 0.5), {}),
         (ops.softmax_focal_loss, (logits, target), {"reduction": "none"}),
+        # the backward functions allocate grad_input in the array's own library
+        (ops.roi_align_backward, (grad, rois, None, None, x.shape, 1.0, 2), {}),
+        (ops.roi_align_backward, (grad, rois, argmax_y, argmax_x, x.shape, 1.0, 2, "max"), {}),
+        (ops.roi_pool_backward, (grad, rois, argmax, x.shape), {}),
+        (ops.ps_roi_align_backward, (ps_grad, rois, x.shape, 1.0, 2), {}),
+        (ops.ps_roi_pool_backward, (ps_grad, rois, x.shape), {}),
+        (ops.roi_align_rotated_backward, (grad, rotated, x.shape, 1.0, 2), {}),
     ]
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(11))
 def test_user_functions_on_a_device_without_kernels_give_the_cpu_results(case, rocm_fallback):
     function, args, kwargs = _user_cases()[case]
     on_rocm = [OnRocm(a) if isinstance(a, np.ndarray) else a for a in args]

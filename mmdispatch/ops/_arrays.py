@@ -121,10 +121,23 @@ def unused_output(xp, like):
     return array
 
 
+def unused_like(op, like):
+    """unused_output of like's library and device; for an array that is
+    neither numpy nor CuPy, a fresh zero-size one (zeros())."""
+    try:
+        xp, device = namespace(op, like)
+    except TypeError:
+        return zeros(op, "an unused output", like, (0,))
+    with device:
+        return unused_output(xp, like)
+
+
 def like(original, result):
-    """result (numpy/CuPy) as an array of original's library, zero-copy."""
+    """result (numpy/CuPy, or already of original's type) as an array of
+    original's library, zero-copy."""
     cupy = _cupy()
-    if isinstance(original, np.ndarray) or (cupy is not None and isinstance(original, cupy.ndarray)):
+    if (isinstance(original, np.ndarray) or type(result) is type(original)
+            or (cupy is not None and isinstance(original, cupy.ndarray))):
         return result
     return _core._in_library_of(original, result)
 
@@ -153,13 +166,53 @@ def allocate(op, name, xp, shape, dtype, zeros=False):
     huge output_size) is a ValueError and a failed allocation a
     MemoryError, both naming the op and the output; nothing is checked
     before the allocation, so the common case costs nothing extra."""
+    make = xp.zeros if zeros else xp.empty
+    return _allocating(op, name, shape, lambda: make(shape, dtype=dtype))
+
+
+def _allocating(op, name, shape, make):
+    """make(), with allocate's errors."""
     try:
-        return xp.zeros(shape, dtype=dtype) if zeros else xp.empty(shape, dtype=dtype)
+        return make()
     except MemoryError as exc:
         raise MemoryError(f"{op}: out of memory allocating {name} of shape {tuple(shape)}: "
                           f"{exc}") from exc
     except (ValueError, OverflowError) as exc:
         raise ValueError(f"{op}: {name} cannot have shape {tuple(shape)}: {exc}") from exc
+
+
+def zeros(op, name, like, shape):
+    """Zeroed output `name` of `op` of like's dtype on like's device: with
+    numpy or CuPy as namespace() chooses, else in like's own library, so
+    that an op on a device served by a fallback (mmdispatch.fallbacks)
+    works: torch's new_zeros, or the Array API namespace's zeros(device=).
+    An array of neither kind gets namespace()'s TypeError."""
+    try:
+        xp, device = namespace(op, like)
+    except TypeError:
+        new_zeros = getattr(like, "new_zeros", None)   # torch
+        get_namespace = getattr(like, "__array_namespace__", None)
+        if callable(new_zeros):
+            return _allocating(op, name, shape, lambda: new_zeros(shape))
+        if get_namespace is None:
+            raise
+        xp = get_namespace()
+        return _allocating(op, name, shape,
+                           lambda: xp.zeros(shape, dtype=like.dtype, device=like.device))
+    with device:
+        return allocate(op, name, xp, shape, like.dtype, zeros=True)
+
+
+def roi_backward_operands(op, grad_output, rois, input_shape, layout):
+    """(grad_output, rois, grad_input) of a roi op's backward: grad_output
+    ((K, C, out_h, out_w) as `layout` names it) and rois viewed, contiguous,
+    and a zeroed grad_input of shape input_shape (N, C, H, W) like
+    grad_output (zeros())."""
+    grad_output = contiguous(native(op, "grad_output", grad_output))
+    rois = contiguous(native(op, "rois", rois))
+    check_ndim(op, "grad_output", grad_output, 4, layout)
+    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
+    return grad_output, rois, zeros(op, "grad_input", grad_output, shape)
 
 
 def shape_arg(op, name, value, ndim, layout):

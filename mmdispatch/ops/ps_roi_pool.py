@@ -17,8 +17,7 @@ dispatched through ps_roi_pool_forward_impl / ps_roi_pool_backward_impl.
   and column too.
 """
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, explain, like, namespace,
-                                    native, pair, shape_arg)
+from mmdispatch.ops._arrays import explain, like, pair, roi_backward_operands
 
 __all__ = ["ps_roi_pool", "ps_roi_pool_backward"]
 # the dispatch entry points (signatures.txt) these functions call
@@ -50,13 +49,8 @@ def ps_roi_pool_backward(grad_output, rois, input_shape, spatial_scale=1.0):
     shape input_shape; grad_output is (K, C_out, out_h, out_w)."""
     op = "ps_roi_pool_backward"
     original = grad_output
-    grad_output = contiguous(native(op, "grad_output", grad_output))
-    rois = contiguous(native(op, "rois", rois))
-    check_ndim(op, "grad_output", grad_output, 4, "(K, C_out, out_h, out_w)")
-    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
-    xp, device = namespace(op, grad_output)
-    with device:
-        grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
+    grad_output, rois, grad_input = roi_backward_operands(op, grad_output, rois, input_shape,
+                                                          "(K, C_out, out_h, out_w)")
     _core.ps_roi_pool_backward_impl(grad_output, rois, grad_input, grad_output.shape[2],
                                     grad_output.shape[3], spatial_scale)
     return like(original, grad_input)

@@ -11,8 +11,8 @@ roi_align_forward_impl / roi_align_backward_impl.
 """
 
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, choice, contiguous, explain, like,
-                                    namespace, native, pair, shape_arg, unused_output)
+from mmdispatch.ops._arrays import (choice, contiguous, explain, like, native, pair,
+                                    roi_backward_operands, unused_like)
 
 __all__ = ["roi_align", "roi_align_backward", "roi_align_forward"]
 # the dispatch entry points (signatures.txt) these functions call
@@ -83,15 +83,10 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, input_shape, spati
     op = "roi_align_backward"
     mode = _pool_mode(op, pool_mode)
     original = grad_output
-    grad_output = contiguous(native(op, "grad_output", grad_output))
-    rois = contiguous(native(op, "rois", rois))
-    check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
-    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
-    xp, device = namespace(op, grad_output)
-    with device:
-        grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
-        if argmax_y is None or argmax_x is None:
-            unused = unused_output(xp, grad_output)
+    grad_output, rois, grad_input = roi_backward_operands(op, grad_output, rois, input_shape,
+                                                          "(K, C, out_h, out_w)")
+    if argmax_y is None or argmax_x is None:
+        unused = unused_like(op, grad_output)
     argmax_y = unused if argmax_y is None else contiguous(native(op, "argmax_y", argmax_y))
     argmax_x = unused if argmax_x is None else contiguous(native(op, "argmax_x", argmax_x))
     _core.roi_align_backward_impl(grad_output, rois, argmax_y, argmax_x, grad_input,

@@ -16,8 +16,7 @@ roi_align_rotated_forward_impl / roi_align_rotated_backward_impl.
   strict mode).
 """
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, explain, like, namespace,
-                                    native, pair, shape_arg)
+from mmdispatch.ops._arrays import explain, like, pair, roi_backward_operands
 from mmdispatch.ops.box_iou_rotated import _flag
 
 __all__ = ["roi_align_rotated", "roi_align_rotated_backward"]
@@ -55,13 +54,8 @@ def roi_align_rotated_backward(grad_output, rois, input_shape, spatial_scale=1.0
     op = "roi_align_rotated_backward"
     aligned, clockwise = _flag(op, "aligned", aligned), _flag(op, "clockwise", clockwise)
     original = grad_output
-    grad_output = contiguous(native(op, "grad_output", grad_output))
-    rois = contiguous(native(op, "rois", rois))
-    check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
-    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
-    xp, device = namespace(op, grad_output)
-    with device:
-        grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
+    grad_output, rois, grad_input = roi_backward_operands(op, grad_output, rois, input_shape,
+                                                          "(K, C, out_h, out_w)")
     _core.roi_align_rotated_backward_impl(grad_output, rois, grad_input, grad_output.shape[2],
                                           grad_output.shape[3], spatial_scale, sampling_ratio,
                                           aligned, clockwise)

@@ -11,8 +11,7 @@ roi_pool_forward_impl / roi_pool_backward_impl.
   -1; other NaN values are skipped. argmax -1 gets no gradient.
 """
 from mmdispatch import _core
-from mmdispatch.ops._arrays import (allocate, check_ndim, contiguous, explain, index_array, like,
-                                    namespace, native, output_pair, shape_arg)
+from mmdispatch.ops._arrays import explain, index_array, like, output_pair, roi_backward_operands
 
 __all__ = ["roi_pool", "roi_pool_backward", "roi_pool_forward"]
 # the dispatch entry points (signatures.txt) these functions call
@@ -47,14 +46,9 @@ def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0)
     shape input_shape; argmax comes from roi_pool_forward."""
     op = "roi_pool_backward"
     original = grad_output
-    grad_output = contiguous(native(op, "grad_output", grad_output))
-    rois = contiguous(native(op, "rois", rois))
+    grad_output, rois, grad_input = roi_backward_operands(op, grad_output, rois, input_shape,
+                                                          "(K, C, out_h, out_w)")
     argmax = index_array(op, "argmax", argmax)
-    check_ndim(op, "grad_output", grad_output, 4, "(K, C, out_h, out_w)")
-    shape = shape_arg(op, "input_shape", input_shape, 4, "(N, C, H, W)")
-    xp, device = namespace(op, grad_output)
-    with device:
-        grad_input = allocate(op, "grad_input", xp, shape, grad_output.dtype, zeros=True)
     _core.roi_pool_backward_impl(grad_output, rois, argmax, grad_input, grad_output.shape[2],
                                  grad_output.shape[3], spatial_scale)
     return like(original, grad_input)

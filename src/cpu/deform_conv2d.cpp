@@ -1,18 +1,25 @@
 /* deform_conv2d on CPU: deformable im2col + matrix products (gemm.h).
  *
- * Per image, the output pixels go in chunks whose column buffer holds at
- * most kColumnBudget values, so memory stays bounded on large maps. For a
- * chunk, a table holds each (offset group, kernel tap, pixel)'s bilinear
- * sample (cells, weights, mask), computed once and shared by the group's
- * channels; the columns (C_in * K rows, one per channel and tap) are the
- * masked samples, and each weight group's output is one product with its
- * weight.
+ * Each image is first copied channels-last (a row of C values per pixel,
+ * plus four rows of zeros for cells off the map), so that a bilinear
+ * sample reads its four cells' channels as four contiguous rows and the
+ * columns are made by vector loops over channels. The output pixels go in
+ * chunks whose column buffer takes at most kColumnBytes, so memory stays
+ * bounded on large maps. For a chunk, a table holds each (pixel, offset
+ * group, kernel tap)'s bilinear sample (cells, weights, mask), computed
+ * once and shared by the group's channels. The columns are pixel-major: a
+ * pixel's row holds, per weight group and tap, the group's channels'
+ * masked samples. Each weight group's output is then one product with its
+ * weight, reordered once per call to (out, tap, channel).
  *
- * Backward recomputes the columns, adds grad_output x columns^T into
- * grad_weight, turns the columns into their gradient (weight^T x
- * grad_output), and from it gets grad_offset and grad_mask (per group and
- * tap, summed over the group's channels) and grad_input (per channel, so the
- * scattered sums are race-free and deterministic). */
+ * Backward recomputes the columns, adds grad_output x columns into
+ * grad_weight, turns the columns into their gradient (grad_output^T x
+ * weight), and from it gets grad_offset and grad_mask (per pixel, group and
+ * tap, summed over the group's channels in channel order) and grad_input
+ * (channels-last, each block of channels on one thread, so the scattered
+ * sums are race-free and deterministic; cells off the map go to the extra
+ * rows, which are dropped). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,25 +32,43 @@
 
 namespace {
 
-constexpr int64_t kColumnBudget = int64_t(1) << 22;   /* values in a column buffer */
+constexpr int64_t kColumnBytes = int64_t(1) << 25;    /* a chunk's columns */
 constexpr int64_t kMaxChunk = 65536;                  /* pixels in a chunk */
-constexpr int64_t kChannelBlock = 16;                 /* channels sharing a sample block */
-constexpr int64_t kPixelBlock = 64;                   /* pixels in a sample block */
+constexpr int64_t kChannelBlock = 64;                 /* channels of a col2im work item */
+constexpr int64_t kTile = 32;                         /* side of a transpose tile */
+constexpr int64_t kOffMapRows = 4;                    /* rows for cells off the map */
 
+/* A bilinear sample whose cells off the map index rows past the image's
+ * pixels: cell k the row plane + k, so the four rows of a sample are always
+ * distinct. Those rows are zeros in the image and dropped in its gradient. */
 template <typename T> struct Sample : mmd_bilinear_sample<T> {
     T mask;
-    bool full;   /* all four cells on the map (and the position defined) */
 };
 
-/* The four cells' values: on the map, from the first cell's index. */
+/* A run of input channels [c0, c1) in one weight group and one offset
+ * group. Its columns start at `column` in a pixel's row; tap t adds t times
+ * the weight group's channels. */
+struct Segment {
+    int64_t c0, c1, offset_group, column;
+};
+
+/* dst (cols x rows, row stride ld_dst) = the transpose of src (rows x cols,
+ * row stride ld_src), by tiles shared out over the threads. */
 template <typename T>
-inline void corners_of(const Sample<T> &s, const T *plane, int64_t width, T v[4]) {
-    if (s.full) {
-        const T *p = plane + s.index[0];
-        v[0] = p[0], v[1] = p[1], v[2] = p[width], v[3] = p[width + 1];
-    } else {
-        mmd_bilinear_corners(s, plane, v);
-    }
+void transpose(const T *src, int64_t rows, int64_t cols, int64_t ld_src, T *dst, int64_t ld_dst) {
+    const int64_t tiles_r = (rows + kTile - 1) / kTile, tiles_c = (cols + kTile - 1) / kTile;
+    const int64_t tiles = tiles_r * tiles_c;
+    mmd_parallel_for(tiles, mmd_even_chunk(tiles), mmd_worth_threads(tiles, rows * cols),
+                     [&](int64_t begin, int64_t end) {
+        for (int64_t tile = begin; tile < end; ++tile) {
+            const int64_t r0 = tile / tiles_c * kTile, c0 = tile % tiles_c * kTile;
+            const int64_t r1 = r0 + kTile < rows ? r0 + kTile : rows;
+            const int64_t c1 = c0 + kTile < cols ? c0 + kTile : cols;
+            for (int64_t c = c0; c < c1; ++c)
+                for (int64_t r = r0; r < r1; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+        }
+        return (int)MMD_OK;
+    });
 }
 
 /* The arrays of a call, and its shape. */
@@ -51,17 +76,42 @@ template <typename T> struct Call {
     mmd_dcn_shape d;
     const T *input, *offset, *mask, *weight;
 
+    int64_t plane() const { return d.height * d.width; }
+    int64_t row() const { return d.in_channels * d.taps(); }   /* a pixel's columns */
+    int64_t group_channels() const { return d.in_channels / d.groups; }
+    int64_t group_columns() const { return group_channels() * d.taps(); }
+    int64_t group_outputs() const { return d.out_channels / d.groups; }
+    int64_t samples() const { return d.offset_groups * d.taps(); }   /* per pixel */
+
     int64_t chunk() const {
-        const int64_t rows = d.in_channels * d.taps();
-        int64_t pixels = rows > 0 ? kColumnBudget / rows : kMaxChunk;
+        const int64_t r = row();
+        int64_t pixels = r > 0 ? kColumnBytes / (r * (int64_t)sizeof(T)) : kMaxChunk;
         if (pixels < 1) pixels = 1;
         if (pixels > kMaxChunk) pixels = kMaxChunk;
-        return pixels < d.pixels() ? pixels : d.pixels();
+        /* even chunks: a short last one would make a slow product */
+        const int64_t chunks = (d.pixels() + pixels - 1) / pixels;
+        return chunks > 0 ? (d.pixels() + chunks - 1) / chunks : 0;
     }
 
-    /* The samples of image n's pixels [p0, p0 + count), (group, tap) major. */
+    /* The runs of channels in channel order (at most groups + offset_groups
+     * of them); returns how many. */
+    int64_t segments(Segment *out) const {
+        const int64_t per_group = group_channels(), per_offset = d.channels_per_offset_group();
+        int64_t count = 0;
+        for (int64_t c = 0; c < d.in_channels;) {
+            const int64_t gw = c / per_group, go = c / per_offset;
+            const int64_t end_w = (gw + 1) * per_group, end_o = (go + 1) * per_offset;
+            const int64_t c1 = end_w < end_o ? end_w : end_o;
+            out[count++] = Segment{c, c1, go, gw * group_columns() + (c - gw * per_group)};
+            c = c1;
+        }
+        return count;
+    }
+
+    /* The samples of image n's pixels [p0, p0 + count), sample (g, t) of
+     * pixel q at table[q * samples() + g * taps + t]. */
     void locate(int64_t n, int64_t p0, int64_t count, Sample<T> *table) const {
-        const int64_t taps = d.taps(), rows = d.offset_groups * taps, pixels = d.pixels();
+        const int64_t taps = d.taps(), rows = samples(), pixels = d.pixels(), off_map = plane();
         mmd_parallel_for(rows, 1, mmd_worth_threads(rows, rows * count * 8),
                          [&](int64_t begin, int64_t end) {
             for (int64_t r = begin; r < end; ++r) {
@@ -69,113 +119,135 @@ template <typename T> struct Call {
                 const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels;
                 const T *dx = dy + pixels;
                 const T *m = mask ? mask + ((n * d.offset_groups + g) * taps + t) * pixels : nullptr;
-                Sample<T> *row = table + r * count;
                 for (int64_t q = 0; q < count; ++q) {
                     const int64_t p = p0 + q, oy = p / d.out_w, ox = p % d.out_w;
                     const T y = mmd_dcn_base<T>(oy, i, d.stride_h, d.pad_h, d.dilation_h) + dy[p];
                     const T x = mmd_dcn_base<T>(ox, j, d.stride_w, d.pad_w, d.dilation_w) + dx[p];
-                    Sample<T> &s = row[q];
+                    Sample<T> &s = table[q * rows + r];
                     mmd_bilinear_locate(y, x, d.height, d.width, &s);
+                    for (int k = 0; k < 4; ++k)
+                        if (s.index[k] < 0) s.index[k] = off_map + k;   /* weight 0, value 0 */
                     s.mask = m ? m[p] : (T)1;
-                    s.full = !s.undefined && s.index[0] >= 0 && s.index[1] >= 0 &&
-                             s.index[2] >= 0 && s.index[3] >= 0;
                 }
             }
             return (int)MMD_OK;
         });
     }
 
-    /* Runs f(c, t, row, q0, q1) for every input channel c, tap t and block
-     * [q0, q1) of a chunk's pixels, row the samples of c's offset group and
-     * tap t. Blocks of channels (of one offset group) are shared out, each
-     * whole to one thread; within one, a block of pixels' samples serves
-     * all its channels while in cache. Each channel's calls come in (t, q0)
-     * order. */
-    template <typename F>
-    int for_channels(int64_t count, const Sample<T> *table, const F &f) const {
-        const int64_t taps = d.taps(), per_group = d.channels_per_offset_group();
-        const int64_t blocks = (per_group + kChannelBlock - 1) / kChannelBlock;
-        const int64_t items = d.offset_groups * blocks;
-        return mmd_parallel_for(items, 1,
-                                mmd_worth_threads(items, d.in_channels * taps * count * 4),
-                                [&](int64_t begin, int64_t end) {
-            for (int64_t item = begin; item < end; ++item) {
-                const int64_t g = item / blocks, c0 = g * per_group + item % blocks * kChannelBlock;
-                const int64_t c1 = c0 + kChannelBlock < (g + 1) * per_group ? c0 + kChannelBlock
-                                                                            : (g + 1) * per_group;
-                for (int64_t t = 0; t < taps; ++t) {
-                    const Sample<T> *row = table + (g * taps + t) * count;
-                    for (int64_t q0 = 0; q0 < count; q0 += kPixelBlock) {
-                        const int64_t q1 = q0 + kPixelBlock < count ? q0 + kPixelBlock : count;
-                        for (int64_t c = c0; c < c1; ++c) f(c, t, row, q0, q1);
+    /* A pixel's row of columns: mask * sample of each channel, the same
+     * sums as mmd_bilinear_value's (an off-map cell reads a zero row). */
+    void im2col(const T *image, int64_t count, const Sample<T> *table, const Segment *segs,
+                int64_t nsegs, T *columns) const {
+        const int64_t taps = d.taps(), channels = d.in_channels, step = group_channels();
+        const int64_t per_pixel = samples(), width = row();
+        mmd_parallel_for(count, mmd_even_chunk(count), mmd_worth_threads(count, count * width),
+                         [&](int64_t begin, int64_t end) {
+            for (int64_t q = begin; q < end; ++q) {
+                const Sample<T> *sq = table + q * per_pixel;
+                T *row_q = columns + q * width;
+                for (int64_t k = 0; k < nsegs; ++k) {
+                    const Segment &sg = segs[k];
+                    const int64_t n = sg.c1 - sg.c0;
+                    for (int64_t t = 0; t < taps; ++t) {
+                        const Sample<T> &s = sq[sg.offset_group * taps + t];
+                        T *__restrict out = row_q + sg.column + t * step;
+                        if (s.undefined) {
+                            for (int64_t c = 0; c < n; ++c) out[c] = s.mask * (T)NAN;
+                            continue;
+                        }
+                        const T *__restrict a = image + s.index[0] * channels + sg.c0;
+                        const T *__restrict b = image + s.index[1] * channels + sg.c0;
+                        const T *__restrict e = image + s.index[2] * channels + sg.c0;
+                        const T *__restrict f = image + s.index[3] * channels + sg.c0;
+                        const T w0 = s.weight[0], w1 = s.weight[1], w2 = s.weight[2],
+                                w3 = s.weight[3], m = s.mask;
+                        for (int64_t c = 0; c < n; ++c)
+                            out[c] = m * (w0 * a[c] + w1 * b[c] + w2 * e[c] + w3 * f[c]);
                     }
                 }
             }
             return (int)MMD_OK;
         });
     }
-
-    /* columns[c * K + t][q] = mask * sample of input channel c. */
-    void im2col(int64_t n, int64_t count, const Sample<T> *table, T *columns) const {
-        const int64_t taps = d.taps(), plane = d.height * d.width;
-        for_channels(count, table, [&](int64_t c, int64_t t, const Sample<T> *row, int64_t q0,
-                                       int64_t q1) {
-            const T *__restrict src = input + (n * d.in_channels + c) * plane;
-            T *__restrict out = columns + (c * taps + t) * count;
-            const int64_t width = d.width;
-            for (int64_t q = q0; q < q1; ++q) {
-                const Sample<T> &s = row[q];
-                T v[4];
-                if (s.full) {   /* the same sums as mmd_bilinear_value's, read from one index */
-                    const T *p = src + s.index[0];
-                    out[q] = s.mask * (s.weight[0] * p[0] + s.weight[1] * p[1] +
-                                       s.weight[2] * p[width] + s.weight[3] * p[width + 1]);
-                    continue;
-                }
-                mmd_bilinear_corners(s, src, v);
-                out[q] = s.mask * mmd_bilinear_value(s, v);
-            }
-        });
-    }
 };
 
-/* A chunk's columns and sample table. */
+/* Scratch memory of a call: a chunk's columns and samples, the image
+ * channels-last (and its gradient, for backward), the weight as (out, tap,
+ * channel) (and its gradient) and the channel runs. */
 template <typename T> struct Workspace {
     int64_t bytes;
     HeapArray<T> columns;
     HeapArray<Sample<T>> table;
+    HeapArray<T> image, grad_image, weight, grad_weight;
+    HeapArray<Segment> segs;
+    int64_t nsegs = 0;
 
-    Workspace(const mmd_dcn_shape &d, int64_t chunk)
-        : bytes((int64_t)(sizeof(T) * d.in_channels + sizeof(Sample<T>) * d.offset_groups) *
-                d.taps() * chunk),
-          columns(d.in_channels * d.taps() * chunk), table(d.offset_groups * d.taps() * chunk) {}
-    bool ok() const { return columns.get() != nullptr && table.get() != nullptr; }
+    Workspace(const Call<T> &call, int64_t chunk, bool grads)
+        : bytes((int64_t)sizeof(T) * (call.row() * chunk +
+                                       (grads ? 2 : 1) * ((call.plane() + kOffMapRows) * call.d.in_channels +
+                                                          call.d.out_channels *
+                                                              call.group_columns())) +
+                (int64_t)sizeof(Sample<T>) * call.samples() * chunk),
+          columns(call.row() * chunk), table(call.samples() * chunk),
+          image((call.plane() + kOffMapRows) * call.d.in_channels),
+          grad_image(grads ? (call.plane() + kOffMapRows) * call.d.in_channels : 0),
+          weight(call.d.out_channels * call.group_columns()),
+          grad_weight(grads ? call.d.out_channels * call.group_columns() : 0, true),
+          segs(call.d.groups + call.d.offset_groups) {
+        if (segs) nsegs = call.segments(segs.get());
+    }
+    bool ok() const {
+        return columns && table && image && grad_image && weight && grad_weight && segs;
+    }
     int no_memory() const {
         return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's columns",
                          (long long)bytes);
     }
+    /* Image n channels-last, with the off-map rows zeroed. */
+    void load_image(const Call<T> &call, int64_t n) {
+        const int64_t channels = call.d.in_channels, plane = call.plane();
+        transpose(call.input + n * channels * plane, channels, plane, plane, image.get(),
+                  channels);
+        memset(image.get() + plane * channels, 0, sizeof(T) * kOffMapRows * channels);
+    }
 };
+
+/* (out, channel, tap) <-> (out, tap, channel) per out channel, with the
+ * group's channels as one run. */
+template <typename T>
+void reorder_weight(const Call<T> &call, const T *src, T *dst, bool to_taps) {
+    const int64_t taps = call.d.taps(), channels = call.group_channels(), k = call.group_columns();
+    for (int64_t o = 0; o < call.d.out_channels; ++o)
+        for (int64_t c = 0; c < channels; ++c)
+            for (int64_t t = 0; t < taps; ++t) {
+                const int64_t by_channel = o * k + c * taps + t, by_tap = o * k + t * channels + c;
+                if (to_taps)
+                    dst[by_tap] = src[by_channel];
+                else
+                    dst[by_channel] = src[by_tap];
+            }
+}
 
 template <typename T> int forward(const Call<T> &call, const T *bias, T *output) {
     const mmd_dcn_shape &d = call.d;
     const int64_t pixels = d.pixels(), chunk = call.chunk();
     if (d.batch * d.out_channels * pixels == 0) return MMD_OK;
-    const int64_t rows = d.in_channels * d.taps();
-    Workspace<T> work(d, chunk);
+    Workspace<T> work(call, chunk, false);
     if (!work.ok()) return work.no_memory();
-    HeapArray<T> &columns = work.columns;
-    HeapArray<Sample<T>> &table = work.table;
-    const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
+    reorder_weight(call, call.weight, work.weight.get(), true);
+    const int64_t outs = call.group_outputs(), k = call.group_columns(), width = call.row();
     for (int64_t n = 0; n < d.batch; ++n) {
         T *out = output + n * d.out_channels * pixels;
+        work.load_image(call, n);
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            call.locate(n, p0, count, table.get());
-            call.im2col(n, count, table.get(), columns.get());
+            call.locate(n, p0, count, work.table.get());
+            call.im2col(work.image.get(), count, work.table.get(), work.segs.get(), work.nsegs,
+                        work.columns.get());
             for (int64_t g = 0; g < d.groups; ++g)
-                mmd_gemm(0, 0, out_per_group, count, k, (T)1, call.weight + g * out_per_group * k,
-                         k, columns.get() + g * k * count, count, (T)0,
-                         out + g * out_per_group * pixels + p0, pixels);
+                mmd_gemm(0, 1, outs, count, k, (T)1, work.weight.get() + g * outs * k, k,
+                         work.columns.get() + g * k, width, (T)0, out + g * outs * pixels + p0,
+                         pixels);
         }
         if (bias != nullptr)
             for (int64_t o = 0; o < d.out_channels; ++o)
@@ -192,80 +264,106 @@ template <typename T> struct Grads {
 /* grad_offset and grad_mask of image n's pixels [p0, p0 + count), from the
  * columns' gradient. */
 template <typename T>
-int offset_and_mask_grads(const Call<T> &call, int64_t n, int64_t p0, int64_t count,
-                          const Sample<T> *table, const T *grad_columns, const Grads<T> &grads) {
+void offset_and_mask_grads(const Call<T> &call, const Workspace<T> &work, int64_t n, int64_t p0,
+                           int64_t count, const T *grad_columns, const Grads<T> &grads) {
     const mmd_dcn_shape &d = call.d;
-    const int64_t taps = d.taps(), rows = d.offset_groups * taps, pixels = d.pixels();
-    const int64_t plane = d.height * d.width, per_group = d.channels_per_offset_group();
-    return mmd_parallel_for(rows, 1, mmd_worth_threads(rows, rows * per_group * count * 8),
-                            [&](int64_t begin, int64_t end) {
-        HeapArray<T> sums(3 * count);
-        if (!sums.get())
-            return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's "
-                             "offset gradient", (long long)(3 * count * sizeof(T)));
-        T *gy = sums.get(), *gx = gy + count, *gm = gx + count;
-        for (int64_t r = begin; r < end; ++r) {
-            const int64_t g = r / taps, t = r % taps;
-            const Sample<T> *row = table + r * count;
-            memset(sums.get(), 0, sizeof(T) * 3 * count);
-            for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
-                const T *src = call.input + (n * d.in_channels + c) * plane;
-                const T *gc = grad_columns + (c * taps + t) * count;
-                for (int64_t q = 0; q < count; ++q) {
-                    const Sample<T> &s = row[q];
-                    T v[4];
-                    corners_of(s, src, d.width, v);
-                    gm[q] += gc[q] * mmd_bilinear_value(s, v);
-                    gy[q] += gc[q] * mmd_bilinear_dvalue_dy(s, v);
-                    gx[q] += gc[q] * mmd_bilinear_dvalue_dx(s, v);
+    const int64_t taps = d.taps(), pixels = d.pixels(), channels = d.in_channels;
+    const int64_t per_pixel = call.samples(), width = call.row(), step = call.group_channels();
+    const T *image = work.image.get();
+    const Sample<T> *table = work.table.get();
+    mmd_parallel_for(count, mmd_even_chunk(count), mmd_worth_threads(count, count * width * 4),
+                     [&](int64_t begin, int64_t end) {
+        for (int64_t q = begin; q < end; ++q) {
+            const T *gq = grad_columns + q * width;
+            for (int64_t r = 0; r < per_pixel; ++r) {
+                const int64_t g = r / taps, t = r % taps;
+                const Sample<T> &s = table[q * per_pixel + r];
+                const T wy = 1 - s.lx, wx = 1 - s.ly;
+                T gy = 0, gx = 0, gm = 0;
+                for (int64_t k = 0; k < work.nsegs; ++k) {
+                    const Segment &sg = work.segs[k];
+                    if (sg.offset_group != g) continue;
+                    const T *gc = gq + sg.column + t * step;
+                    const T *a = image + s.index[0] * channels + sg.c0;
+                    const T *b = image + s.index[1] * channels + sg.c0;
+                    const T *e = image + s.index[2] * channels + sg.c0;
+                    const T *f = image + s.index[3] * channels + sg.c0;
+                    for (int64_t c = 0; c < sg.c1 - sg.c0; ++c) {
+                        /* mmd_bilinear_value and its derivatives; the mask
+                         * goes into each channel's term, as the chain rule
+                         * writes it (so 0 * inf terms are NaN there too) */
+                        const T masked = gc[c] * s.mask;
+                        gm += gc[c] * (s.weight[0] * a[c] + s.weight[1] * b[c] +
+                                       s.weight[2] * e[c] + s.weight[3] * f[c]);
+                        gy += masked * (wy * (e[c] - a[c]) + s.lx * (f[c] - b[c]));
+                        gx += masked * (wx * (b[c] - a[c]) + s.ly * (f[c] - e[c]));
+                    }
                 }
-            }
-            T *out_y = grads.offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p0;
-            T *out_x = out_y + pixels;
-            T *out_m = grads.mask + ((n * d.offset_groups + g) * taps + t) * pixels + p0;
-            for (int64_t q = 0; q < count; ++q) {
-                out_y[q] = row[q].mask * gy[q];
-                out_x[q] = row[q].mask * gx[q];
-                out_m[q] = gm[q];
+                if (s.undefined) gy = gx = gm = (T)NAN;
+                const int64_t at = ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p0 + q;
+                grads.offset[at] = gy;
+                grads.offset[at + pixels] = gx;
+                grads.mask[((n * d.offset_groups + g) * taps + t) * pixels + p0 + q] = gm;
             }
         }
         return (int)MMD_OK;
     });
 }
 
-/* Adds the columns' gradient of image n into grad_input: a channel's
- * samples in (tap, pixel) order, each channel on one thread. */
+/* Adds the columns' gradient into the channels-last grad_image: each block
+ * of a channel run on one thread, its samples in (pixel, tap) order. */
 template <typename T>
-void col2im(const Call<T> &call, int64_t n, int64_t count, const Sample<T> *table,
-            const T *grad_columns, T *grad_input) {
-    const mmd_dcn_shape &d = call.d;
-    const int64_t taps = d.taps(), plane = d.height * d.width;
-    call.for_channels(count, table, [&](int64_t c, int64_t t, const Sample<T> *row, int64_t q0,
-                                        int64_t q1) {
-        T *dst = grad_input + (n * d.in_channels + c) * plane;
-        const T *gc = grad_columns + (c * taps + t) * count;
-        for (int64_t q = q0; q < q1; ++q) {
-            const Sample<T> &s = row[q];
-            const T grad = gc[q] * s.mask;
-            if (s.full) {
-                T *p = dst + s.index[0];
-                p[0] += grad * s.weight[0];
-                p[1] += grad * s.weight[1];
-                p[d.width] += grad * s.weight[2];
-                p[d.width + 1] += grad * s.weight[3];
-            } else {
-                for (int k = 0; k < 4; ++k)
-                    if (s.index[k] >= 0) dst[s.index[k]] += grad * s.weight[k];
+void col2im(const Call<T> &call, Workspace<T> &work, int64_t count, const T *grad_columns) {
+    const int64_t taps = call.d.taps(), channels = call.d.in_channels;
+    const int64_t per_pixel = call.samples(), width = call.row(), step = call.group_channels();
+    int64_t items = 0;
+    for (int64_t k = 0; k < work.nsegs; ++k)
+        items += (work.segs[k].c1 - work.segs[k].c0 + kChannelBlock - 1) / kChannelBlock;
+    T *image = work.grad_image.get();
+    const Sample<T> *table = work.table.get();
+    const Segment *segs = work.segs.get();
+    const int64_t nsegs = work.nsegs;
+    mmd_parallel_for(items, 1, mmd_worth_threads(items, count * width * 4),
+                     [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+            int64_t k = 0, first = item;   /* the item'th block, in run order */
+            for (; k < nsegs; ++k) {
+                const int64_t blocks = (segs[k].c1 - segs[k].c0 + kChannelBlock - 1) / kChannelBlock;
+                if (first < blocks) break;
+                first -= blocks;
             }
+            const Segment &sg = segs[k];
+            const int64_t c0 = sg.c0 + first * kChannelBlock;
+            const int64_t n = (c0 + kChannelBlock < sg.c1 ? c0 + kChannelBlock : sg.c1) - c0;
+            const int64_t column = sg.column + (c0 - sg.c0);
+            for (int64_t q = 0; q < count; ++q)
+                for (int64_t t = 0; t < taps; ++t) {
+                    const Sample<T> &s = table[q * per_pixel + sg.offset_group * taps + t];
+                    const T *__restrict gc = grad_columns + q * width + column + t * step;
+                    T *__restrict a = image + s.index[0] * channels + c0;
+                    T *__restrict b = image + s.index[1] * channels + c0;
+                    T *__restrict e = image + s.index[2] * channels + c0;
+                    T *__restrict f = image + s.index[3] * channels + c0;
+                    const T w0 = s.weight[0], w1 = s.weight[1], w2 = s.weight[2],
+                            w3 = s.weight[3], m = s.mask;
+                    for (int64_t c = 0; c < n; ++c) {
+                        const T grad = gc[c] * m;
+                        a[c] += grad * w0;
+                        b[c] += grad * w1;
+                        e[c] += grad * w2;
+                        f[c] += grad * w3;
+                    }
+                }
         }
+        return (int)MMD_OK;
     });
 }
 
 template <typename T> int backward(const Call<T> &call, const T *grad_output, const Grads<T> &grads) {
     const mmd_dcn_shape &d = call.d;
-    const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
-    memset(grads.input, 0, sizeof(T) * d.batch * d.in_channels * d.height * d.width);
-    memset(grads.weight, 0, sizeof(T) * d.out_channels * rows / d.groups);
+    const int64_t pixels = d.pixels(), width = call.row(), plane = call.plane();
+    memset(grads.input, 0, sizeof(T) * d.batch * d.in_channels * plane);
+    memset(grads.weight, 0, sizeof(T) * d.out_channels * call.group_columns());
     for (int64_t o = 0; o < d.out_channels; ++o) {
         T sum = 0;
         for (int64_t n = 0; n < d.batch; ++n)
@@ -273,39 +371,42 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
                 sum += grad_output[(n * d.out_channels + o) * pixels + p];
         grads.bias[o] = sum;
     }
-    if (d.batch * pixels == 0 || rows == 0) {
-        memset(grads.offset, 0, sizeof(T) * d.batch * 2 * d.offset_groups * d.taps() * pixels);
-        memset(grads.mask, 0, sizeof(T) * d.batch * d.offset_groups * d.taps() * pixels);
+    if (d.batch * pixels == 0 || width == 0) {
+        memset(grads.offset, 0, sizeof(T) * d.batch * 2 * call.samples() * pixels);
+        memset(grads.mask, 0, sizeof(T) * d.batch * call.samples() * pixels);
         return MMD_OK;
     }
     const int64_t chunk = call.chunk();
-    Workspace<T> work(d, chunk);
+    Workspace<T> work(call, chunk, true);
     if (!work.ok()) return work.no_memory();
-    HeapArray<T> &columns = work.columns;
-    HeapArray<Sample<T>> &table = work.table;
-    const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
+    reorder_weight(call, call.weight, work.weight.get(), true);
+    const int64_t outs = call.group_outputs(), k = call.group_columns();
+    T *columns = work.columns.get();
     for (int64_t n = 0; n < d.batch; ++n) {
         const T *grad_out = grad_output + n * d.out_channels * pixels;
+        work.load_image(call, n);
+        memset(work.grad_image.get(), 0, sizeof(T) * (plane + kOffMapRows) * d.in_channels);
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            call.locate(n, p0, count, table.get());
-            call.im2col(n, count, table.get(), columns.get());
+            call.locate(n, p0, count, work.table.get());
+            call.im2col(work.image.get(), count, work.table.get(), work.segs.get(), work.nsegs,
+                        columns);
             for (int64_t g = 0; g < d.groups; ++g) {
-                const T *grad_g = grad_out + g * out_per_group * pixels + p0;
-                T *columns_g = columns.get() + g * k * count;
-                /* grad_weight += grad_output x columns^T */
-                mmd_gemm(0, 1, out_per_group, k, count, (T)1, grad_g, pixels, columns_g, count,
-                         (T)1, grads.weight + g * out_per_group * k, k);
-                /* the columns' gradient: weight^T x grad_output */
-                mmd_gemm(1, 0, k, count, out_per_group, (T)1,
-                         call.weight + g * out_per_group * k, k, grad_g, pixels, (T)0, columns_g,
-                         count);
+                const T *grad_g = grad_out + g * outs * pixels + p0;
+                /* grad_weight += grad_output x columns */
+                mmd_gemm(0, 0, outs, k, count, (T)1, grad_g, pixels, columns + g * k, width,
+                         (T)1, work.grad_weight.get() + g * outs * k, k);
+                /* the columns' gradient: grad_output^T x weight */
+                mmd_gemm(1, 0, count, k, outs, (T)1, grad_g, pixels,
+                         work.weight.get() + g * outs * k, k, (T)0, columns + g * k, width);
             }
-            int s = offset_and_mask_grads(call, n, p0, count, table.get(), columns.get(), grads);
-            if (s) return s;
-            col2im(call, n, count, table.get(), columns.get(), grads.input);
+            offset_and_mask_grads(call, work, n, p0, count, columns, grads);
+            col2im(call, work, count, columns);
         }
+        transpose(work.grad_image.get(), plane, d.in_channels, d.in_channels,
+                  grads.input + n * d.in_channels * plane, plane);
     }
+    reorder_weight(call, work.grad_weight.get(), grads.weight, false);
     return MMD_OK;
 }
 

@@ -158,19 +158,20 @@ __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T
         const int64_t p = p0 + q;
         Sample<A> s;
         locate(offset, d, n, g, t, p, &s);
+        const A m = mask_at(mask, d, n, g, t, p);
         A gy = 0, gx = 0, gm = 0;
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             A v[4];
             mmd_bilinear_corners(s, input + (n * d.in_channels + c) * plane, v);
             const A gc = grad_columns[(c * taps + t) * count + q];
             gm += gc * mmd_bilinear_value(s, v);
-            gy += gc * mmd_bilinear_dvalue_dy(s, v);
-            gx += gc * mmd_bilinear_dvalue_dx(s, v);
+            /* the mask in each channel's term, as the CPU kernel has it */
+            gy += gc * m * mmd_bilinear_dvalue_dy(s, v);
+            gx += gc * m * mmd_bilinear_dvalue_dx(s, v);
         }
-        const A m = mask_at(mask, d, n, g, t, p);
         T *out = grad_offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p;
-        out[0] = from_compute<T>(m * gy);
-        out[pixels] = from_compute<T>(m * gx);
+        out[0] = from_compute<T>(gy);
+        out[pixels] = from_compute<T>(gx);
         grad_mask[((n * d.offset_groups + g) * taps + t) * pixels + p] = from_compute<T>(gm);
     }
 }

@@ -78,7 +78,7 @@ class HostBackedDeviceArray:
 
 class HostBackedNamespace:
     """The Array API functions of HostBackedDeviceArray's library that the
-    copy_to_cpu fallback uses."""
+    copy_to_cpu fallback and the op functions use."""
 
     @staticmethod
     def from_dlpack(x, *, device=None, copy=None):
@@ -91,3 +91,9 @@ class HostBackedNamespace:
         import numpy as np
 
         return HostBackedDeviceArray(np.array(x), device or (10, 0))
+
+    @staticmethod
+    def zeros(shape, *, dtype=None, device=None):
+        import numpy as np
+
+        return HostBackedDeviceArray(np.zeros(shape, dtype), device or (10, 0))
