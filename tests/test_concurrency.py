@@ -192,7 +192,7 @@ GIL_SCRIPT = textwrap.dedent("""
     boxes[:, 3] = 5
     scores = rng.random(n)
     x = rng.standard_normal((1, 4, 256, 256)).astype(np.float32)
-    rois = np.tile(np.array([[0, 0, 0, 255, 255]], np.float32), (128, 1))
+    rois = np.tile(np.array([[0, 0, 0, 255, 255]], np.float32), (512, 1))
 
     def nms():
         with mmdispatch.use_backend("cpu", "reference"):
