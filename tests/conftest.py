@@ -90,6 +90,20 @@ class DLPackOnly:
         return self.array.__dlpack_device__()
 
 
+@pytest.fixture(scope="session")
+def cuda_emulator():
+    """The CUDA kernels of src/cuda built for the CPU (tests/support/cuda_emu),
+    else the test is skipped (a copy of tests/ without the sources, or no
+    C++ compiler). `with cuda_emulator.active():` puts them in the CUDA
+    slots; cuda_emu.DeviceView arrays reach them."""
+    import cuda_emu
+
+    reason = cuda_emu.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return cuda_emu.load()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

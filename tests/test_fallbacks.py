@@ -2,7 +2,6 @@
 ready one, mmdispatch.fallbacks.copy_to_cpu, on stand-in arrays of a device
 mmdispatch has no kernels for (ROCm), seen only through DLPack and the
 Array API."""
-import random
 import warnings
 
 import numpy as np
@@ -109,14 +108,6 @@ def test_copy_to_cpu_raises_the_cpu_kernels_error_naming_op_and_parameter(rocm_f
                                       False, 0)
 
 
-def _plausible_call(op_name, seed):
-    sig = fuzz_cases.SIGNATURES[op_name]
-    r = fuzz_cases.Reader(random.Random(seed).randbytes(256))
-    values = fuzz_cases.plausible(r, op_name, [p.name for p in sig.params],
-                                  {p.name: p.type for p in sig.params})
-    return [values[p.name] for p in sig.params], sig
-
-
 def _outcome(function, args):
     try:
         result = function(*args)
@@ -134,7 +125,7 @@ def _host(value):
 @pytest.mark.parametrize("op_name", sorted(mmdispatch.op_signatures()))
 def test_every_entry_point_through_copy_to_cpu_matches_the_cpu_kernel(op_name, rocm_fallback):
     for seed in range(12):
-        args, sig = _plausible_call(op_name, seed)
+        args, sig = fuzz_cases.plausible_call(op_name, seed)
         on_cpu = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
         on_rocm = [OnRocm(a.copy()) if isinstance(a, np.ndarray) else a for a in args]
         for allocate in (False, True):

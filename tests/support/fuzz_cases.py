@@ -7,6 +7,7 @@ is replayed from its bytes."""
 import collections
 import ctypes
 import math
+import random
 import types
 from fractions import Fraction
 
@@ -431,6 +432,16 @@ def plausible(r, op_name, names, types=None):
 
     types = types or {}
     return {name: value(name, types.get(name)) for name in names}
+
+def plausible_call(op_name, seed):
+    """A roughly valid call of entry point `op_name`, the same for a seed:
+    (positional arguments, signature)."""
+    sig = SIGNATURES[op_name]
+    r = Reader(random.Random(seed).randbytes(256))
+    values = plausible(r, op_name, [p.name for p in sig.params],
+                       {p.name: p.type for p in sig.params})
+    return [values[p.name] for p in sig.params], sig
+
 
 def scalar_value(r, kind, plausible_value):
     choice = r.int(0, 9)

@@ -1,0 +1,217 @@
+"""The CUDA kernels of src/cuda, run on the CPU by the emulator in
+tests/support/cuda_emu and reached through the real dispatcher (arrays on
+cuda:0 through __cuda_array_interface__): the CPU kernels' errors on odd
+calls, deferred and strict errors as documented, 16-bit storage, launches of
+many blocks. Every op's valid cases are compared with the CPU kernels in its
+own test file (OpProperties.test_emulated_cuda_kernel_matches_the_cpu_kernel).
+
+These run wherever the sources and a C++ compiler are; on a GPU the kernels
+also run for real (the `cupy` and `torch_cuda` tests of each op)."""
+import numpy as np
+import pytest
+
+import mmdispatch
+
+import cuda_emu
+import fuzz_cases
+from properties import assert_same
+
+OnGpu = cuda_emu.DeviceView
+SEEDS = range(16)
+
+
+@pytest.fixture
+def emu(cuda_emulator):
+    """The emulated CUDA kernels in mmdispatch's CUDA slots for the test."""
+    with cuda_emulator.active():
+        yield cuda_emulator
+
+
+def on_gpu(arrays):
+    return [OnGpu(a) if isinstance(a, np.ndarray) else a for a in arrays]
+
+
+def roi_case(batch_index=1):
+    """roi_align_forward_impl's arrays (avg mode): a (2, 3, 9, 9) map, two
+    rois, 2x2 bins; the second roi on image `batch_index`."""
+    rng = np.random.default_rng(0)
+    x = rng.random((2, 3, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [batch_index, 2, 1, 8, 6.5]], np.float32)
+    unused = np.empty(0, np.float32)
+    return [x, rois, np.zeros((2, 3, 2, 2), np.float32), unused, unused.copy()], rois
+
+
+def outcome(emu, op_name, args):
+    """The call's result, or (exception type, message); a kernel's own
+    message is the emulator library's (see cuda_emu), prefixed as the
+    dispatcher prefixes the CPU kernels'."""
+    emu.clear_error()
+    try:
+        return getattr(mmdispatch, op_name)(*args)
+    except Exception as exc:   # compared with the CPU kernel's error
+        kernel_message = emu.last_error()
+        if isinstance(exc, mmdispatch.DeferredKernelError):
+            return type(exc), kernel_message
+        return type(exc), f"{op_name}: {kernel_message}" if kernel_message else str(exc)
+
+
+def test_every_op_has_cuda_kernels_in_the_emulated_build(emu):
+    ops = {op for op, _, _, _ in emu.kernels}
+    assert ops == set(mmdispatch.op_signatures())
+
+
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("op_name", sorted(mmdispatch.op_signatures()))
+def test_cuda_kernel_matches_the_cpu_kernel_on_odd_calls(emu, op_name, backend):
+    """The fuzzer's plausible calls (NaN and huge rois, empty arrays, wrong
+    sizes), in strict mode, so that data errors are raised at the call as
+    the CPU kernels raise them: the same results or the same errors, inputs
+    left alone and no device memory kept."""
+    if backend not in emu.backends(op_name):
+        pytest.skip(f"{op_name} has no {backend} CUDA kernel")
+    for seed in SEEDS:
+        args, _ = fuzz_cases.plausible_call(op_name, seed)
+        on_cpu = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        device_copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        expected = outcome(emu, op_name, on_cpu)
+        live = emu.counters()["live_allocations"]
+        with mmdispatch.strict(), mmdispatch.use_backend("cuda", backend):
+            got = outcome(emu, op_name, on_gpu(device_copies))
+        what = f"{op_name} ({backend}) seed {seed}"
+        assert emu.counters()["live_allocations"] == live, what
+        if isinstance(expected, tuple) and isinstance(expected[0], type):
+            assert got == expected, what
+            continue
+        assert not (isinstance(got, tuple) and isinstance(got[0], type)), (what, got)
+        for cpu, device in zip(on_cpu, device_copies):
+            if isinstance(cpu, np.ndarray):
+                assert_same(device, cpu)
+
+
+def test_a_bad_roi_is_deferred_to_the_next_call_and_its_bins_are_nan(emu):
+    arrays, _ = roi_case(batch_index=7)
+    good, _ = roi_case()
+    mmdispatch.roi_align_forward_impl(*on_gpu(good), 2, 2, 1.0, 1, 1, True)
+    with mmdispatch.strict(False):
+        mmdispatch.roi_align_forward_impl(*on_gpu(arrays), 2, 2, 1.0, 1, 1, True)
+    output = arrays[2]
+    assert np.isnan(output[1]).all()
+    np.testing.assert_array_equal(output[0], good[2][0])
+    kind, message = outcome(emu, "roi_align_forward_impl", on_gpu(good) + [2, 2, 1.0, 1, 1, True])
+    assert kind is mmdispatch.DeferredKernelError
+    assert message.startswith("roi_align_forward_impl: rois[1, 0] (batch index) must be an "
+                              "integer in [0, 2) (deferred error: found on cuda:0")
+    assert emu.synchronize() == (0, "")   # taken once
+
+
+def test_synchronize_raises_the_deferred_error_of_the_last_call(emu):
+    arrays, _ = roi_case(batch_index=-1)
+    with mmdispatch.strict(False):
+        mmdispatch.roi_align_forward_impl(*on_gpu(arrays), 2, 2, 1.0, 1, 1, True)
+    status, message = emu.synchronize()
+    assert status != 0
+    assert "rois[1, 0] (batch index)" in message and "raised by mmdispatch.synchronize()" in message
+
+
+def test_strict_mode_raises_a_bad_roi_at_the_call_and_writes_nothing(emu):
+    arrays, _ = roi_case(batch_index=2)
+    with mmdispatch.strict():
+        kind, message = outcome(emu, "roi_align_forward_impl",
+                                on_gpu(arrays) + [2, 2, 1.0, 1, 1, True])
+    assert kind is ValueError
+    assert message == ("roi_align_forward_impl: rois[1, 0] (batch index) must be an integer "
+                       "in [0, 2)")
+    assert not arrays[2].any()
+
+
+def roi_workload(rng, dtype):
+    """A map larger than one block's work: (2, 5, 21, 26), 13 rois of all
+    sizes, some reaching past the map."""
+    x = rng.standard_normal((2, 5, 21, 26)).astype(dtype)
+    corners = rng.uniform(-4, 30, (13, 2, 2))
+    rois = np.concatenate([rng.integers(0, 2, (13, 1)),
+                           corners.min(axis=1), corners.max(axis=1)], axis=1).astype(dtype)
+    rois[:, 1:] *= 2   # spatial_scale 0.5
+    return x, rois
+
+
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+@pytest.mark.parametrize("pool_mode", [0, 1])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
+        emu, backend, sampling_ratio, pool_mode, aligned):
+    rng = np.random.default_rng(sampling_ratio * 4 + pool_mode * 2 + aligned)
+    x, rois = roi_workload(rng, np.float64)
+    shape = (len(rois), x.shape[1], 7, 7)
+
+    def forward(wrap):
+        out = [np.zeros(shape), np.zeros(shape), np.zeros(shape)]
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, *out]), 7, 7, 0.5, sampling_ratio,
+                                          pool_mode, aligned)
+        return out
+
+    def backward(wrap, argmax_y, argmax_x):
+        grad = np.zeros_like(x)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, argmax_y, argmax_x, grad]),
+                                           7, 7, 0.5, sampling_ratio, pool_mode, aligned)
+        return grad
+
+    grad_output = rng.standard_normal(shape)
+    expected = forward(list)
+    with mmdispatch.use_backend("cuda", backend):
+        got = forward(on_gpu)
+        for a, b in zip(got, expected):
+            assert_same(a, b)
+        assert_same(backward(on_gpu, *got[1:]), backward(list, *expected[1:]))
+
+
+@pytest.mark.parametrize("op_name", ["roi_align_forward_impl", "roi_pool_forward_impl",
+                                     "bbox_overlaps_impl", "nms_impl"])
+def test_float16_kernels_match_the_float32_cpu_kernels(emu, op_name):
+    """float16 arrays compute in float32 on CUDA: on values float16 holds
+    exactly, the results are the float32 CPU results rounded once."""
+    rng = np.random.default_rng(5)
+    x, rois = roi_workload(rng, np.float32)
+    x, rois = x.astype(np.float16).astype(np.float32), np.round(rois)
+    boxes = np.round(rng.uniform(0, 40, (60, 4))).astype(np.float32)
+    boxes[:, 2:] += boxes[:, :2] + 1
+    scores = rng.permutation(60).astype(np.float32) / 64
+    pooled = (len(rois), x.shape[1], 3, 3)
+    calls = {
+        "roi_align_forward_impl": lambda dt: [x.astype(dt), rois.astype(dt), np.zeros(pooled, dt),
+                                              np.zeros(pooled, dt), np.zeros(pooled, dt),
+                                              3, 3, 0.5, 2, 1, True],
+        "roi_pool_forward_impl": lambda dt: [x.astype(dt), rois.astype(dt), np.zeros(pooled, dt),
+                                             np.zeros(pooled, np.int64), 3, 3, 0.5],
+        "bbox_overlaps_impl": lambda dt: [boxes.astype(dt), boxes[:17].astype(dt),
+                                          np.zeros((60, 17), dt), 0, False, 0],
+        "nms_impl": lambda dt: [boxes.astype(dt), scores.astype(dt), None, np.zeros(60, np.int64),
+                                np.zeros(1, np.int64), 0.3, 0],
+    }
+    expected = calls[op_name](np.float32)
+    getattr(mmdispatch, op_name)(*expected)
+    got = calls[op_name](np.float16)
+    getattr(mmdispatch, op_name)(*on_gpu(got))
+    for a, b in zip(got, expected):
+        if isinstance(a, np.ndarray):
+            if a.dtype == np.float16:
+                b = b.astype(np.float16)
+            assert_same(a, b)
+
+
+def test_a_launch_cuda_would_refuse_fails_the_call(emu):
+    """The emulator enforces CUDA's launch limits: the deterministic
+    roi_align backward's shared memory grows with the map, and a map too
+    large for it is refused before anything runs."""
+    x = np.zeros((1, 1, 4000, 4000), np.float32)
+    rois = np.array([[0, 0, 0, 10, 10]], np.float32)
+    grad_output = np.ones((1, 1, 7, 7), np.float32)
+    unused = np.empty(0, np.float32)
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        kind, message = outcome(emu, "roi_align_backward_impl",
+                                on_gpu([grad_output, rois, unused, unused.copy(), x])
+                                + [7, 7, 1.0, 2, 1, True])
+    assert kind is ValueError
+    assert "the deterministic backend needs" in message and "shared memory" in message
+    assert not x.any()

@@ -1,0 +1,295 @@
+"""The CUDA kernels of src/cuda, run on the CPU for the tests.
+
+Most machines that run the tests have no GPU, so the CUDA kernels would
+otherwise be compiled and never run. This builds src/cuda/*.cu with the host
+C++ compiler against a small emulation of CUDA C++ and its runtime
+(include/ here: each CUDA thread a fiber, barriers and warp operations
+switching between them, device memory in host memory; runtime.cpp), into a
+shared library with its own copy of src/core, and registers its kernels in
+mmdispatch's CUDA slots as C kernel capsules (``mmdispatch.register_impl``).
+Arrays that claim cuda:0 through ``__cuda_array_interface__`` over host
+memory (``DeviceView``) then reach them through the real dispatcher.
+
+What it checks: each kernel's arithmetic, indexing and bounds logic, its
+barriers and warp operations (a lane missing from one is an error), launch
+sizes CUDA refuses, device memory freed, and host waits counted. What it
+cannot: timing, the memory model of a real GPU, float atomics' order.
+
+The library's copy of src/core keeps its own error message: a failing
+kernel's message is ``Emulator.last_error()``, not the exception's text.
+"""
+import contextlib
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+CUDA_DIR = ROOT / "src" / "cuda"
+# src/core files the kernels call into (messages, deferred errors, roi checks)
+CORE_SOURCES = ("errors.c", "deferred.c", "rois.c")
+CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w"]
+CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w"]
+
+_LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
+_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w\s]+?)\s*(\w+)\s*\[\s*\]\s*;")
+
+
+def unavailable_reason():
+    """Why the emulator cannot be built here, or None."""
+    if not CUDA_DIR.is_dir():
+        return "the CUDA sources (src/cuda) are not beside these tests"
+    if _compiler("CXX", "g++") is None or _compiler("CC", "gcc") is None:
+        return "no C/C++ compiler (g++/gcc or $CXX/$CC) to build the CUDA emulator"
+    return None
+
+
+def _compiler(var, default):
+    return os.environ.get(var) or shutil.which(default)
+
+
+def _matching_paren(text, start):
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError("unbalanced parentheses after a launch")
+
+
+def translate(source):
+    """CUDA C++ -> the emulator's C++: `kernel<<<cfg>>>(args)` becomes a
+    launch of a closure that calls kernel(args) in every thread, and
+    `extern __shared__ T name[]` the block's dynamic shared memory."""
+    source = _EXTERN_SHARED.sub(
+        lambda m: f"{m.group(1)} *{m.group(2)} = ({m.group(1)} *)mmd_emu::block->dynamic_shared;",
+        source)
+    out, pos = [], 0
+    while True:
+        start = source.find("<<<", pos)
+        if start < 0:
+            out.append(source[pos:])
+            return "".join(out)
+        name = _LAUNCH_NAME.search(source[max(pos, start - 300):start])
+        if name is None:
+            raise ValueError(f"cannot find the kernel launched at offset {start}")
+        name_start = start - len(name.group(0))
+        end = source.index(">>>", start)
+        config = source[start + 3:end]
+        open_paren = end + 3
+        while source[open_paren].isspace():
+            open_paren += 1
+        close = _matching_paren(source, open_paren)
+        args = source[open_paren + 1:close]
+        out.append(source[pos:name_start])
+        out.append(f"mmd_emu::Launch({config})([&]() {{ {name.group(1)}({args}); }})")
+        pos = close + 1
+
+
+def _signatures():
+    """The installed package's signatures: the kernels' C types must be the
+    ones its dispatcher calls."""
+    import mmdispatch
+    return Path(mmdispatch.__file__).resolve().parent / "signatures.txt"
+
+
+def _inputs():
+    """Every file the library is built from, for its cache key."""
+    files = sorted(CUDA_DIR.glob("*.cu")) + sorted((ROOT / "include").rglob("*.h*"))
+    files += [ROOT / "src" / "core" / name for name in CORE_SOURCES]
+    files += [_signatures(), _signatures().with_name("_codegen.py")]
+    files += sorted(p for p in HERE.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".py"))
+    return files
+
+
+def build():
+    """Builds (or finds, keyed by its sources) the emulator library; its path."""
+    digest = hashlib.sha256()
+    for path in _inputs():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(" ".join(CXXFLAGS + CFLAGS).encode())
+    key = digest.hexdigest()[:16]
+    out_dir = ROOT / "build" / "cuda_emu"
+    library = out_dir / f"libmmd_cuda_emu-{key}.so"
+    if library.exists():
+        return library
+    work = out_dir / f"{key}.{os.getpid()}"   # test workers may build at once
+    work.mkdir(parents=True, exist_ok=True)
+    from mmdispatch import _codegen as codegen
+    ops = codegen.read_signatures(_signatures())
+    (work / "mmdispatch_generated.h").write_text(codegen.generate_header(ops))
+    names = codegen.find_registrations(CUDA_DIR, "cuda")
+    (work / "registrations.cpp").write_text(
+        "".join(f'extern "C" void mmd_register_cuda__{n}(void);\n' for n in names)
+        + 'extern "C" void mmd_emu_register_all(void) {\n'
+        + "".join(f"    mmd_register_cuda__{n}();\n" for n in names) + "}\n")
+    jobs = [(work / "registrations.cpp", "c++"), (HERE / "runtime.cpp", "c++")]
+    for cu in sorted(CUDA_DIR.glob("*.cu")):
+        translated = work / (cu.stem + ".cpp")
+        text = f'#line 1 "{cu}"\n' + translate(cu.read_text())
+        translated.write_text(text)
+        jobs.append((translated, "c++"))
+    jobs += [(ROOT / "src" / "core" / name, "c") for name in CORE_SOURCES]
+    # the CUDA headers launch kernels too: translated copies shadow them
+    shadow = work / "include" / "mmdispatch" / "cuda"
+    shadow.mkdir(parents=True, exist_ok=True)
+    for header in sorted((ROOT / "include" / "mmdispatch" / "cuda").glob("*.cuh")):
+        (shadow / header.name).write_text(f'#line 1 "{header}"\n' + translate(header.read_text()))
+    includes = ["-I", str(HERE / "include"), "-I", str(work / "include"), "-I",
+                str(ROOT / "include"), "-I", str(work)]
+    cxx, cc = _compiler("CXX", "g++"), _compiler("CC", "gcc")
+
+    def compile_one(job):
+        source, language = job
+        obj = work / (source.stem + (".core.o" if language == "c" else ".o"))
+        command = ([cxx, *CXXFLAGS] if language == "c++" else [cc, *CFLAGS])
+        done = subprocess.run([*command, *includes, "-c", str(source), "-o", str(obj)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"CUDA emulator: compiling {source.name} failed:\n"
+                               f"{done.stderr[-6000:]}")
+        return obj
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        objects = list(pool.map(compile_one, jobs))
+    partial = work / library.name
+    done = subprocess.run([cxx, "-shared", "-Wl,-Bsymbolic", "-Wl,--no-undefined", "-o",
+                           str(partial), *map(str, objects), "-lpthread"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"CUDA emulator: linking failed:\n{done.stderr[-6000:]}")
+    partial.replace(library)
+    shutil.rmtree(work, ignore_errors=True)
+    return library
+
+
+_loaded = None
+
+
+def load():
+    """The emulator library of this process (built on first use)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = Emulator(build())
+        _loaded.allocate_error_word()
+    return _loaded
+
+
+class Emulator:
+    """The loaded library: its kernels, counters and error message."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(str(path))
+        lib = self.lib
+        for name, restype, argtypes in [
+                ("mmd_emu_kernel_count", ctypes.c_int, []),
+                ("mmd_emu_kernel_op", ctypes.c_char_p, [ctypes.c_int]),
+                ("mmd_emu_kernel_origin", ctypes.c_char_p, [ctypes.c_int]),
+                ("mmd_emu_kernel_backend", ctypes.c_int, [ctypes.c_int]),
+                ("mmd_emu_kernel_fn", ctypes.c_void_p, [ctypes.c_int]),
+                ("mmd_emu_launches", ctypes.c_longlong, []),
+                ("mmd_emu_host_waits", ctypes.c_longlong, []),
+                ("mmd_emu_live_allocations", ctypes.c_longlong, []),
+                ("mmd_last_error", ctypes.c_char_p, []),
+                ("mmd_emu_clear_error", None, []),
+                ("mmd_cuda_synchronize", ctypes.c_int, [ctypes.c_int])]:
+            getattr(lib, name).restype = restype
+            getattr(lib, name).argtypes = argtypes
+        lib.mmd_emu_register_all()
+        self._capsule_names = {}
+        self.kernels = [
+            (lib.mmd_emu_kernel_op(i).decode(), lib.mmd_emu_kernel_backend(i),
+             lib.mmd_emu_kernel_fn(i), lib.mmd_emu_kernel_origin(i).decode())
+            for i in range(lib.mmd_emu_kernel_count())]
+
+    def last_error(self):
+        """The message of the emulated kernel that failed last in this
+        thread since clear_error(); "" where none did."""
+        return self.lib.mmd_last_error().decode("utf-8", "replace")
+
+    def clear_error(self):
+        self.lib.mmd_emu_clear_error()
+
+    def synchronize(self):
+        """mmdispatch.synchronize("cuda") for the emulated kernels: the
+        deferred error they left, as (status, message), or (0, "")."""
+        status = self.lib.mmd_cuda_synchronize(-1)
+        return status, self.last_error() if status else ""
+
+    def counters(self):
+        return {"launches": self.lib.mmd_emu_launches(),
+                "host_waits": self.lib.mmd_emu_host_waits(),
+                "live_allocations": self.lib.mmd_emu_live_allocations()}
+
+    @contextlib.contextmanager
+    def active(self):
+        """The emulated kernels in mmdispatch's CUDA slots (over a real
+        GPU's, if any) while the block runs, every cuda:0 pointer taken as
+        it comes (CuPy is not asked about host memory)."""
+        import mmdispatch
+        from mmdispatch import _core, _cuda
+
+        new_capsule = ctypes.pythonapi.PyCapsule_New
+        new_capsule.restype = ctypes.py_object
+        new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        backends = {0: "default", 1: "reference", 2: "deterministic"}
+        handles = []
+        _core._set_cai_device_resolver(lambda pointer: 0)
+        try:
+            for op, backend, fn, _origin in self.kernels:
+                name = self._capsule_names.setdefault(op, ctypes.create_string_buffer(
+                    mmdispatch.kernel_capsule_name(op).encode()))   # the capsule keeps a pointer
+                capsule = new_capsule(fn, ctypes.addressof(name), None)
+                handles.append(mmdispatch.register_impl(op, "cuda", capsule,
+                                                        backend=backends[backend], override=True))
+            yield self
+        finally:
+            for handle in reversed(handles):
+                handle.remove()
+            _core._set_cai_device_resolver(_cuda.pointer_device)
+
+    def allocate_error_word(self):
+        """Makes the device allocate its deferred-error word (kept for the
+        process, as on a GPU), so that the tests see each call's own
+        allocations only."""
+        import mmdispatch
+
+        x = np.zeros((1, 1, 2, 2), np.float32)
+        rois = np.array([[0, 0, 0, 1, 1]], np.float32)
+        arrays = [x, rois, np.zeros((1, 1, 1, 1), np.float32), np.empty(0, np.float32),
+                  np.empty(0, np.float32)]
+        with self.active(), mmdispatch.strict(False):
+            mmdispatch.roi_align_forward_impl(*map(DeviceView, arrays), 1, 1, 1.0, 1, 1, True)
+
+    def backends(self, op_name):
+        """The CUDA backends the op has kernels for."""
+        names = {0: "default", 1: "reference", 2: "deterministic"}
+        return sorted({names[b] for op, b, _, _ in self.kernels if op == op_name})
+
+
+class DeviceView:
+    """A numpy array presented as CUDA memory of cuda:0, through
+    __cuda_array_interface__ (the emulated kernels read host memory)."""
+
+    def __init__(self, array):
+        self.array = np.ascontiguousarray(array) if array.ndim == 0 else array
+        self.shape = self.array.shape
+        self.dtype = self.array.dtype
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self.array
+        strides = None if a.flags.c_contiguous else a.strides
+        return {"shape": a.shape, "typestr": a.dtype.str, "strides": strides,
+                "data": (a.ctypes.data, not a.flags.writeable), "version": 3}

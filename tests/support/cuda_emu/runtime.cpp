@@ -1,0 +1,425 @@
+/* The CUDA emulator's runtime (tests/support/cuda_emu): fibers for the
+ * threads of a block, the scheduler that runs them between synchronisation
+ * points, the runtime API over host memory, and the list of kernels the
+ * emulated CUDA files register, read by the tests through ctypes. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cuda_runtime.h"
+
+namespace mmd_emu {
+
+namespace {
+
+enum FiberState { RUNNABLE, WAITING, DONE };
+constexpr size_t kStackBytes = 256 * 1024;
+
+}  // namespace
+
+struct Fiber {
+    ucontext_t context;
+    uint3 index;
+    FiberState state;
+    SyncKind kind;
+    unsigned mask;
+    uint64_t value, result;
+    int src_lane;
+};
+
+Fiber *current = nullptr;
+Block *block = nullptr;
+
+uint3 current_thread_idx(void) { return current->index; }
+
+namespace {
+
+std::mutex g_launch_lock;   /* one launch at a time, whichever thread asks */
+ucontext_t g_scheduler;
+std::vector<Fiber> g_fibers;
+std::vector<char *> g_stacks;
+const std::function<void()> *g_body = nullptr;
+int g_allowed_shared = MMD_EMU_SHARED_PER_BLOCK;
+thread_local cudaError_t t_last_error = cudaSuccess;
+thread_local int t_device = 0;
+
+/* counters the tests read */
+long long g_launches = 0, g_host_waits = 0;
+std::mutex g_memory_lock;
+std::set<void *> g_allocations;
+
+void fiber_main() {
+    (*g_body)();
+    current->state = DONE;   /* uc_link returns to the scheduler */
+}
+
+void fail(cudaError_t err, const char *why) {
+    fprintf(stderr, "mmdispatch CUDA emulator: %s (block %u,%u,%u)\n", why,
+            block ? block->block_idx.x : 0, block ? block->block_idx.y : 0,
+            block ? block->block_idx.z : 0);
+    t_last_error = err;
+}
+
+bool is_warp_kind(SyncKind kind) { return kind != SYNC_BLOCK_OR; }
+
+/* Releases the lanes of warp `w` waiting at one warp operation once every
+ * lane of its mask is there; false where none could be released, and
+ * *broken where the mask names a lane that exited or waits elsewhere. */
+bool release_warp(int w, int threads, bool *broken) {
+    const int first = w * 32, last = first + 32 < threads ? first + 32 : threads;
+    Fiber *lead = nullptr;
+    for (int i = first; i < last && !lead; ++i)
+        if (g_fibers[i].state == WAITING && is_warp_kind(g_fibers[i].kind)) lead = &g_fibers[i];
+    if (!lead) return false;
+    const unsigned mask = lead->mask;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (!((mask >> lane) & 1u) || first + lane >= last) continue;
+        const Fiber &f = g_fibers[first + lane];
+        if (f.state == RUNNABLE) return false;
+        if (f.state == DONE || !is_warp_kind(f.kind) || f.kind != lead->kind || f.mask != mask) {
+            *broken = true;
+            return false;
+        }
+    }
+    unsigned ballot = 0;
+    for (int lane = 0; lane < 32 && first + lane < last; ++lane)
+        if ((mask >> lane) & 1u && g_fibers[first + lane].value) ballot |= 1u << lane;
+    for (int lane = 0; lane < 32 && first + lane < last; ++lane) {
+        if (!((mask >> lane) & 1u)) continue;
+        Fiber &f = g_fibers[first + lane];
+        switch (lead->kind) {
+        case SYNC_SHFL: {
+            const int src = f.src_lane;
+            f.result = first + src < last ? g_fibers[first + src].value : f.value;
+            break;
+        }
+        case SYNC_MATCH_ANY: {
+            unsigned same = 0;
+            for (int other = 0; other < 32 && first + other < last; ++other)
+                if ((mask >> other) & 1u && g_fibers[first + other].value == f.value)
+                    same |= 1u << other;
+            f.result = same;
+            break;
+        }
+        case SYNC_BALLOT:
+            f.result = ballot;
+            break;
+        default:
+            f.result = 0;
+        }
+    }
+    for (int lane = 0; lane < 32 && first + lane < last; ++lane)
+        if ((mask >> lane) & 1u) g_fibers[first + lane].state = RUNNABLE;
+    return true;
+}
+
+/* Runs one block to its end; false when its threads cannot go on. */
+bool run_block(int threads) {
+    for (int i = 0; i < threads; ++i) {
+        Fiber &f = g_fibers[i];
+        f.state = RUNNABLE;
+        getcontext(&f.context);
+        f.context.uc_stack.ss_sp = g_stacks[i];
+        f.context.uc_stack.ss_size = kStackBytes;
+        f.context.uc_link = &g_scheduler;
+        makecontext(&f.context, fiber_main, 0);
+    }
+    for (;;) {
+        for (int i = 0; i < threads; ++i) {
+            if (g_fibers[i].state != RUNNABLE) continue;
+            current = &g_fibers[i];
+            swapcontext(&g_scheduler, &g_fibers[i].context);
+        }
+        int live = 0, at_barrier = 0;
+        uint64_t any = 0;
+        for (int i = 0; i < threads; ++i) {
+            if (g_fibers[i].state == DONE) continue;
+            ++live;
+            if (g_fibers[i].kind == SYNC_BLOCK_OR) {
+                ++at_barrier;
+                any |= g_fibers[i].value;
+            }
+        }
+        if (live == 0) return true;
+        if (at_barrier == live) {   /* exited threads do not hold a barrier up */
+            for (int i = 0; i < threads; ++i) {
+                if (g_fibers[i].state == DONE) continue;
+                g_fibers[i].result = any;
+                g_fibers[i].state = RUNNABLE;
+            }
+            continue;
+        }
+        bool released = false, broken = false;
+        for (int w = 0; w * 32 < threads; ++w) released |= release_warp(w, threads, &broken);
+        if (broken) {
+            fail(cudaErrorIllegalInstruction,
+                 "a warp operation's mask names a lane that exited or waits elsewhere");
+            return false;
+        }
+        if (!released) {
+            fail(cudaErrorLaunchFailure, "deadlock: threads wait at different barriers");
+            return false;
+        }
+    }
+}
+
+}  // namespace
+
+uint64_t sync(SyncKind kind, unsigned mask, uint64_t value, int src_lane) {
+    Fiber *f = current;
+    f->kind = kind;
+    f->mask = mask;
+    f->value = value;
+    f->src_lane = src_lane;
+    f->state = WAITING;
+    swapcontext(&f->context, &g_scheduler);
+    return f->result;
+}
+
+void allow_dynamic_shared(int bytes) { g_allowed_shared = bytes; }
+
+bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()> &body) {
+    const unsigned long long threads =
+        (unsigned long long)block_dim.x * block_dim.y * block_dim.z;
+    if (threads == 0 || threads > MMD_EMU_MAX_THREADS || block_dim.z > 64 || grid.x == 0 ||
+        grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 ||
+        grid.z > 65535) {
+        fail(cudaErrorInvalidConfiguration, "a launch CUDA refuses (grid or block size)");
+        return false;
+    }
+    if (shared > (size_t)(g_allowed_shared > MMD_EMU_SHARED_PER_BLOCK
+                              ? g_allowed_shared : MMD_EMU_SHARED_PER_BLOCK)) {
+        fail(cudaErrorInvalidValue, "more dynamic shared memory than the kernel may have");
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(g_launch_lock);
+    ++g_launches;
+    while (g_stacks.size() < threads) {
+        void *stack = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (stack == MAP_FAILED) {
+            fail(cudaErrorMemoryAllocation, "no memory for the threads' stacks");
+            return false;
+        }
+        g_stacks.push_back((char *)stack);
+    }
+    g_fibers.resize(threads);
+    std::vector<unsigned char> dynamic(shared + 16);
+    Block state;
+    state.block_dim = block_dim;
+    state.grid_dim = grid;
+    state.dynamic_shared = dynamic.data();
+    g_body = &body;
+    block = &state;
+    bool ok = true;
+    for (unsigned z = 0; z < grid.z && ok; ++z)
+        for (unsigned y = 0; y < grid.y && ok; ++y)
+            for (unsigned x = 0; x < grid.x && ok; ++x) {
+                state.block_idx = dim3(x, y, z);
+                unsigned i = 0;
+                for (unsigned tz = 0; tz < block_dim.z; ++tz)
+                    for (unsigned ty = 0; ty < block_dim.y; ++ty)
+                        for (unsigned tx = 0; tx < block_dim.x; ++tx)
+                            g_fibers[i++].index = dim3(tx, ty, tz);
+                ok = run_block((int)threads);
+            }
+    block = nullptr;
+    current = nullptr;
+    g_body = nullptr;
+    return ok;
+}
+
+}  // namespace mmd_emu
+
+using namespace mmd_emu;
+
+cudaError_t cudaGetLastError(void) {
+    const cudaError_t err = t_last_error;
+    t_last_error = cudaSuccess;
+    return err;
+}
+
+cudaError_t cudaPeekAtLastError(void) { return t_last_error; }
+
+const char *cudaGetErrorName(cudaError_t err) {
+    switch (err) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorIllegalInstruction: return "cudaErrorIllegalInstruction";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    }
+    return "cudaErrorUnknown";
+}
+
+const char *cudaGetErrorString(cudaError_t err) {
+    return err == cudaSuccess ? "no error" : cudaGetErrorName(err);
+}
+
+cudaError_t cudaGetDeviceCount(int *count) {
+    *count = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *device) {
+    *device = t_device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+    if (device != 0) return t_last_error = cudaErrorInvalidDevice;
+    t_device = device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int *version) {
+    *version = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+cudaError_t cudaRuntimeGetVersion(int *version) {
+    *version = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
+    if (device != 0) return cudaErrorInvalidDevice;
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "mmdispatch CUDA emulator");
+    prop->major = 9;
+    prop->minor = 0;
+    prop->multiProcessorCount = 132;
+    prop->sharedMemPerBlock = MMD_EMU_SHARED_PER_BLOCK;
+    prop->maxThreadsPerBlock = MMD_EMU_MAX_THREADS;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
+    if (device != 0) return cudaErrorInvalidDevice;
+    switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *value = MMD_EMU_MAX_THREADS; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = MMD_EMU_SHARED_PER_BLOCK; break;
+    case cudaDevAttrMultiProcessorCount: *value = 132; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = MMD_EMU_SHARED_OPTIN; break;
+    default: return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
+
+/* Launches finish before they return: waiting is only counted. */
+cudaError_t cudaDeviceSynchronize(void) {
+    ++g_host_waits;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    ++g_host_waits;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **ptr, size_t size) {
+    *ptr = aligned_alloc(256, ((size ? size : 1) + 255) / 256 * 256);
+    if (!*ptr) return cudaErrorMemoryAllocation;
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    g_allocations.insert(*ptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t) { return cudaMalloc(ptr, size); }
+
+cudaError_t cudaFree(void *ptr) {
+    if (!ptr) return cudaSuccess;
+    {
+        std::lock_guard<std::mutex> lock(g_memory_lock);
+        if (g_allocations.erase(ptr) == 0) return cudaErrorInvalidValue;
+    }
+    free(ptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeAsync(void *ptr, cudaStream_t) { return cudaFree(ptr); }
+
+cudaError_t cudaHostAlloc(void **ptr, size_t size, unsigned) {
+    *ptr = calloc(1, size ? size : 1);
+    return *ptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaFreeHost(void *ptr) {
+    free(ptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaHostGetDevicePointer(void **device, void *host, unsigned) {
+    *device = host;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *ptr, int value, size_t size) {
+    memset(ptr, value, size);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *ptr, int value, size_t size, cudaStream_t) {
+    memset(ptr, value, size);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t size, cudaMemcpyKind) {
+    ++g_host_waits;   /* a synchronous copy waits for the device */
+    memmove(dst, src, size);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t size, cudaMemcpyKind,
+                            cudaStream_t) {
+    memmove(dst, src, size);
+    return cudaSuccess;
+}
+
+/* What the tests read (tests/support/cuda_emu/__init__.py). */
+namespace {
+struct Recorded {
+    std::string op, origin;
+    int device_type, backend;
+    void *fn;
+};
+std::vector<Recorded> g_recorded;
+}  // namespace
+
+extern "C" {
+
+int mmd_error(int status, const char *fmt, ...);   /* src/core/errors.c, this library's copy */
+
+/* Empties this thread's error message, so that a message after a failed
+ * call is known to come from a kernel of this library. */
+void mmd_emu_clear_error(void) { mmd_error(0, "%s", ""); }
+
+void mmd_emu_record(const char *op, int device_type, int backend, void *fn, const char *origin) {
+    g_recorded.push_back(Recorded{op, origin, device_type, backend, fn});
+}
+
+int mmd_emu_kernel_count(void) { return (int)g_recorded.size(); }
+const char *mmd_emu_kernel_op(int i) { return g_recorded[i].op.c_str(); }
+const char *mmd_emu_kernel_origin(int i) { return g_recorded[i].origin.c_str(); }
+int mmd_emu_kernel_backend(int i) { return g_recorded[i].backend; }
+void *mmd_emu_kernel_fn(int i) { return g_recorded[i].fn; }
+
+long long mmd_emu_launches(void) { return g_launches; }
+long long mmd_emu_host_waits(void) { return g_host_waits; }
+long long mmd_emu_live_allocations(void) {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    return (long long)g_allocations.size();
+}
+
+}
