@@ -1,10 +1,21 @@
 /* roi_align on CUDA (MMCV semantics, math shared with the CPU kernels via
- * mmdispatch/ops/roi_align.h). One thread per output bin; the `default`
- * backward adds into grad_input with atomics, the `deterministic` one gives
- * each (image, channel) plane of grad_input to one block, which adds the
- * rois into it in order (the same sums in the same order on every run).
- * float16 and bfloat16 inputs compute in float32. Launches on ctx->stream,
- * on ctx->device_id.
+ * mmdispatch/ops/roi_align.h).
+ *
+ * avg pooling: a thread per bin and group of kGroup channels. Bilinear
+ * weights are products of a row's and a column's, so the thread lists the
+ * rows and the columns its bin's samples read, each with the weights of
+ * every sample that reads it summed (samples a cell apart or closer, as
+ * adaptive sampling places them, share rows and columns), once for the
+ * group: a bin of g x g samples then reads (g + 1)^2 cells per channel
+ * instead of 4 g^2, and the backward makes as many atomic adds. The roi's
+ * geometry and interpolation are worked out once per group, not per
+ * channel. max pooling: a thread per output element, sample by sample.
+ *
+ * The `default` backward adds into grad_input with atomics, the
+ * `deterministic` one gives each (image, channel) plane of grad_input to
+ * one block, which adds the rois into it in order (the same sums in the
+ * same order on every run). float16 and bfloat16 inputs compute in
+ * float32. Launches on ctx->stream, on ctx->device_id.
  *
  * Bad rois never cause an out-of-bounds access. By default each thread
  * validates its roi: a bad roi's bins are NaN (argmax -1) in forward and
@@ -77,12 +88,165 @@ __device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels
     return false;
 }
 
+/* avg pooling's work unit: kGroup channels of one bin. */
+constexpr int kGroup = 8;
+/* Rows (columns) a bin's merged list holds at most: the samples of an
+ * adaptive grid of up to 31 a side (bins of up to 31 cells), or of a fixed
+ * one of up to 16; larger bins are summed sample by sample. The lists live
+ * in each thread's local memory. */
+constexpr int kAxisEntries = 32;
+
+/* The cells one axis of a bin reads, in increasing order, each with the
+ * summed weight of the samples that read it. */
+template <typename A> struct AxisCells {
+    int count;
+    int32_t index[kAxisEntries];
+    A weight[kAxisEntries];
+
+    /* Samples come in increasing order and read cells `low` <= `high` <=
+     * low + 1, so a cell read before is one of the last two. */
+    __device__ bool add(int32_t cell, A w) {
+        if (count > 0 && index[count - 1] == cell) {
+            weight[count - 1] += w;
+        } else if (count > 1 && index[count - 2] == cell) {
+            weight[count - 2] += w;
+        } else {
+            if (count == kAxisEntries) return false;
+            index[count] = cell;
+            weight[count++] = w;
+        }
+        return true;
+    }
+
+    /* Bin `bin`'s `grid` samples along an axis of `size` cells from
+     * `start`; false when they read more than kAxisEntries cells. */
+    __device__ bool fill(A start, A bin_size, int64_t bin, int64_t grid, int64_t size) {
+        count = 0;
+        if (size > INT32_MAX) return false;
+        for (int64_t i = 0; i < grid; ++i) {
+            Axis<A> a;
+            mmd_interp(mmd_roi_align_sample(start, bin_size, bin, i, grid), size, &a);
+            if (a.valid && !(add((int32_t)a.low, a.w_low) && add((int32_t)a.high, a.w_high)))
+                return false;
+        }
+        return true;
+    }
+};
+
+/* Threads of the avg kernels: a bin and a group of channels each. */
+inline int64_t avg_work_items(int64_t num_rois, int64_t channels, int64_t pooled_h,
+                              int64_t pooled_w) {
+    return num_rois * ((channels + kGroup - 1) / kGroup) * pooled_h * pooled_w;
+}
+
+/* A thread of the avg kernels: bin (ph, pw) of roi k, channels
+ * [c0, c0 + count); false for a bad roi, which the thread of the roi's
+ * first bin and group reports. */
+struct AvgWork {
+    int64_t k, c0, count, ph, pw;
+};
+
+template <typename T, typename A>
+__device__ inline bool locate_avg_work(int64_t index, const T *rois, int64_t channels,
+                                       int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                                       A scale, int64_t sampling_ratio, int aligned,
+                                       const ErrorSink &sink, AvgWork *w, Geometry<A> *g) {
+    const int64_t groups = (channels + kGroup - 1) / kGroup;
+    w->pw = index % pooled_w;
+    w->ph = (index / pooled_w) % pooled_h;
+    const int64_t group = (index / pooled_w / pooled_h) % groups;
+    w->k = index / pooled_w / pooled_h / groups;
+    w->c0 = group * kGroup;
+    w->count = channels - w->c0 < kGroup ? channels - w->c0 : kGroup;
+    A roi[5];
+    load_roi(rois, w->k, roi);
+    const int code =
+        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
+    if (code == MMD_ROI_OK) return true;
+    if (index % (groups * pooled_h * pooled_w) == 0) sink.report(w->k, code);
+    return false;
+}
+
+/* The sum of bin (ph, pw)'s samples of one plane, sample by sample. */
+template <typename T, typename A>
+__device__ inline A sum_samples(const T *plane, int64_t height, int64_t width,
+                                const Geometry<A> &g, int64_t ph, int64_t pw) {
+    A sum = 0;
+    for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+        Axis<A> ay;
+        mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+        if (!ay.valid) continue;
+        for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+            Axis<A> ax;
+            mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+            if (ax.valid) sum += bilinear<T, A>(plane, width, ay, ax);
+        }
+    }
+    return sum;
+}
+
 template <typename T>
-__global__ void forward_kernel(const T *input, const T *rois, T *output, T *argmax_y,
+__global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int64_t total,
+                                   int64_t channels, int64_t height, int64_t width,
+                                   int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                                   typename Compute<T>::type scale, int64_t sampling_ratio,
+                                   int aligned, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        AvgWork w;
+        Geometry<A> g;
+        const bool good = locate_avg_work<T, A>(index, rois, channels, pooled_h, pooled_w, batch,
+                                                scale, sampling_ratio, aligned, sink, &w, &g);
+        T *out = output + ((w.k * channels + w.c0) * pooled_h + w.ph) * pooled_w + w.pw;
+        if (!good) {
+            for (int64_t c = 0; c < w.count; ++c) out[c * bins] = from_compute<T>((A)NAN);
+            continue;
+        }
+        const T *planes = input + (g.batch * channels + w.c0) * plane_size;
+        const int64_t count = g.grid_h * g.grid_w;
+        const A divisor = (A)(count > 1 ? count : 1);
+        AxisCells<A> rows, cols;
+        if (!rows.fill(g.start_h, g.bin_h, w.ph, g.grid_h, height) ||
+            !cols.fill(g.start_w, g.bin_w, w.pw, g.grid_w, width)) {
+            for (int64_t c = 0; c < w.count; ++c)
+                out[c * bins] = from_compute<T>(
+                    sum_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw) /
+                    divisor);
+            continue;
+        }
+        A sum[kGroup] = {};
+        for (int r = 0; r < rows.count; ++r) {
+            const T *row = planes + (int64_t)rows.index[r] * width;
+            A dot[kGroup] = {};
+            for (int x = 0; x < cols.count; ++x) {   /* a column's weight serves the group */
+                const int32_t at = cols.index[x];
+                const A wx = cols.weight[x];
+#pragma unroll
+                for (int c = 0; c < kGroup; ++c)
+                    if (c < w.count) dot[c] += wx * to_compute(row[c * plane_size + at]);
+            }
+#pragma unroll
+            for (int c = 0; c < kGroup; ++c) sum[c] += rows.weight[r] * dot[c];
+        }
+#pragma unroll
+        for (int c = 0; c < kGroup; ++c) {   /* unrolled: sum[] stays in registers */
+            if (c >= w.count) break;
+            /* an inf or NaN cell: the definition, where a sample's zero
+             * weight on it gives NaN that a merged weight would hide */
+            const A value = isfinite(sum[c]) ? sum[c]
+                : sum_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw);
+            out[c * bins] = from_compute<T>(value / divisor);
+        }
+    }
+}
+
+template <typename T>
+__global__ void max_forward_kernel(const T *input, const T *rois, T *output, T *argmax_y,
                                T *argmax_x, int64_t total, int64_t channels, int64_t height,
                                int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
                                typename Compute<T>::type scale, int64_t sampling_ratio,
-                               int64_t pool_mode, int aligned, ErrorSink sink) {
+                               int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
@@ -90,44 +254,27 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, T *argm
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
                               sampling_ratio, aligned, sink, &c, &ph, &pw, &g)) {
             output[index] = from_compute<T>((A)NAN);
-            if (pool_mode == MMD_POOL_MAX)
-                argmax_y[index] = argmax_x[index] = from_compute<T>((A)-1);
+            argmax_y[index] = argmax_x[index] = from_compute<T>((A)-1);
             continue;
         }
         const T *plane = input + (g.batch * channels + c) * height * width;
-        if (pool_mode == MMD_POOL_AVG) {
-            A sum = 0;
-            for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                Axis<A> ay;
-                mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
-                if (!ay.valid) continue;
-                for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                    Axis<A> ax;
-                    mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
-                    if (ax.valid) sum += bilinear<T, A>(plane, width, ay, ax);
-                }
+        mmd_max_state<A> m;
+        mmd_max_init(&m);
+        for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+            const A y = mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h);
+            Axis<A> ay;
+            mmd_interp(y, height, &ay);
+            for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                const A x = mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w);
+                Axis<A> ax;
+                mmd_interp(x, width, &ax);
+                const A v = (ay.valid && ax.valid) ? bilinear<T, A>(plane, width, ay, ax) : (A)0;
+                mmd_max_update(&m, v, y, x);
             }
-            const int64_t count = g.grid_h * g.grid_w;
-            output[index] = from_compute<T>(sum / (A)(count > 1 ? count : 1));
-        } else {
-            mmd_max_state<A> m;
-            mmd_max_init(&m);
-            for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                const A y = mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h);
-                Axis<A> ay;
-                mmd_interp(y, height, &ay);
-                for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                    const A x = mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w);
-                    Axis<A> ax;
-                    mmd_interp(x, width, &ax);
-                    const A v = (ay.valid && ax.valid) ? bilinear<T, A>(plane, width, ay, ax) : (A)0;
-                    mmd_max_update(&m, v, y, x);
-                }
-            }
-            output[index] = from_compute<T>(mmd_max_value(&m));
-            argmax_y[index] = from_compute<T>(m.y);
-            argmax_x[index] = from_compute<T>(m.x);
         }
+        output[index] = from_compute<T>(mmd_max_value(&m));
+        argmax_y[index] = from_compute<T>(m.y);
+        argmax_x[index] = from_compute<T>(m.x);
     }
 }
 
@@ -140,13 +287,72 @@ __device__ inline void scatter(T *plane, int64_t width, const Axis<A> &ay,
     atomicAdd(plane + ay.high * width + ax.high, from_compute<T>(grad * ay.w_high * ax.w_high));
 }
 
+/* Adds `share` times bin (ph, pw)'s interpolation weights into a plane,
+ * sample by sample. */
+template <typename T, typename A>
+__device__ inline void scatter_samples(T *plane, int64_t height, int64_t width,
+                                       const Geometry<A> &g, int64_t ph, int64_t pw, A share) {
+    for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+        Axis<A> ay;
+        mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
+        if (!ay.valid) continue;
+        for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+            Axis<A> ax;
+            mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
+            if (ax.valid) scatter<T, A>(plane, width, ay, ax, share);
+        }
+    }
+}
+
+/* avg: the forward's rows and columns, one atomic add per cell they cross.
+ * A bin gradient that is not finite is added sample by sample, so that
+ * 0 * inf gives NaN where the definition gives it. */
 template <typename T>
-__global__ void backward_kernel(const T *grad_output, const T *rois, const T *argmax_y,
-                                const T *argmax_x, T *grad_input, int64_t total,
-                                int64_t channels, int64_t height, int64_t width,
-                                int64_t pooled_h, int64_t pooled_w, int64_t batch,
-                                typename Compute<T>::type scale, int64_t sampling_ratio,
-                                int64_t pool_mode, int aligned, ErrorSink sink) {
+__global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad_input,
+                                    int64_t total, int64_t channels, int64_t height,
+                                    int64_t width, int64_t pooled_h, int64_t pooled_w,
+                                    int64_t batch, typename Compute<T>::type scale,
+                                    int64_t sampling_ratio, int aligned, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
+    MMD_GRID_STRIDE_LOOP(index, total) {
+        AvgWork w;
+        Geometry<A> g;
+        if (!locate_avg_work<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
+                                   sampling_ratio, aligned, sink, &w, &g))
+            continue;   /* a bad roi adds nothing */
+        const T *grads = grad_output + ((w.k * channels + w.c0) * pooled_h + w.ph) * pooled_w + w.pw;
+        T *planes = grad_input + (g.batch * channels + w.c0) * plane_size;
+        const int64_t count = g.grid_h * g.grid_w;
+        const A divisor = (A)(count > 1 ? count : 1);
+        AxisCells<A> rows, cols;
+        const bool merged = rows.fill(g.start_h, g.bin_h, w.ph, g.grid_h, height) &&
+                            cols.fill(g.start_w, g.bin_w, w.pw, g.grid_w, width);
+        for (int64_t c = 0; c < w.count; ++c) {
+            const A share = to_compute(grads[c * bins]) / divisor;
+            T *plane = planes + c * plane_size;
+            if (!merged || !isfinite(share)) {
+                scatter_samples<T, A>(plane, height, width, g, w.ph, w.pw, share);
+                continue;
+            }
+            for (int r = 0; r < rows.count; ++r) {
+                T *row = plane + (int64_t)rows.index[r] * width;
+                const A row_share = share * rows.weight[r];
+                for (int x = 0; x < cols.count; ++x)
+                    atomicAdd(row + cols.index[x], from_compute<T>(row_share * cols.weight[x]));
+            }
+        }
+    }
+}
+
+/* max: the 4 cells around each bin's argmax. */
+template <typename T>
+__global__ void max_backward_kernel(const T *grad_output, const T *rois, const T *argmax_y,
+                                    const T *argmax_x, T *grad_input, int64_t total,
+                                    int64_t channels, int64_t height, int64_t width,
+                                    int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                                    typename Compute<T>::type scale, int64_t sampling_ratio,
+                                    int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
         int64_t c, ph, pw;
@@ -154,29 +360,14 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const T *ar
         if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
                               sampling_ratio, aligned, sink, &c, &ph, &pw, &g))
             continue;   /* a bad roi adds nothing */
-        T *plane = grad_input + (g.batch * channels + c) * height * width;
-        const A grad = to_compute(grad_output[index]);
-        if (pool_mode == MMD_POOL_MAX) {
-            const A y = to_compute(argmax_y[index]);
-            if (y == (A)-1) continue;
-            Axis<A> ay, ax;
-            mmd_interp(y, height, &ay);
-            mmd_interp(to_compute(argmax_x[index]), width, &ax);
-            if (ay.valid && ax.valid) scatter<T, A>(plane, width, ay, ax, grad);
-            continue;
-        }
-        const int64_t count = g.grid_h * g.grid_w;
-        const A share = grad / (A)(count > 1 ? count : 1);
-        for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-            Axis<A> ay;
-            mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
-            if (!ay.valid) continue;
-            for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                Axis<A> ax;
-                mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
-                if (ax.valid) scatter<T, A>(plane, width, ay, ax, share);
-            }
-        }
+        const A y = to_compute(argmax_y[index]);
+        if (y == (A)-1) continue;
+        Axis<A> ay, ax;
+        mmd_interp(y, height, &ay);
+        mmd_interp(to_compute(argmax_x[index]), width, &ax);
+        if (ay.valid && ax.valid)
+            scatter<T, A>(grad_input + (g.batch * channels + c) * height * width, width, ay, ax,
+                          to_compute(grad_output[index]));
     }
 }
 
@@ -380,12 +571,19 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
     int s = check_rois(ctx, "roi_align roi check", check, rois->shape[0], batch, stream, total > 0,
                        &sink);
     if (s || total == 0) return s;
-    const bool max_mode = pool_mode == MMD_POOL_MAX;
-    forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
-        (const T *)input->data, (const T *)rois->data, (T *)output->data,
-        max_mode ? (T *)argmax_y->data : nullptr, max_mode ? (T *)argmax_x->data : nullptr,
-        total, input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
-        (A)spatial_scale, sampling_ratio, pool_mode, aligned, sink);
+    if (pool_mode == MMD_POOL_MAX) {
+        max_forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+            (const T *)input->data, (const T *)rois->data, (T *)output->data,
+            (T *)argmax_y->data, (T *)argmax_x->data, total, input->shape[1], input->shape[2],
+            input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale, sampling_ratio,
+            aligned, sink);
+    } else {
+        const int64_t work = avg_work_items(rois->shape[0], input->shape[1], pooled_h, pooled_w);
+        avg_forward_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(
+            (const T *)input->data, (const T *)rois->data, (T *)output->data, work,
+            input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
+            (A)spatial_scale, sampling_ratio, aligned, sink);
+    }
     return launch_status("roi_align forward launch");
 }
 
@@ -441,12 +639,20 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             (A)spatial_scale, sampling_ratio, aligned, sink);
         return launch_status("roi_align deterministic backward launch");
     }
-    backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
-        (const T *)grad_output->data, (const T *)rois->data,
-        max_mode ? (const T *)argmax_y->data : nullptr,
-        max_mode ? (const T *)argmax_x->data : nullptr, (T *)grad_input->data, total,
-        grad_input->shape[1], grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w,
-        batch, (A)spatial_scale, sampling_ratio, pool_mode, aligned, sink);
+    const int64_t channels = grad_input->shape[1];
+    if (max_mode) {
+        max_backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+            (const T *)grad_output->data, (const T *)rois->data, (const T *)argmax_y->data,
+            (const T *)argmax_x->data, (T *)grad_input->data, total, channels,
+            grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
+            (A)spatial_scale, sampling_ratio, aligned, sink);
+    } else {
+        const int64_t work = avg_work_items(rois->shape[0], channels, pooled_h, pooled_w);
+        avg_backward_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(
+            (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, work,
+            channels, grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
+            (A)spatial_scale, sampling_ratio, aligned, sink);
+    }
     return launch_status("roi_align backward launch");
 }
 

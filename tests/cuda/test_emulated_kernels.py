@@ -124,10 +124,10 @@ def test_strict_mode_raises_a_bad_roi_at_the_call_and_writes_nothing(emu):
     assert not arrays[2].any()
 
 
-def roi_workload(rng, dtype):
-    """A map larger than one block's work: (2, 5, 21, 26), 13 rois of all
-    sizes, some reaching past the map."""
-    x = rng.standard_normal((2, 5, 21, 26)).astype(dtype)
+def roi_workload(rng, dtype, channels=5):
+    """A map larger than one block's work: (2, channels, 21, 26), 13 rois of
+    all sizes, some reaching past the map."""
+    x = rng.standard_normal((2, channels, 21, 26)).astype(dtype)
     corners = rng.uniform(-4, 30, (13, 2, 2))
     rois = np.concatenate([rng.integers(0, 2, (13, 1)),
                            corners.min(axis=1), corners.max(axis=1)], axis=1).astype(dtype)
@@ -136,13 +136,15 @@ def roi_workload(rng, dtype):
 
 
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
-@pytest.mark.parametrize("sampling_ratio", [0, 2])
+@pytest.mark.parametrize("sampling_ratio", [0, 2, 20])
 @pytest.mark.parametrize("pool_mode", [0, 1])
 @pytest.mark.parametrize("aligned", [False, True])
 def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
         emu, backend, sampling_ratio, pool_mode, aligned):
+    """11 channels: the avg kernels' groups of 8 channels, one of them
+    partial; sampling_ratio 20: many samples to a row and a column."""
     rng = np.random.default_rng(sampling_ratio * 4 + pool_mode * 2 + aligned)
-    x, rois = roi_workload(rng, np.float64)
+    x, rois = roi_workload(rng, np.float64, channels=11)
     shape = (len(rois), x.shape[1], 7, 7)
 
     def forward(wrap):
@@ -164,6 +166,29 @@ def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
         for a, b in zip(got, expected):
             assert_same(a, b)
         assert_same(backward(on_gpu, *got[1:]), backward(list, *expected[1:]))
+
+
+@pytest.mark.parametrize("sampling_ratio", [0, 24])
+def test_roi_align_bins_reading_more_cells_than_the_avg_kernels_list_match_the_cpu(
+        emu, sampling_ratio):
+    """One bin per roi, 40 to 55 cells a side: more rows and columns than
+    the avg kernels' merged lists hold, so they sum sample by sample."""
+    rng = np.random.default_rng(sampling_ratio)
+    x = rng.standard_normal((1, 3, 50, 60))
+    rois = np.array([[0, 0, 0, 45, 48], [0, 5, 2, 60, 50], [0, 1, 1, 3, 3]], np.float64)
+    grad_output = rng.standard_normal((3, 3, 1, 1))
+    unused = np.empty(0)
+
+    def run(wrap):
+        out, grad = np.zeros((3, 3, 1, 1)), np.zeros_like(x)
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, out, unused, unused.copy()]), 1, 1,
+                                          1.0, sampling_ratio, 1, True)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
+                                                  grad]), 1, 1, 1.0, sampling_ratio, 1, True)
+        return out, grad
+
+    for got, expected in zip(run(on_gpu), run(list)):
+        assert_same(got, expected)
 
 
 @pytest.mark.parametrize("op_name", ["roi_align_forward_impl", "roi_pool_forward_impl",
