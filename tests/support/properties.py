@@ -702,12 +702,14 @@ class OpProperties:
 
     def test_derived_torch_op_passes_opcheck_on_the_cpu(self, entry_point):
         torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+        import mmdispatch.torch  # noqa: F401 (the calls may use other derived ops, in any test order)
         opcheck_all(torch, entry_point, self.torch_calls[entry_point](torch, "cpu"))
 
     def test_derived_torch_op_passes_opcheck_on_cuda(self, entry_point, torch_cuda):
         if not any(row["op"] == entry_point and row["device"] == "cuda"
                    for row in mmdispatch.registry_table()):
             pytest.skip(f"{entry_point} has no CUDA kernel")
+        import mmdispatch.torch  # noqa: F401 (the calls may use other derived ops)
         opcheck_all(torch_cuda, entry_point, self.torch_calls[entry_point](torch_cuda, "cuda"))
 
 
