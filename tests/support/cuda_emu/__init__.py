@@ -89,6 +89,8 @@ def translate(source):
         open_paren = end + 3
         while source[open_paren].isspace():
             open_paren += 1
+        if source[open_paren] != "(":
+            raise ValueError(f"a launch without arguments at offset {start}")
         close = _matching_paren(source, open_paren)
         args = source[open_paren + 1:close]
         out.append(source[pos:name_start])

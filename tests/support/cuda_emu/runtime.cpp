@@ -171,6 +171,8 @@ bool run_block(int threads) {
 
 }  // namespace
 
+int current_lane(void) { return (int)(current - g_fibers.data()) % 32; }
+
 uint64_t sync(SyncKind kind, unsigned mask, uint64_t value, int src_lane) {
     Fiber *f = current;
     f->kind = kind;
@@ -222,6 +224,9 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
         for (unsigned y = 0; y < grid.y && ok; ++y)
             for (unsigned x = 0; x < grid.x && ok; ++x) {
                 state.block_idx = dim3(x, y, z);
+                /* not zeros: a kernel that reads shared memory before writing it
+                 * reads NaN-like bytes, as it would read garbage on a GPU */
+                memset(dynamic.data(), 0xff, dynamic.size());
                 unsigned i = 0;
                 for (unsigned tz = 0; tz < block_dim.z; ++tz)
                     for (unsigned ty = 0; ty < block_dim.y; ++ty)
@@ -330,7 +335,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t) {
 
 cudaError_t cudaMalloc(void **ptr, size_t size) {
     *ptr = aligned_alloc(256, ((size ? size : 1) + 255) / 256 * 256);
-    if (!*ptr) return cudaErrorMemoryAllocation;
+    if (!*ptr) return t_last_error = cudaErrorMemoryAllocation;
     std::lock_guard<std::mutex> lock(g_memory_lock);
     g_allocations.insert(*ptr);
     return cudaSuccess;
@@ -342,7 +347,7 @@ cudaError_t cudaFree(void *ptr) {
     if (!ptr) return cudaSuccess;
     {
         std::lock_guard<std::mutex> lock(g_memory_lock);
-        if (g_allocations.erase(ptr) == 0) return cudaErrorInvalidValue;
+        if (g_allocations.erase(ptr) == 0) return t_last_error = cudaErrorInvalidValue;
     }
     free(ptr);
     return cudaSuccess;

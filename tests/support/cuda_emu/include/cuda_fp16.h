@@ -27,7 +27,7 @@ inline uint16_t float_to_half_bits(float f) {
     const uint32_t u = float_bits(f);
     const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
     const uint32_t exponent = (u >> 23) & 0xffu, mantissa = u & 0x7fffffu;
-    if (exponent == 0xff) return (uint16_t)(sign | 0x7c00u | (mantissa ? 0x200u : 0));
+    if (exponent == 0xff) return mantissa ? (uint16_t)0x7fffu : (uint16_t)(sign | 0x7c00u);   /* CUDA's NaN */
     const int e = (int)exponent - 127 + 15;
     if (e >= 31) return (uint16_t)(sign | 0x7c00u);   /* overflow: inf */
     if (e <= 0) {                                      /* subnormal or zero */
@@ -58,7 +58,7 @@ inline float half_bits_to_float(uint16_t h) {
 
 inline uint16_t float_to_bfloat16_bits(float f) {
     const uint32_t u = float_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* NaN */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fffu;   /* CUDA's NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 

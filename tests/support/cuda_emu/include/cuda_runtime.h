@@ -101,6 +101,8 @@ struct Block {
 extern Fiber *current;
 extern Block *block;
 extern uint3 current_thread_idx(void);
+/* the calling thread's lane: its linear index in the block, mod 32 */
+extern int current_lane(void);
 
 /* Synchronisation points; each returns when every thread it waits for has
  * arrived. value: this lane's contribution; returns its result. */
@@ -150,22 +152,22 @@ template <typename T> inline T __shfl_sync(unsigned mask, T value, int src, int 
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a word");
     uint64_t bits = 0;
     memcpy(&bits, &value, sizeof value);
-    const int lane = (int)(mmd_emu::current_thread_idx().x % 32);
+    const int lane = mmd_emu::current_lane();
     const int base = lane - lane % width;
     bits = mmd_emu::sync(mmd_emu::SYNC_SHFL, mask, bits, base + (src % width + width) % width);
     memcpy(&value, &bits, sizeof value);
     return value;
 }
 template <typename T> inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
-    const int lane = (int)(mmd_emu::current_thread_idx().x % 32);
+    const int lane = mmd_emu::current_lane();
     return __shfl_sync(mask, value, (lane ^ lane_mask) % width, width);
 }
 template <typename T> inline T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
-    const int lane = (int)(mmd_emu::current_thread_idx().x % 32) % width;
+    const int lane = mmd_emu::current_lane() % width;
     return __shfl_sync(mask, value, lane + (int)delta < width ? lane + (int)delta : lane, width);
 }
 template <typename T> inline T __shfl_up_sync(unsigned mask, T value, unsigned delta, int width = 32) {
-    const int lane = (int)(mmd_emu::current_thread_idx().x % 32) % width;
+    const int lane = mmd_emu::current_lane() % width;
     return __shfl_sync(mask, value, lane >= (int)delta ? lane - (int)delta : lane, width);
 }
 
