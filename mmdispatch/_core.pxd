@@ -64,6 +64,12 @@ cdef extern from "mmdispatch/registry.h" nogil:
     unsigned char *mmd_thread_strict()
     int *mmd_thread_hook_guard()
 
+cdef extern from "mmdispatch/boxed.h" nogil:
+    ctypedef struct mmd_boxed_call:
+        pass
+    ctypedef int (*mmd_boxed_fn)(const mmd_boxed_call *call) noexcept nogil
+    void mmd_set_boxed_fallback(int device_type, mmd_boxed_fn fn)
+
 cdef extern from "mmdispatch_generated.h" nogil:
     ctypedef struct mmd_device_module:
         const char *name
@@ -140,6 +146,7 @@ cdef struct CallState:
     void *kernel
     bint python_kernel
     bint boxed       # the Python kernel is a fallback's (_BoxedKernel): nothing is allocated
+    bint c_fallback  # the kernel is the op's boxing function, for its device's C fallback
     mmd_context ctx
 
 cdef class OpRegistry:
@@ -151,6 +158,7 @@ cdef class OpRegistry:
     cdef readonly tuple array_names
     cdef void **c_table
     cdef const char **c_origin
+    cdef void *boxed_kernel      # mmd_<op>_boxed: the kernel a C fallback serves through
     cdef list python_kernels     # slot -> active Python kernel or None
     # slot -> C kernel registered at run time (a capsule), active when not NULL
     cdef void *runtime_c_kernels[MMD_TABLE_SIZE]

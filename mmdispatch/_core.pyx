@@ -726,7 +726,7 @@ cdef object _status_error(str prefix, int status):
 
 
 cdef OpRegistry _define_op(str name, str signature, void **c_table, const char **c_origin,
-                           tuple param_names, tuple positions, tuple flags):
+                           void *boxed_kernel, tuple param_names, tuple positions, tuple flags):
     cdef OpRegistry op = OpRegistry.__new__(OpRegistry)
     cdef int i
     op.name = name
@@ -737,6 +737,7 @@ cdef OpRegistry _define_op(str name, str signature, void **c_table, const char *
     op.array_names = tuple(param_names[p] for p in positions)
     op.c_table = c_table
     op.c_origin = c_origin
+    op.boxed_kernel = boxed_kernel
     op.python_kernels = [None] * MMD_TABLE_SIZE
     op.runtime_stacks = {}
     op.n_arrays = len(positions)
@@ -756,10 +757,11 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
                                 int backend):
     """Step 3 of a call: the Python kernel for the slot (returned, with
     st.python_kernel set), else its C kernel in st.kernel with st.ctx set for
-    the device (None returned), else the device's fallback (a Python kernel
-    with st.boxed set too), else KernelNotFoundError."""
+    the device (None returned), else the device's fallback: a C one through
+    the op's boxing function as st.kernel (st.c_fallback set), a Python one
+    as the Python kernel (st.boxed set too); else KernelNotFoundError."""
     cdef int slot = device_type * MMD_MAX_BACKENDS + backend
-    st.boxed = False
+    st.boxed = st.c_fallback = False
     python_kernel = op.python_kernels[slot]
     if python_kernel is not None:
         st.python_kernel = True
@@ -771,8 +773,13 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
     if st.kernel == NULL:
         st.kernel = _kernel_after_probe(op, slot, device_type, device_id, backend)
         if st.kernel == NULL:   # the slot is empty: the device's fallback takes the call
-            st.python_kernel = st.boxed = True
-            return _boxed_kernel(op, device_type, device_id)
+            if _fallback_is_c(device_type):
+                _warn_fallback(op, device_type, device_id)
+                st.kernel = op.boxed_kernel
+                st.c_fallback = True
+            else:
+                st.python_kernel = st.boxed = True
+                return _boxed_kernel(op, device_type, device_id)
     st.ctx.device_id = device_id
     st.ctx.stream = NULL
     st.ctx.flags = _context_flags()

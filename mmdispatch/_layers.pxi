@@ -54,11 +54,14 @@ cdef dict _fallback_stacks = {}
 
 cdef class FallbackHandle:
     """Returned by register_fallback; ``remove()`` (or leaving a ``with``
-    block) unregisters the fallback and restores the one it replaced."""
+    block) unregisters the fallback and restores the one it replaced.
+    ``kind``: "python" for a callable, "C" for a capsule."""
     cdef readonly str device
     cdef readonly object fn
     cdef readonly str origin
+    cdef readonly str kind
     cdef int code
+    cdef mmd_boxed_fn c_fn   # a C fallback's function, else NULL
     cdef set warned   # (op, device) pairs this fallback has warned about
 
     def remove(self):
@@ -70,7 +73,7 @@ cdef class FallbackHandle:
             stack.remove(self)
             if not stack:
                 del _fallback_stacks[self.code]
-            _active_fallbacks[self.code] = stack[-1] if stack else None
+            _activate_fallback(self.code, stack[-1] if stack else None)
 
     @property
     def active(self):
@@ -94,6 +97,12 @@ def register_fallback(device, fn, *, bint override=False):
     their devices, the scalars by name), and returns what the op's entry
     point returns. mmdispatch.fallbacks.copy_to_cpu is a ready one.
 
+    ``fn`` may instead be a C function: a PyCapsule named
+    "mmdispatch.boxed_fallback" holding an ``mmd_boxed_fn`` (see
+    include/mmdispatch/boxed.h). The dispatcher then views and checks the
+    arrays as for a kernel, allocates the outputs left as None where it can,
+    and calls it without the GIL with the arguments boxed as C values.
+
     Nothing falls back unless registered. The first call of each op on
     each device through it warns (FallbackWarning), naming its cost: the
     fallback's ``cost`` attribute where it has one. Registering where a
@@ -101,8 +110,17 @@ def register_fallback(device, fn, *, bint override=False):
     handle's ``remove()`` restores the previous one."""
     cdef int code = parse_device_type(device)
     cdef FallbackHandle handle
-    if not callable(fn):
-        raise TypeError(f"register_fallback: fn must be callable, got {type(fn).__name__}")
+    cdef bint is_capsule = PyCapsule_CheckExact(fn)
+    cdef void *c_fn = NULL
+    if is_capsule:
+        if not PyCapsule_IsValid(fn, _BOXED_FALLBACK_NAME):
+            raise TypeError(f"register_fallback: a C fallback capsule must be named "
+                            f"{_BOXED_FALLBACK_NAME.decode()!r}, got "
+                            f"{(PyCapsule_GetName(fn) or b'').decode(errors='replace')!r}")
+        c_fn = PyCapsule_GetPointer(fn, _BOXED_FALLBACK_NAME)
+    elif not callable(fn):
+        raise TypeError(f"register_fallback: fn must be callable or a C fallback capsule, got "
+                        f"{type(fn).__name__}")
     _probe_device(code)   # built-in kernels fill their slots first
     with _registry_lock:
         stack = _fallback_stacks.get(code)
@@ -112,12 +130,30 @@ def register_fallback(device, fn, *, bint override=False):
         handle = FallbackHandle.__new__(FallbackHandle)
         handle.device = DEVICE_TYPES.get(code, str(code))
         handle.fn = fn
-        handle.origin = _origin_of(fn)
+        handle.kind = "C" if is_capsule else "python"
+        handle.origin = f"capsule:{_BOXED_FALLBACK_NAME.decode()}" if is_capsule else _origin_of(fn)
         handle.code = code
+        handle.c_fn = <mmd_boxed_fn>c_fn
         handle.warned = set()
         _fallback_stacks.setdefault(code, []).append(handle)
-        _active_fallbacks[code] = handle
+        _activate_fallback(code, handle)
     return handle
+
+
+cdef bytes _BOXED_FALLBACK_NAME = b"mmdispatch.boxed_fallback"   # boxed.h's capsule name
+
+
+cdef void _activate_fallback(int code, FallbackHandle handle):
+    """Makes `handle` (or none) the device type's active fallback, in the
+    Python table and, for a C one, in the C table the boxing functions read
+    (under _registry_lock)."""
+    _active_fallbacks[code] = handle
+    mmd_set_boxed_fallback(code, handle.c_fn if handle is not None else NULL)
+
+
+cdef inline bint _fallback_is_c(int device_type):
+    cdef FallbackHandle handle = _active_fallbacks[device_type]
+    return handle is not None and handle.c_fn != NULL
 
 
 def _remove_fallbacks(device):
@@ -125,7 +161,7 @@ def _remove_fallbacks(device):
     cdef int code = parse_device_type(device)
     with _registry_lock:
         _fallback_stacks.pop(code, None)
-        _active_fallbacks[code] = None
+        _activate_fallback(code, None)
 
 
 def registered_fallbacks():
@@ -223,20 +259,33 @@ cdef class _BoxedKernel:
         call.allocating = any(call.arrays[name] is None for name in allocated)
         call.returns = returns if call.allocating else ()
         call.lengths = lengths
-        key = (op.name, self.device)
-        if key not in self.handle.warned:
-            self.handle.warned.add(key)
-            cost = getattr(self.handle.fn, "cost", None) or (
-                f"each call goes through {self.handle.origin} instead of a kernel")
-            warnings.warn(f"{op.name}: no kernel for {self.device}; running it through the "
-                          f"{self.handle.device} fallback, which costs: {cost}",
-                          FallbackWarning, stacklevel=_caller_stacklevel())
+        _warn_once(self.handle, op, self.device)
         guard = mmd_thread_hook_guard()
         guard[0] += 1   # the fallback's own calls are not shown to hooks
         try:
             return self.handle.fn(op.name, call)
         finally:
             guard[0] -= 1
+
+
+cdef int _warn_once(FallbackHandle handle, OpRegistry op, str device) except -1:
+    """The FallbackWarning of the first call of an op on a device through
+    `handle`."""
+    key = (op.name, device)
+    if key in handle.warned:
+        return 0
+    handle.warned.add(key)
+    cost = getattr(handle.fn, "cost", None) or (
+        f"each call goes through {handle.origin} instead of a kernel")
+    warnings.warn(f"{op.name}: no kernel for {device}; running it through the "
+                  f"{handle.device} fallback, which costs: {cost}",
+                  FallbackWarning, stacklevel=_caller_stacklevel())
+    return 0
+
+
+cdef int _warn_fallback(OpRegistry op, int device_type, int device_id) except -1:
+    """_warn_once for a call the device's C fallback takes."""
+    return _warn_once(_active_fallbacks[device_type], op, device_name(device_type, device_id))
 
 
 cdef int _caller_stacklevel():
@@ -459,7 +508,8 @@ cdef object _hook_begin(OpRegistry op, CallState *st, tuple args):
     record._args = args
     record.n = op.n_arrays
     record.thread = PyThread_get_thread_ident()
-    record.kernel = "fallback" if st.boxed else "python" if st.python_kernel else "C"
+    record.kernel = ("fallback" if st.boxed or st.c_fallback
+                     else "python" if st.python_kernel else "C")
     # The views exist for every C kernel call and every allocating one;
     # a Python kernel's arrays may not have been viewed.
     record.from_views = not st.python_kernel

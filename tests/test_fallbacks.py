@@ -2,6 +2,7 @@
 ready one, mmdispatch.fallbacks.copy_to_cpu, on stand-in arrays of a device
 mmdispatch has no kernels for (ROCm), seen only through DLPack and the
 Array API."""
+import ctypes
 import warnings
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 import mmdispatch
 from mmdispatch import ops
+from mmdispatch._codegen import ARG_OPTIONAL, ARG_OUTPUT
 from mmdispatch.fallbacks import copy_to_cpu
 from stand_ins import HostBackedDeviceArray as OnRocm
 
@@ -293,3 +295,207 @@ def test_user_functions_on_a_device_without_kernels_give_the_cpu_results(case, r
     got = function(*on_rocm, **kw_rocm)
     assert isinstance(got, OnRocm) and got.device == (10, 0)
     np.testing.assert_array_equal(got.host(), function(*args, **kwargs))
+
+
+# --- C fallbacks: a capsule holding an mmd_boxed_fn (include/mmdispatch/boxed.h) ---
+
+class MmdTensor(ctypes.Structure):   # mmdispatch/tensor.h
+    _fields_ = [("data", ctypes.c_void_p), ("shape", ctypes.c_int64 * 8),
+                ("strides", ctypes.c_int64 * 8), ("ndim", ctypes.c_int32),
+                ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("writable", ctypes.c_int32)]
+
+
+class MmdContext(ctypes.Structure):
+    _fields_ = [("stream", ctypes.c_void_p), ("device_id", ctypes.c_int32),
+                ("flags", ctypes.c_uint32), ("op", ctypes.c_char_p)]
+
+
+class BoxedArg(ctypes.Structure):    # mmdispatch/boxed.h
+    _fields_ = [("name", ctypes.c_char_p), ("kind", ctypes.c_int32), ("flags", ctypes.c_int32),
+                ("array", ctypes.POINTER(MmdTensor)), ("int_value", ctypes.c_int64),
+                ("float_value", ctypes.c_double)]
+
+
+class BoxedCallStruct(ctypes.Structure):
+    _fields_ = [("op", ctypes.c_char_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("num_args", ctypes.c_int32),
+                ("args", ctypes.POINTER(BoxedArg)), ("ctx", ctypes.POINTER(MmdContext)),
+                ("error", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_char_p))]
+
+
+BOXED_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(BoxedCallStruct))
+NUMPY_DTYPES = {4: np.int32, 5: np.int64, 12: np.float32, 13: np.float64}   # mmd_dtype codes
+DLPACK_DTYPES = {np.dtype(np.float32): (2, 32), np.dtype(np.float64): (2, 64),
+                 np.dtype(np.int64): (0, 64), np.dtype(np.int32): (0, 32)}
+
+
+class HostMemoryOnRocm:
+    """An array of a device without kernels (ROCm) whose memory the test can
+    read: it exports DLPack views of host memory that say rocm:0."""
+
+    def __init__(self, array):
+        self.array = np.ascontiguousarray(array)
+
+    def __dlpack_device__(self):
+        return (10, 0)
+
+    def __dlpack__(self, **kwargs):
+        code, bits = DLPACK_DTYPES[self.array.dtype]
+        return fuzz_cases.crafted_capsule(self.array, self.array.shape, self.array.ndim, code,
+                                          bits, 1, (10, 0))
+
+
+def host_view(tensor):
+    """The numpy view of a boxed array's memory (host memory here)."""
+    t = tensor.contents
+    shape = tuple(t.shape[d] for d in range(t.ndim))
+    dtype = np.dtype(NUMPY_DTYPES[t.dtype])
+    size = int(np.prod(shape)) if shape else 1
+    if size == 0:
+        return np.zeros(shape, dtype)
+    buffer = (ctypes.c_char * (size * dtype.itemsize)).from_address(t.data)
+    return np.frombuffer(buffer, dtype).reshape(shape)
+
+
+class CFallback:
+    """A C fallback made with ctypes: it records each boxed call and, by
+    default, runs the CPU kernel on the arrays' memory in place; `status`
+    and `message` make it fail instead."""
+
+    def __init__(self, status=0, message=None):
+        self.calls, self.status, self.message = [], status, message
+        self.function = BOXED_FN(self)   # kept alive while registered
+        self.capsule = fuzz_cases.pycapsule_new(ctypes.cast(self.function, ctypes.c_void_p),
+                                                b"mmdispatch.boxed_fallback", None)
+
+    def __call__(self, call_pointer):
+        call = call_pointer.contents
+        args = [call.args[i] for i in range(call.num_args)]
+        self.calls.append({
+            "op": call.op.decode(), "device": (call.device_type, call.device_id),
+            "ctx_op": call.ctx.contents.op.decode(),
+            "args": [(a.name.decode(), a.kind, a.flags,
+                      None if a.kind or not a.array else host_view(a.array).copy(),
+                      a.int_value, a.float_value) for a in args]})
+        if self.status:
+            return call.error(self.status, self.message) if self.message else self.status
+        values = [(host_view(a.array) if a.array else None) if a.kind == 0
+                  else a.float_value if a.kind == 2 else bool(a.int_value) if a.kind == 3
+                  else a.int_value for a in args]
+        try:
+            getattr(mmdispatch, call.op.decode())(*values)
+        except (ValueError, TypeError) as exc:
+            return call.error(1 if isinstance(exc, ValueError) else 2,
+                              str(exc).partition(": ")[2].encode())
+        return 0
+
+
+def test_a_c_fallback_runs_the_op_on_the_device_arrays_in_place():
+    x, rois = roi_inputs()
+    fallback = CFallback()
+    output = HostMemoryOnRocm(np.zeros((2, 3, 2, 2), np.float32))
+    unused = HostMemoryOnRocm(np.zeros(0, np.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mmdispatch.register_fallback("rocm", fallback.capsule) as handle:
+            assert handle.kind == "C" and handle.active
+            assert mmdispatch.registered_fallbacks() == {
+                "rocm": "capsule:mmdispatch.boxed_fallback"}
+            for _ in range(2):
+                mmdispatch.roi_align_forward_impl(HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
+                                                  output, unused, unused, 2, 2, 0.5, 0, 1, True)
+    np.testing.assert_array_equal(output.array, ops.roi_align(x, rois, 2, 0.5, 0))
+    assert len(fallback.calls) == 2
+    warned = [str(w.message) for w in caught if w.category is mmdispatch.FallbackWarning]
+    assert len(warned) == 1 and warned[0].startswith(
+        "roi_align_forward_impl: no kernel for rocm:0; running it through the rocm fallback")
+    assert mmdispatch.registered_fallbacks() == {}
+    with pytest.raises(mmdispatch.KernelNotFoundError):
+        mmdispatch.roi_align_forward_impl(HostMemoryOnRocm(x), HostMemoryOnRocm(rois), output,
+                                          unused, unused, 2, 2, 0.5, 0, 1, True)
+
+
+def test_a_c_fallback_gets_every_argument_boxed_in_signature_order():
+    boxes = np.array([[0, 0, 4, 4], [1, 1, 5, 5], [9, 9, 12, 12]], np.float64)
+    fallback = CFallback()
+    keep, count = np.zeros(3, np.int64), np.zeros(1, np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", fallback.capsule):
+            mmdispatch.nms_impl(HostMemoryOnRocm(boxes), HostMemoryOnRocm(boxes[:, 0] * -1),
+                                None, HostMemoryOnRocm(keep), HostMemoryOnRocm(count), 0.25, 1)
+    (call,) = fallback.calls
+    assert call["op"] == call["ctx_op"] == "nms_impl" and call["device"] == (10, 0)
+    names = [a[0] for a in call["args"]]
+    assert names == ["boxes", "scores", "idxs", "keep", "num_kept", "iou_threshold", "offset"]
+    kinds = {a[0]: (a[1], a[2]) for a in call["args"]}
+    assert kinds["boxes"] == (0, 0) and kinds["idxs"] == (0, ARG_OPTIONAL)
+    assert kinds["keep"] == (0, ARG_OUTPUT) and kinds["iou_threshold"] == (2, 0)
+    assert kinds["offset"][0] == 1
+    args = {a[0]: a for a in call["args"]}
+    np.testing.assert_array_equal(args["boxes"][3], boxes)
+    assert args["idxs"][3] is None
+    assert args["iou_threshold"][5] == 0.25 and args["offset"][4] == 1
+
+
+def test_a_c_fallbacks_error_is_raised_with_its_type_and_message():
+    x, rois = roi_inputs()
+    args = [HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
+            HostMemoryOnRocm(np.zeros((2, 3, 2, 2), np.float32)),
+            HostMemoryOnRocm(np.zeros(0, np.float32)), HostMemoryOnRocm(np.zeros(0, np.float32)),
+            2, 2, 0.5, 0, 1, True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", CFallback(1, b"no such luck").capsule):
+            with pytest.raises(ValueError, match=r"^roi_align_forward_impl: no such luck$"):
+                mmdispatch.roi_align_forward_impl(*args)
+        with mmdispatch.register_fallback("rocm", CFallback(3).capsule):
+            with pytest.raises(RuntimeError, match=r"^roi_align_forward_impl: the C fallback "
+                                                   r"returned status 3 without a message"):
+                mmdispatch.roi_align_forward_impl(*args)
+        bad_rois = rois.copy()
+        bad_rois[1, 0] = 5
+        args[1] = HostMemoryOnRocm(bad_rois)
+        with mmdispatch.register_fallback("rocm", CFallback().capsule):   # the CPU kernel's error
+            with pytest.raises(ValueError, match=r"^roi_align_forward_impl: rois\[1, 0\] "
+                                                 r"\(batch index\) must be an integer in \[0, 2\)"):
+                mmdispatch.roi_align_forward_impl(*args)
+
+
+def test_hooks_see_a_c_fallback_call_as_the_fallback_kernel():
+    x, rois = roi_inputs()
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", CFallback().capsule), \
+                mmdispatch.trace(lambda when, call: seen.append((when, call.kernel, call.device))):
+            mmdispatch.roi_align_forward_impl(
+                HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
+                HostMemoryOnRocm(np.zeros((2, 3, 2, 2), np.float32)),
+                HostMemoryOnRocm(np.zeros(0, np.float32)),
+                HostMemoryOnRocm(np.zeros(0, np.float32)), 2, 2, 0.5, 0, 1, True)
+    assert seen == [("begin", "fallback", "rocm:0"), ("end", "fallback", "rocm:0")]
+
+
+def test_a_c_fallback_capsule_must_carry_the_boxed_fallback_name():
+    function = BOXED_FN(lambda call: 0)
+    capsule = fuzz_cases.pycapsule_new(ctypes.cast(function, ctypes.c_void_p),
+                                       b"mmdispatch.kernel.nms_impl", None)
+    with pytest.raises(TypeError, match="a C fallback capsule must be named "
+                                        "'mmdispatch.boxed_fallback', got "
+                                        "'mmdispatch.kernel.nms_impl'"):
+        mmdispatch.register_fallback("rocm", capsule)
+    assert mmdispatch.registered_fallbacks() == {}
+
+
+def test_a_c_fallback_needs_given_outputs_where_the_dispatcher_cannot_allocate():
+    x, rois = roi_inputs()
+    fallback = CFallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", fallback.capsule):
+            with pytest.raises(TypeError, match=r"^roi_align_forward_impl: "):
+                mmdispatch.roi_align_forward_impl(HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
+                                                  None, None, None, 2, 2, 0.5, 0, 1, True)
+    assert fallback.calls == []
