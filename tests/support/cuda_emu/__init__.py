@@ -107,10 +107,11 @@ def _signatures():
 
 def _inputs():
     """Every file the library is built from, for its cache key."""
-    files = sorted(CUDA_DIR.glob("*.cu")) + sorted((ROOT / "include").rglob("*.h*"))
+    files = sorted(CUDA_DIR.glob("*.cu")) + sorted(
+        p for p in (ROOT / "include").rglob("*") if p.is_file())
     files += [ROOT / "src" / "core" / name for name in CORE_SOURCES]
     files += [_signatures(), _signatures().with_name("_codegen.py")]
-    files += sorted(p for p in HERE.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".py"))
+    files += sorted(p for p in HERE.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     return files
 
 
