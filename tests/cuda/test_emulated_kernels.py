@@ -240,3 +240,42 @@ def test_a_launch_cuda_would_refuse_fails_the_call(emu):
     assert kind is ValueError
     assert "the deterministic backend needs" in message and "shared memory" in message
     assert not x.any()
+
+
+@pytest.mark.parametrize("classes", [1, 7])
+@pytest.mark.parametrize("n,threshold", [(1000, 0.5), (333, 0.1), (700, 0.8)])
+def test_nms_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu, n, threshold, classes):
+    """Enough boxes for the device pipeline's block-by-block reduction: its
+    fold of each block's kept boxes into the later blocks, with few columns
+    (many threads to a column) and many."""
+    rng = np.random.default_rng(n + classes)
+    corners = rng.uniform(0, 150, (n, 2))
+    boxes = np.concatenate([corners, corners + rng.uniform(4, 80, (n, 2))], axis=1)
+    scores = rng.permutation(n).astype(np.float64)
+    idxs = rng.integers(0, classes, n) if classes > 1 else None
+
+    def run(wrap):
+        keep, count = np.zeros(n, np.int64), np.zeros(1, np.int64)
+        mmdispatch.nms_impl(*wrap([boxes, scores, idxs, keep, count]), threshold, 0)
+        return keep[:count[0]]
+
+    expected = run(list)
+    assert 0 < len(expected) < n
+    np.testing.assert_array_equal(run(on_gpu), expected)
+
+
+def test_nms_rotated_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu):
+    rng = np.random.default_rng(9)
+    n = 300
+    boxes = np.concatenate([rng.uniform(0, 200, (n, 2)), rng.uniform(5, 60, (n, 2)),
+                            rng.uniform(-np.pi, np.pi, (n, 1))], axis=1)
+    scores = rng.permutation(n).astype(np.float64)
+
+    def run(wrap):
+        keep, count = np.zeros(n, np.int64), np.zeros(1, np.int64)
+        mmdispatch.nms_rotated_impl(*wrap([boxes, scores, None, keep, count]), 0.3, True)
+        return keep[:count[0]]
+
+    expected = run(list)
+    assert 0 < len(expected) < n
+    np.testing.assert_array_equal(run(on_gpu), expected)

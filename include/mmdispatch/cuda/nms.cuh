@@ -8,8 +8,9 @@
  *      mask[i][b] says box i (in sorted order) suppresses box 64 * b + j,
  *      computed for all pairs in parallel;
  *   4. one block walks the 64-box blocks in order: a warp resolves the block
- *      with register shuffles, then all threads fold the kept boxes' masks
- *      into the later blocks' `removed` words.
+ *      with register shuffles (a step per kept box), then all threads fold
+ *      the kept boxes' masks into the later blocks' `removed` words, the
+ *      loads of a (column, kept box) pair each spread over the threads.
  * Memory: n * ceil(n / 64) * 8 bytes of mask. */
 #ifndef MMDISPATCH_CUDA_NMS_CUH
 #define MMDISPATCH_CUDA_NMS_CUH
@@ -50,45 +51,60 @@ __global__ void gather_kernel(const T *boxes, const int64_t *idxs, const int64_t
 }
 
 static __global__ void reduce_kernel(const unsigned long long *mask, const int64_t *order,
-                                     int64_t n,
-                              int64_t col_blocks, unsigned long long *removed, int64_t *keep,
-                              int64_t *num_kept) {
-    __shared__ unsigned long long kept_shared;
+                                     int64_t n, int64_t col_blocks,
+                                     unsigned long long *removed, int64_t *keep,
+                                     int64_t *num_kept) {
+    __shared__ int64_t kept_rows[kBlockBoxes];   /* this block's kept boxes, in order */
+    __shared__ int kept_count;
     const unsigned lane = threadIdx.x % 32;
     int64_t count = 0;
     for (int64_t b = 0; b < col_blocks; ++b) {
         const int64_t start = b * kBlockBoxes;
         const int size = (int)min((int64_t)kBlockBoxes, n - start);
         if (threadIdx.x < 32) {
-            /* lane l holds the in-block masks of rows l and l + 32 */
+            /* lane l holds the in-block masks of rows l and l + 32; every
+             * lane runs the same steps, one per kept box: the first box not
+             * yet removed is kept and removes what its row says (bits past
+             * the block's end count as removed) */
             const unsigned long long row_lo =
                 lane < size ? mask[(start + lane) * col_blocks + b] : 0;
             const unsigned long long row_hi =
                 lane + 32 < size ? mask[(start + lane + 32) * col_blocks + b] : 0;
-            unsigned long long word = removed[b], kept = 0;
-            for (int t = 0; t < size; ++t) {
+            unsigned long long word = removed[b] | (size < 64 ? ~0ull << size : 0ull), kept = 0;
+            while (~word) {
+                const int t = __ffsll((long long)~word) - 1;
                 const unsigned long long row =
                     __shfl_sync(0xffffffffu, t < 32 ? row_lo : row_hi, t % 32);
-                if (!((word >> t) & 1ull)) {
-                    kept |= 1ull << t;
-                    word |= row;
-                }
+                kept |= 1ull << t;
+                word |= row | (1ull << t);
             }
             for (int t = lane; t < size; t += 32)
-                if ((kept >> t) & 1ull)
-                    keep[count + __popcll(kept & ((1ull << t) - 1))] = order[start + t];
-            if (lane == 0) kept_shared = kept;
+                if ((kept >> t) & 1ull) {
+                    const int rank = __popcll(kept & ((1ull << t) - 1));
+                    keep[count + rank] = order[start + t];
+                    kept_rows[rank] = start + t;
+                }
+            if (lane == 0) kept_count = __popcll(kept);
         }
         __syncthreads();
-        const unsigned long long kept = kept_shared;
-        if (kept)
-            for (int64_t c = b + 1 + threadIdx.x; c < col_blocks; c += blockDim.x) {
-                unsigned long long acc = removed[c];
-                for (unsigned long long rest = kept; rest; rest &= rest - 1)
-                    acc |= mask[(start + __ffsll((long long)rest) - 1) * col_blocks + c];
-                removed[c] = acc;
+        /* the kept boxes' masks folded into the later blocks' `removed`
+         * words: the (column, kept box) loads spread over the threads,
+         * `slices` threads to a column when the columns are few */
+        const int kept_here = kept_count;
+        const int64_t columns = col_blocks - b - 1;
+        if (kept_here > 0 && columns > 0) {
+            int64_t slices = 4 * (int64_t)blockDim.x / columns;
+            slices = slices < 1 ? 1 : (slices > kept_here ? kept_here : slices);
+            for (int64_t item = threadIdx.x; item < columns * slices; item += blockDim.x) {
+                const int64_t c = b + 1 + item / slices;
+                unsigned long long acc = 0;
+#pragma unroll 4
+                for (int j = (int)(item % slices); j < kept_here; j += (int)slices)
+                    acc |= mask[kept_rows[j] * col_blocks + c];
+                if (acc) atomicOr(removed + c, acc);
             }
-        count += __popcll(kept);
+        }
+        count += kept_here;
         __syncthreads();
     }
     if (threadIdx.x == 0) *num_kept = count;
