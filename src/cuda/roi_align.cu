@@ -1,7 +1,7 @@
 /* roi_align on CUDA (MMCV semantics, math shared with the CPU kernels via
  * mmdispatch/ops/roi_align.h).
  *
- * avg pooling: a thread per bin and group of kGroup channels. Bilinear
+ * avg pooling: a thread per bin and group of kChannelGroup channels. Bilinear
  * weights are products of a row's and a column's, so the thread lists the
  * rows and the columns its bin's samples read, each with the weights of
  * every sample that reads it summed (samples a cell apart or closer, as
@@ -88,8 +88,6 @@ __device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels
     return false;
 }
 
-/* avg pooling's work unit: kGroup channels of one bin. */
-constexpr int kGroup = 8;
 /* Rows (columns) a bin's merged list holds at most: the samples of an
  * adaptive grid of up to 31 a side (bins of up to 31 cells), or of a fixed
  * one of up to 16; larger bins are summed sample by sample. The lists live
@@ -133,37 +131,20 @@ template <typename A> struct AxisCells {
     }
 };
 
-/* Threads of the avg kernels: a bin and a group of channels each. */
-inline int64_t avg_work_items(int64_t num_rois, int64_t channels, int64_t pooled_h,
-                              int64_t pooled_w) {
-    return num_rois * ((channels + kGroup - 1) / kGroup) * pooled_h * pooled_w;
-}
-
-/* A thread of the avg kernels: bin (ph, pw) of roi k, channels
- * [c0, c0 + count); false for a bad roi, which the thread of the roi's
- * first bin and group reports. */
-struct AvgWork {
-    int64_t k, c0, count, ph, pw;
-};
-
+/* A thread of the avg kernels: a bin of roi k for a group of channels
+ * (common.cuh); false for a bad roi, which the roi's first thread reports. */
 template <typename T, typename A>
 __device__ inline bool locate_avg_work(int64_t index, const T *rois, int64_t channels,
                                        int64_t pooled_h, int64_t pooled_w, int64_t batch,
                                        A scale, int64_t sampling_ratio, int aligned,
-                                       const ErrorSink &sink, AvgWork *w, Geometry<A> *g) {
-    const int64_t groups = (channels + kGroup - 1) / kGroup;
-    w->pw = index % pooled_w;
-    w->ph = (index / pooled_w) % pooled_h;
-    const int64_t group = (index / pooled_w / pooled_h) % groups;
-    w->k = index / pooled_w / pooled_h / groups;
-    w->c0 = group * kGroup;
-    w->count = channels - w->c0 < kGroup ? channels - w->c0 : kGroup;
+                                       const ErrorSink &sink, BinGroup *w, Geometry<A> *g) {
+    *w = locate_bin_group(index, channels, pooled_h, pooled_w);
     A roi[5];
     load_roi(rois, w->k, roi);
     const int code =
         mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
     if (code == MMD_ROI_OK) return true;
-    if (index % (groups * pooled_h * pooled_w) == 0) sink.report(w->k, code);
+    if (w->first) sink.report(w->k, code);
     return false;
 }
 
@@ -194,7 +175,7 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
     typedef typename Compute<T>::type A;
     const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
     MMD_GRID_STRIDE_LOOP(index, total) {
-        AvgWork w;
+        BinGroup w;
         Geometry<A> g;
         const bool good = locate_avg_work<T, A>(index, rois, channels, pooled_h, pooled_w, batch,
                                                 scale, sampling_ratio, aligned, sink, &w, &g);
@@ -215,22 +196,22 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
                     divisor);
             continue;
         }
-        A sum[kGroup] = {};
+        A sum[kChannelGroup] = {};
         for (int r = 0; r < rows.count; ++r) {
             const T *row = planes + (int64_t)rows.index[r] * width;
-            A dot[kGroup] = {};
+            A dot[kChannelGroup] = {};
             for (int x = 0; x < cols.count; ++x) {   /* a column's weight serves the group */
                 const int32_t at = cols.index[x];
                 const A wx = cols.weight[x];
 #pragma unroll
-                for (int c = 0; c < kGroup; ++c)
+                for (int c = 0; c < kChannelGroup; ++c)
                     if (c < w.count) dot[c] += wx * to_compute(row[c * plane_size + at]);
             }
 #pragma unroll
-            for (int c = 0; c < kGroup; ++c) sum[c] += rows.weight[r] * dot[c];
+            for (int c = 0; c < kChannelGroup; ++c) sum[c] += rows.weight[r] * dot[c];
         }
 #pragma unroll
-        for (int c = 0; c < kGroup; ++c) {   /* unrolled: sum[] stays in registers */
+        for (int c = 0; c < kChannelGroup; ++c) {   /* unrolled: sum[] stays in registers */
             if (c >= w.count) break;
             /* an inf or NaN cell: the definition, where a sample's zero
              * weight on it gives NaN that a merged weight would hide */
@@ -316,7 +297,7 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
     typedef typename Compute<T>::type A;
     const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
     MMD_GRID_STRIDE_LOOP(index, total) {
-        AvgWork w;
+        BinGroup w;
         Geometry<A> g;
         if (!locate_avg_work<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
                                    sampling_ratio, aligned, sink, &w, &g))
@@ -578,7 +559,7 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale, sampling_ratio,
             aligned, sink);
     } else {
-        const int64_t work = avg_work_items(rois->shape[0], input->shape[1], pooled_h, pooled_w);
+        const int64_t work = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
         avg_forward_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(
             (const T *)input->data, (const T *)rois->data, (T *)output->data, work,
             input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
@@ -647,7 +628,7 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     } else {
-        const int64_t work = avg_work_items(rois->shape[0], channels, pooled_h, pooled_w);
+        const int64_t work = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
         avg_backward_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, work,
             channels, grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,

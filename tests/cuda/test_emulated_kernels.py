@@ -168,6 +168,27 @@ def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
         assert_same(backward(on_gpu, *got[1:]), backward(list, *expected[1:]))
 
 
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backend):
+    """11 channels: the forward's groups of 8 channels, one of them partial."""
+    rng = np.random.default_rng(11)
+    x, rois = roi_workload(rng, np.float32, channels=11)
+    shape = (len(rois), x.shape[1], 3, 4)
+    grad_output = rng.standard_normal(shape).astype(np.float32)
+
+    def run(wrap):
+        out, argmax = np.zeros(shape, np.float32), np.zeros(shape, np.int64)
+        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), 3, 4, 0.5)
+        grad = np.zeros_like(x)
+        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), 3, 4, 0.5)
+        return out, argmax, grad
+
+    expected = run(list)
+    with mmdispatch.use_backend("cuda", backend):
+        for got, want in zip(run(on_gpu), expected):
+            assert_same(got, want)
+
+
 @pytest.mark.parametrize("sampling_ratio", [0, 24])
 def test_roi_align_bins_reading_more_cells_than_the_avg_kernels_list_match_the_cpu(
         emu, sampling_ratio):

@@ -65,6 +65,36 @@ inline unsigned blocks_for(int64_t total) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (total);       \
          i += (int64_t)blockDim.x * gridDim.x)
 
+/* Pooling kernels that give a thread one bin of a roi for a group of
+ * kChannelGroup channels: the roi's geometry and the bin's cells are worked
+ * out once for the group, and the group's loads are independent. */
+constexpr int kChannelGroup = 8;
+
+struct BinGroup {
+    int64_t k, c0, count, ph, pw;   /* roi k, bin (ph, pw), channels [c0, c0 + count) */
+    bool first;                     /* the roi's first bin and group (reports a bad roi) */
+};
+
+/* Threads of such a kernel for `num_rois` rois. */
+inline int64_t bin_groups(int64_t num_rois, int64_t channels, int64_t pooled_h,
+                          int64_t pooled_w) {
+    return num_rois * ((channels + kChannelGroup - 1) / kChannelGroup) * pooled_h * pooled_w;
+}
+
+__device__ inline BinGroup locate_bin_group(int64_t index, int64_t channels, int64_t pooled_h,
+                                            int64_t pooled_w) {
+    const int64_t groups = (channels + kChannelGroup - 1) / kChannelGroup;
+    BinGroup w;
+    w.pw = index % pooled_w;
+    w.ph = (index / pooled_w) % pooled_h;
+    const int64_t group = (index / pooled_w / pooled_h) % groups;
+    w.k = index / pooled_w / pooled_h / groups;
+    w.c0 = group * kChannelGroup;
+    w.count = channels - w.c0 < kChannelGroup ? channels - w.c0 : kChannelGroup;
+    w.first = index % (groups * pooled_h * pooled_w) == 0;
+    return w;
+}
+
 /* Calls f with a value of the storage type matching `dtype`, which the
  * caller has already checked to be float16, bfloat16, float32 or float64. */
 template <typename F> int by_dtype(int dtype, F f) {
