@@ -46,6 +46,7 @@ cdef extern from "mmdispatch/tensor.h" nogil:
         int32_t device_id
         uint32_t flags
         const char *op
+        void *fallback
     const char *mmd_last_error()
     const char *mmd_dtype_name(int dtype)
     size_t mmd_dtype_size(int dtype)
@@ -68,7 +69,6 @@ cdef extern from "mmdispatch/boxed.h" nogil:
     ctypedef struct mmd_boxed_call:
         pass
     ctypedef int (*mmd_boxed_fn)(const mmd_boxed_call *call) noexcept nogil
-    void mmd_set_boxed_fallback(int device_type, mmd_boxed_fn fn)
 
 cdef extern from "mmdispatch_generated.h" nogil:
     ctypedef struct mmd_device_module:

@@ -514,9 +514,9 @@ cdef class OpRegistry:
         if pending:  # arrays other than plain contiguous numpy ones
             held = self.view_pending(st, pending, device_type, device_id)
         self.check_outputs(st)
-        if missing:
-            return python_kernel if st.python_kernel else None, held
-        return held
+        if missing:   # the Python kernel, or the C fallback's handle to hold
+            return python_kernel, held
+        return held if not st.c_fallback else (held, python_kernel)
 
     cdef object prepare_allocating(self, CallState *st, unsigned int missing, list held):
         """prepare() for a call whose outputs of bitmask `missing` are None,
@@ -758,10 +758,14 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
     """Step 3 of a call: the Python kernel for the slot (returned, with
     st.python_kernel set), else its C kernel in st.kernel with st.ctx set for
     the device (None returned), else the device's fallback: a C one through
-    the op's boxing function as st.kernel (st.c_fallback set), a Python one
-    as the Python kernel (st.boxed set too); else KernelNotFoundError."""
+    the op's boxing function as st.kernel (st.c_fallback set, its function
+    in st.ctx.fallback, its handle returned for the caller to hold during
+    the call), a Python one as the Python kernel (st.boxed set too); else
+    KernelNotFoundError."""
     cdef int slot = device_type * MMD_MAX_BACKENDS + backend
+    cdef FallbackHandle c_fallback = None
     st.boxed = st.c_fallback = False
+    st.ctx.fallback = NULL
     python_kernel = op.python_kernels[slot]
     if python_kernel is not None:
         st.python_kernel = True
@@ -773,18 +777,19 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
     if st.kernel == NULL:
         st.kernel = _kernel_after_probe(op, slot, device_type, device_id, backend)
         if st.kernel == NULL:   # the slot is empty: the device's fallback takes the call
-            if _fallback_is_c(device_type):
-                _warn_fallback(op, device_type, device_id)
-                st.kernel = op.boxed_kernel
-                st.c_fallback = True
-            else:
+            c_fallback = _c_fallback(device_type)
+            if c_fallback is None:
                 st.python_kernel = st.boxed = True
                 return _boxed_kernel(op, device_type, device_id)
+            _warn_once(c_fallback, op, device_name(device_type, device_id))
+            st.kernel = op.boxed_kernel
+            st.ctx.fallback = <void *>c_fallback.c_fn
+            st.c_fallback = True
     st.ctx.device_id = device_id
     st.ctx.stream = NULL
     st.ctx.flags = _context_flags()
     st.ctx.op = op.c_name
-    return None
+    return c_fallback
 
 
 cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):

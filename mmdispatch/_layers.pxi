@@ -131,7 +131,8 @@ def register_fallback(device, fn, *, bint override=False):
         handle.device = DEVICE_TYPES.get(code, str(code))
         handle.fn = fn
         handle.kind = "C" if is_capsule else "python"
-        handle.origin = f"capsule:{_BOXED_FALLBACK_NAME.decode()}" if is_capsule else _origin_of(fn)
+        handle.origin = (f"capsule:{_BOXED_FALLBACK_NAME.decode()} at {<uintptr_t>c_fn:#x}"
+                         if is_capsule else _origin_of(fn))
         handle.code = code
         handle.c_fn = <mmd_boxed_fn>c_fn
         handle.warned = set()
@@ -144,16 +145,15 @@ cdef bytes _BOXED_FALLBACK_NAME = b"mmdispatch.boxed_fallback"   # boxed.h's cap
 
 
 cdef void _activate_fallback(int code, FallbackHandle handle):
-    """Makes `handle` (or none) the device type's active fallback, in the
-    Python table and, for a C one, in the C table the boxing functions read
-    (under _registry_lock)."""
+    """Makes `handle` (or none) the device type's active fallback (under
+    _registry_lock)."""
     _active_fallbacks[code] = handle
-    mmd_set_boxed_fallback(code, handle.c_fn if handle is not None else NULL)
 
 
-cdef inline bint _fallback_is_c(int device_type):
+cdef inline FallbackHandle _c_fallback(int device_type):
+    """The device type's active fallback where it is a C one, else None."""
     cdef FallbackHandle handle = _active_fallbacks[device_type]
-    return handle is not None and handle.c_fn != NULL
+    return handle if handle is not None and handle.c_fn != NULL else None
 
 
 def _remove_fallbacks(device):
@@ -281,11 +281,6 @@ cdef int _warn_once(FallbackHandle handle, OpRegistry op, str device) except -1:
                   f"{handle.device} fallback, which costs: {cost}",
                   FallbackWarning, stacklevel=_caller_stacklevel())
     return 0
-
-
-cdef int _warn_fallback(OpRegistry op, int device_type, int device_id) except -1:
-    """_warn_once for a call the device's C fallback takes."""
-    return _warn_once(_active_fallbacks[device_type], op, device_name(device_type, device_id))
 
 
 cdef int _caller_stacklevel():

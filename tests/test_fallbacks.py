@@ -3,6 +3,7 @@ ready one, mmdispatch.fallbacks.copy_to_cpu, on stand-in arrays of a device
 mmdispatch has no kernels for (ROCm), seen only through DLPack and the
 Array API."""
 import ctypes
+import threading
 import warnings
 
 import numpy as np
@@ -308,7 +309,7 @@ class MmdTensor(ctypes.Structure):   # mmdispatch/tensor.h
 
 class MmdContext(ctypes.Structure):
     _fields_ = [("stream", ctypes.c_void_p), ("device_id", ctypes.c_int32),
-                ("flags", ctypes.c_uint32), ("op", ctypes.c_char_p)]
+                ("flags", ctypes.c_uint32), ("op", ctypes.c_char_p), ("fallback", ctypes.c_void_p)]
 
 
 class BoxedArg(ctypes.Structure):    # mmdispatch/boxed.h
@@ -318,10 +319,16 @@ class BoxedArg(ctypes.Structure):    # mmdispatch/boxed.h
 
 
 class BoxedCallStruct(ctypes.Structure):
-    _fields_ = [("op", ctypes.c_char_p), ("device_type", ctypes.c_int32),
-                ("device_id", ctypes.c_int32), ("num_args", ctypes.c_int32),
-                ("args", ctypes.POINTER(BoxedArg)), ("ctx", ctypes.POINTER(MmdContext)),
-                ("error", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_char_p))]
+    pass
+
+
+BoxedCallStruct._fields_ = [
+    ("op", ctypes.c_char_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+    ("num_args", ctypes.c_int32), ("args", ctypes.POINTER(BoxedArg)),
+    ("ctx", ctypes.POINTER(MmdContext)),
+    ("error", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(BoxedCallStruct), ctypes.c_int,
+                               ctypes.c_char_p)),
+    ("state", ctypes.c_void_p)]
 
 
 BOXED_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(BoxedCallStruct))
@@ -363,8 +370,9 @@ class CFallback:
     default, runs the CPU kernel on the arrays' memory in place; `status`
     and `message` make it fail instead."""
 
-    def __init__(self, status=0, message=None):
+    def __init__(self, status=0, message=None, from_thread=False):
         self.calls, self.status, self.message = [], status, message
+        self.from_thread = from_thread
         self.function = BOXED_FN(self)   # kept alive while registered
         self.capsule = fuzz_cases.pycapsule_new(ctypes.cast(self.function, ctypes.c_void_p),
                                                 b"mmdispatch.boxed_fallback", None)
@@ -379,14 +387,22 @@ class CFallback:
                       None if a.kind or not a.array else host_view(a.array).copy(),
                       a.int_value, a.float_value) for a in args]})
         if self.status:
-            return call.error(self.status, self.message) if self.message else self.status
+            if self.message is None:
+                return self.status
+            if self.from_thread:   # the call's own message, whichever thread sets it
+                worker = threading.Thread(
+                    target=call.error, args=(call_pointer, self.status, self.message))
+                worker.start()
+                worker.join()
+                return self.status
+            return call.error(call_pointer, self.status, self.message)
         values = [(host_view(a.array) if a.array else None) if a.kind == 0
                   else a.float_value if a.kind == 2 else bool(a.int_value) if a.kind == 3
                   else a.int_value for a in args]
         try:
             getattr(mmdispatch, call.op.decode())(*values)
         except (ValueError, TypeError) as exc:
-            return call.error(1 if isinstance(exc, ValueError) else 2,
+            return call.error(call_pointer, 1 if isinstance(exc, ValueError) else 2,
                               str(exc).partition(": ")[2].encode())
         return 0
 
@@ -400,8 +416,9 @@ def test_a_c_fallback_runs_the_op_on_the_device_arrays_in_place():
         warnings.simplefilter("always")
         with mmdispatch.register_fallback("rocm", fallback.capsule) as handle:
             assert handle.kind == "C" and handle.active
-            assert mmdispatch.registered_fallbacks() == {
-                "rocm": "capsule:mmdispatch.boxed_fallback"}
+            origin = mmdispatch.registered_fallbacks()["rocm"]
+            assert origin == handle.origin and origin.startswith(
+                "capsule:mmdispatch.boxed_fallback at 0x")
             for _ in range(2):
                 mmdispatch.roi_align_forward_impl(HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
                                                   output, unused, unused, 2, 2, 0.5, 0, 1, True)
@@ -449,6 +466,10 @@ def test_a_c_fallbacks_error_is_raised_with_its_type_and_message():
         warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
         with mmdispatch.register_fallback("rocm", CFallback(1, b"no such luck").capsule):
             with pytest.raises(ValueError, match=r"^roi_align_forward_impl: no such luck$"):
+                mmdispatch.roi_align_forward_impl(*args)
+        with mmdispatch.register_fallback("rocm", CFallback(2, b"set by a worker",
+                                                            from_thread=True).capsule):
+            with pytest.raises(TypeError, match=r"^roi_align_forward_impl: set by a worker$"):
                 mmdispatch.roi_align_forward_impl(*args)
         with mmdispatch.register_fallback("rocm", CFallback(3).capsule):
             with pytest.raises(RuntimeError, match=r"^roi_align_forward_impl: the C fallback "
@@ -499,3 +520,31 @@ def test_a_c_fallback_needs_given_outputs_where_the_dispatcher_cannot_allocate()
                 mmdispatch.roi_align_forward_impl(HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
                                                   None, None, None, 2, 2, 0.5, 0, 1, True)
     assert fallback.calls == []
+
+
+def test_the_c_fallback_chosen_for_a_call_runs_it_even_if_replaced_meanwhile():
+    """Python code can run between the choice and the call (a hook's begin,
+    here): the call keeps the fallback it chose, held alive for the call."""
+    x, rois = roi_inputs()
+    chosen, replacement = CFallback(), CFallback()
+    replaced = []
+
+    class Replacer:
+        def begin(self, call):
+            if not replaced:
+                replaced.append(mmdispatch.register_fallback("rocm", replacement.capsule,
+                                                             override=True))
+
+        def end(self, call):
+            pass
+
+    arrays = [HostMemoryOnRocm(x), HostMemoryOnRocm(rois),
+              HostMemoryOnRocm(np.zeros((2, 3, 2, 2), np.float32)),
+              HostMemoryOnRocm(np.zeros(0, np.float32)), HostMemoryOnRocm(np.zeros(0, np.float32))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("rocm", chosen.capsule), \
+                mmdispatch.add_hook(Replacer()):
+            mmdispatch.roi_align_forward_impl(*arrays, 2, 2, 0.5, 0, 1, True)
+            replaced[0].remove()
+    assert len(chosen.calls) == 1 and replacement.calls == []

@@ -7,7 +7,7 @@
  *     status = fn(&call)
  * with the op's arguments boxed in signature order. The fallback returns 0,
  * or a status (MMD_ERR_VALUE: ValueError, MMD_ERR_TYPE: TypeError,
- * MMD_ERR_MEMORY: MemoryError, else RuntimeError) after call->error(status,
+ * MMD_ERR_MEMORY: MemoryError, else RuntimeError) after call->error(call, status,
  * message) has said why. Each op's boxing function is generated from its
  * signature (mmd_<op>_boxed in mmdispatch_generated.h). */
 #ifndef MMDISPATCH_BOXED_H
@@ -44,18 +44,17 @@ typedef struct mmd_boxed_call {
     int32_t num_args;
     const mmd_boxed_arg *args;  /* every parameter, in signature order */
     const mmd_context *ctx;     /* stream (CUDA), strict mode flag */
-    /* Sets the message of the error status the fallback returns; returns
-     * `status`. */
-    int (*error)(int status, const char *message);
+    /* Sets the message of the error status the fallback returns (this
+     * call's own, from any thread); returns `status`. */
+    int (*error)(const struct mmd_boxed_call *call, int status, const char *message);
+    void *state;                /* the dispatcher's, for `error` */
 } mmd_boxed_call;
 
 typedef int (*mmd_boxed_fn)(const mmd_boxed_call *call);
 
-/* The C fallback of a device type, or NULL (set by register_fallback). */
-void mmd_set_boxed_fallback(int device_type, mmd_boxed_fn fn);
-
-/* Calls the C fallback of the first array's device type with the boxed
- * arguments (the generated mmd_<op>_boxed functions end here). */
+/* Calls the C fallback the dispatcher chose for this call (ctx->fallback)
+ * with the boxed arguments (the generated mmd_<op>_boxed functions end
+ * here). */
 int mmd_boxed_dispatch(const char *op, int num_args, const mmd_boxed_arg *args,
                        const mmd_context *ctx);
 

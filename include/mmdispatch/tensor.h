@@ -75,6 +75,7 @@ typedef struct {
     int32_t device_id;
     uint32_t flags;    /* MMD_CONTEXT_* */
     const char *op;    /* the entry point called, e.g. "roi_align_forward_impl" */
+    void *fallback;    /* a boxed call's C fallback (mmdispatch/boxed.h), else NULL */
 } mmd_context;
 
 /* ctx->flags: strict mode (mmdispatch.strict()): a kernel that would check
