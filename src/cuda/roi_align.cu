@@ -210,14 +210,22 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
 #pragma unroll
             for (int c = 0; c < kChannelGroup; ++c) sum[c] += rows.weight[r] * dot[c];
         }
+        unsigned nonfinite = 0;
 #pragma unroll
         for (int c = 0; c < kChannelGroup; ++c) {   /* unrolled: sum[] stays in registers */
             if (c >= w.count) break;
-            /* an inf or NaN cell: the definition, where a sample's zero
-             * weight on it gives NaN that a merged weight would hide */
-            const A value = isfinite(sum[c]) ? sum[c]
-                : sum_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw);
-            out[c * bins] = from_compute<T>(value / divisor);
+            if (isfinite(sum[c]))
+                out[c * bins] = from_compute<T>(sum[c] / divisor);
+            else
+                nonfinite |= 1u << c;
+        }
+        /* an inf or NaN cell: the definition, sample by sample, where a
+         * sample's zero weight on it gives NaN that a merged weight hides */
+        for (; nonfinite; nonfinite &= nonfinite - 1) {
+            const int c = __ffs((int)nonfinite) - 1;
+            out[c * bins] = from_compute<T>(
+                sum_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw) /
+                divisor);
         }
     }
 }
@@ -559,9 +567,9 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale, sampling_ratio,
             aligned, sink);
     } else {
-        const int64_t work = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
-        avg_forward_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(
-            (const T *)input->data, (const T *)rois->data, (T *)output->data, work,
+        const int64_t threads = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
+        avg_forward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
+            (const T *)input->data, (const T *)rois->data, (T *)output->data, threads,
             input->shape[1], input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     }
@@ -628,9 +636,9 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     } else {
-        const int64_t work = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
-        avg_backward_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(
-            (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, work,
+        const int64_t threads = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
+        avg_backward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
+            (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, threads,
             channels, grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     }
