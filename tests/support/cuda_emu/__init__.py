@@ -35,8 +35,17 @@ ROOT = HERE.parents[2]
 CUDA_DIR = ROOT / "src" / "cuda"
 # src/core files the kernels call into (messages, deferred errors, roi checks)
 CORE_SOURCES = ("errors.c", "deferred.c", "rois.c")
-CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w"]
-CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w"]
+# CUDA_EMU_SANITIZE=address builds the library with AddressSanitizer, the
+# CPU's stand-in for compute-sanitizer's memcheck (an out-of-bounds read or
+# write in a kernel stops the process with a report). Python must then run
+# with the runtime preloaded, and pytest must not capture (the report goes
+# to the process's stderr as it dies):
+#   CUDA_EMU_SANITIZE=address LD_PRELOAD=$(gcc -print-file-name=libasan.so) \
+#   ASAN_OPTIONS=detect_leaks=0 pytest -s tests/cuda tests/ops -k emulated
+SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-pointer"] \
+    if os.environ.get("CUDA_EMU_SANITIZE") else []
+CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", *SANITIZE]
+CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
 _LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w\s]+?)\s*(\w+)\s*\[\s*\]\s*;")
@@ -167,8 +176,8 @@ def build():
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         objects = list(pool.map(compile_one, jobs))
     partial = work / library.name
-    done = subprocess.run([cxx, "-shared", "-Wl,-Bsymbolic", "-Wl,--no-undefined", "-o",
-                           str(partial), *map(str, objects), "-lpthread"],
+    done = subprocess.run([cxx, "-shared", *SANITIZE, "-Wl,-Bsymbolic", "-Wl,--no-undefined",
+                           "-o", str(partial), *map(str, objects), "-lpthread"],
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"CUDA emulator: linking failed:\n{done.stderr[-6000:]}")
