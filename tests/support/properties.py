@@ -215,6 +215,51 @@ def boxes_for(draw, n, dtype):
     return boxes.astype(dtype)
 
 
+@st.composite
+def extreme_case(draw, properties, entry_point):
+    """A valid case of `properties` (an OpProperties) for `entry_point` whose
+    input arrays and scalars are then pushed to extreme values."""
+    dtype = draw(st.sampled_from(FLOATS), label="dtype")
+    args, _ = draw(properties.entry_cases[entry_point](dtype), label="case")
+    for p in SIGNATURES[entry_point].params:
+        value = args[p.name]
+        if p.is_array and value is not None and value.dtype.kind == "f" and value.size \
+                and not p.is_output and draw(st.booleans()):
+            a = value.copy()
+            for _ in range(draw(st.integers(1, 4))):
+                with np.errstate(over="ignore"):
+                    a.reshape(-1)[draw(st.integers(0, a.size - 1))] = draw(
+                        st.sampled_from(EXTREME_FLOATS))
+            args[p.name] = guarded(a)
+        elif p.type == "int" and draw(st.integers(0, 3)) == 0:
+            args[p.name] = draw(st.sampled_from(EXTREME_INTS))
+        elif p.type == "float" and draw(st.integers(0, 3)) == 0:
+            args[p.name] = draw(st.sampled_from(EXTREME_FLOATS))
+    note({name: v for name, v in args.items() if not isinstance(v, np.ndarray)})
+    return args
+
+
+def answer_or_clear_error(entry_point, args, wrap=None):
+    """Calls the entry point (its arrays through `wrap`, e.g. as device
+    arrays): an answer, or an allowed error naming the op (a wrapped call's
+    kernel message is the emulator's, so only its type is checked); inputs
+    unchanged and nothing written around the outputs either way."""
+    watch = BufferWatch(args)
+    wrapped = args if wrap is None else {
+        name: wrap(a) if isinstance(a, np.ndarray) else a for name, a in args.items()}
+    try:
+        call(entry_point, wrapped)
+        event("answered")
+    except ALLOWED_ERRORS as exc:
+        assert wrap is not None or str(exc).startswith(f"{entry_point}:"), \
+            f"{type(exc).__name__}: {exc}"
+        event(f"refused: {type(exc).__name__}")
+    watch.unchanged(inputs_of(entry_point))
+    for name in outputs_of(entry_point):
+        if args[name] is not None:
+            watch.guards_intact(name)
+
+
 # --- calls of entry points ------------------------------------------------------------------
 
 def call(op_name, args):
@@ -597,35 +642,8 @@ class OpProperties:
     def test_extreme_values_give_an_answer_or_a_clear_error(self, entry_point, data):
         """A valid case whose arrays and scalars are then pushed to extreme
         values: any outcome but a crash or a write to an input is fine."""
-        dtype = data.draw(st.sampled_from(FLOATS), label="dtype")
-        args, _ = data.draw(self.entry_cases[entry_point](dtype), label="case")
-        draw = data.draw
-        for p in SIGNATURES[entry_point].params:
-            value = args[p.name]
-            if p.is_array and value is not None and value.dtype.kind == "f" and value.size \
-                    and not p.is_output and draw(st.booleans()):
-                a = value.copy()
-                for _ in range(draw(st.integers(1, 4))):
-                    with np.errstate(over="ignore"):
-                        a.reshape(-1)[draw(st.integers(0, a.size - 1))] = draw(
-                            st.sampled_from(EXTREME_FLOATS))
-                args[p.name] = guarded(a)
-            elif p.type == "int" and draw(st.integers(0, 3)) == 0:
-                args[p.name] = draw(st.sampled_from(EXTREME_INTS))
-            elif p.type == "float" and draw(st.integers(0, 3)) == 0:
-                args[p.name] = draw(st.sampled_from(EXTREME_FLOATS))
-        note({name: v for name, v in args.items() if not isinstance(v, np.ndarray)})
-        watch = BufferWatch(args)
-        try:
-            call(entry_point, args)
-            event("answered")
-        except ALLOWED_ERRORS as exc:
-            assert str(exc).startswith(f"{entry_point}:"), f"{type(exc).__name__}: {exc}"
-            event(f"refused: {type(exc).__name__}")
-        watch.unchanged(inputs_of(entry_point))
-        for name in outputs_of(entry_point):
-            if args[name] is not None:
-                watch.guards_intact(name)
+        args = data.draw(extreme_case(self, entry_point), label="extreme case")
+        answer_or_clear_error(entry_point, args)
 
     # 4. user functions: any layout or library gives the reference answer
 
@@ -697,6 +715,30 @@ class OpProperties:
             if isinstance(expected, np.ndarray):
                 note(name)
                 assert_same(on_gpu[name], expected)
+
+    @given(data=st.data())
+    def test_emulated_cuda_kernel_survives_extreme_values(self, entry_point, cuda_emulator, data):
+        """test_extreme_values_give_an_answer_or_a_clear_error on the emulated
+        CUDA kernels, with the op's bad data (bad_data) too, strict or with
+        the data errors deferred (synchronize takes them): never a crash or
+        a write outside the outputs, and under CUDA_EMU_SANITIZE=address
+        never an access out of bounds."""
+        from cuda_emu import DeviceView
+
+        if not cuda_emulator.backends(entry_point):
+            pytest.skip(f"{entry_point} has no CUDA kernel")
+        args = data.draw(extreme_case(self, entry_point), label="extreme case")
+        bad = self.bad_data(data.draw, entry_point, args) if data.draw(
+            st.booleans(), label="bad data") else None
+        if bad is not None:
+            args, what = bad
+            note(what)
+        backend = data.draw(st.sampled_from(cuda_emulator.backends(entry_point)), label="backend")
+        strict = data.draw(st.booleans(), label="strict")
+        with cuda_emulator.active():
+            with mmdispatch.strict(strict), mmdispatch.use_backend("cuda", backend):
+                answer_or_clear_error(entry_point, args, DeviceView)
+            event(f"deferred: {cuda_emulator.synchronize()[0] != 0}")
 
     # 7. the derived PyTorch op of every entry point passes torch's opcheck
 
