@@ -548,3 +548,28 @@ def test_the_c_fallback_chosen_for_a_call_runs_it_even_if_replaced_meanwhile():
             mmdispatch.roi_align_forward_impl(*arrays, 2, 2, 0.5, 0, 1, True)
             replaced[0].remove()
     assert len(chosen.calls) == 1 and replacement.calls == []
+
+
+def test_a_c_fallback_on_the_cpu_gets_the_outputs_the_dispatcher_allocates():
+    """numpy arrays, a backend with no CPU kernels: the plain-numpy intake
+    and the entry point's allocation serve the C fallback as a kernel."""
+    x, rois = roi_inputs()
+    fallback = CFallback(1, b"recorded")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mmdispatch.FallbackWarning)
+        with mmdispatch.register_fallback("cpu", fallback.capsule), \
+                mmdispatch.use_backend("cpu", "deterministic"):
+            with pytest.raises(ValueError, match="^roi_align_forward_impl: recorded$"):
+                mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 3, 0.5, 0, 1,
+                                                  True)
+            with pytest.raises(ValueError, match="^roi_align_forward_impl: recorded$"):
+                mmdispatch.roi_align_forward_impl(x, rois, np.zeros((2, 3, 2, 3), np.float32),
+                                                  np.zeros(0, np.float32),
+                                                  np.zeros(0, np.float32), 2, 3, 0.5, 0, 1, True)
+    allocated, given = fallback.calls
+    for call in (allocated, given):
+        args = {a[0]: a for a in call["args"]}
+        assert call["device"] == (1, 0)
+        np.testing.assert_array_equal(args["input"][3], x)
+        assert args["output"][3].shape == (2, 3, 2, 3)
+        assert args["aligned_width"][4] == 3 and args["aligned"][4] == 1
