@@ -257,7 +257,7 @@ def _parse_line(line: str) -> Op:
 def read_signatures(path) -> list:
     """The ops of a signature file: each signature line with the indented
     allocation lines below it."""
-    blocks = []
+    blocks: list[list[str]] = []
     for raw in Path(path).read_text().splitlines():
         line = raw.split("#", 1)[0].rstrip()
         if not line.strip():
@@ -304,7 +304,7 @@ def find_registrations(directory, device: str) -> tuple:
     files (.c, .cpp, .cu) of a kernel directory, sorted. A file holds any
     number of blocks, helpers none; names need not match file names, but
     must be unique within the device."""
-    found = {}
+    found: dict[str, Path] = {}
     for path in sorted(Path(directory).iterdir()):
         if path.suffix not in (".c", ".cpp", ".cu"):
             continue

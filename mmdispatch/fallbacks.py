@@ -49,9 +49,9 @@ def copy_to_cpu(op, call):
     return tuple(on_device) if isinstance(result, tuple) else on_device[0]
 
 
-copy_to_cpu.cost = ("every call copies its arrays to host memory, runs the CPU kernel and "
-                    "copies the outputs back to the device (synchronously): expect it to be "
-                    "much slower than a kernel of the device")
+copy_to_cpu.cost = (  # type: ignore[attr-defined]  # what FallbackWarning names
+    "every call copies its arrays to host memory, runs the CPU kernel and copies the outputs "
+    "back to the device (synchronously): expect it to be much slower than a kernel of the device")
 
 
 def _torch_tensor(x):
