@@ -365,6 +365,9 @@ def host_view(tensor):
     return np.frombuffer(buffer, dtype).reshape(shape)
 
 
+LIVE_C_FALLBACKS = []
+
+
 class CFallback:
     """A C fallback made with ctypes: it records each boxed call and, by
     default, runs the CPU kernel on the arrays' memory in place; `status`
@@ -373,7 +376,10 @@ class CFallback:
     def __init__(self, status=0, message=None, from_thread=False):
         self.calls, self.status, self.message = [], status, message
         self.from_thread = from_thread
-        self.function = BOXED_FN(self)   # kept alive while registered
+        self.function = BOXED_FN(self)
+        # the capsule holds only the function's address: the ctypes function
+        # must outlive every call (a test may keep just the capsule)
+        LIVE_C_FALLBACKS.append(self)
         self.capsule = fuzz_cases.pycapsule_new(ctypes.cast(self.function, ctypes.c_void_p),
                                                 b"mmdispatch.boxed_fallback", None)
 
@@ -500,7 +506,7 @@ def test_hooks_see_a_c_fallback_call_as_the_fallback_kernel():
 
 
 def test_a_c_fallback_capsule_must_carry_the_boxed_fallback_name():
-    function = BOXED_FN(lambda call: 0)
+    function = BOXED_FN(lambda call: 0)   # never called: the capsule is refused
     capsule = fuzz_cases.pycapsule_new(ctypes.cast(function, ctypes.c_void_p),
                                        b"mmdispatch.kernel.nms_impl", None)
     with pytest.raises(TypeError, match="a C fallback capsule must be named "

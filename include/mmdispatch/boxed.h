@@ -9,7 +9,10 @@
  * or a status (MMD_ERR_VALUE: ValueError, MMD_ERR_TYPE: TypeError,
  * MMD_ERR_MEMORY: MemoryError, else RuntimeError) after call->error(call, status,
  * message) has said why. Each op's boxing function is generated from its
- * signature (mmd_<op>_boxed in mmdispatch_generated.h). */
+ * signature (mmd_<op>_boxed in mmdispatch_generated.h). The capsule holds
+ * the function's address only: the function must stay valid while it is
+ * registered and while calls through it run (a ctypes or cffi callback:
+ * keep a reference to it). */
 #ifndef MMDISPATCH_BOXED_H
 #define MMDISPATCH_BOXED_H
 
