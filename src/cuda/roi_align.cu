@@ -148,11 +148,11 @@ __device__ inline bool locate_avg_work(int64_t index, const T *rois, int64_t cha
     return false;
 }
 
-/* The sum of bin (ph, pw)'s samples of one plane, sample by sample. */
-template <typename T, typename A>
-__device__ inline A sum_samples(const T *plane, int64_t height, int64_t width,
-                                const Geometry<A> &g, int64_t ph, int64_t pw) {
-    A sum = 0;
+/* f(ay, ax) for each sample of bin (ph, pw) that lies on the map, in the
+ * definition's order (rows of samples, then columns). */
+template <typename A, typename F>
+__device__ inline void for_each_sample(int64_t height, int64_t width, const Geometry<A> &g,
+                                       int64_t ph, int64_t pw, F f) {
     for (int64_t iy = 0; iy < g.grid_h; ++iy) {
         Axis<A> ay;
         mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
@@ -160,9 +160,19 @@ __device__ inline A sum_samples(const T *plane, int64_t height, int64_t width,
         for (int64_t ix = 0; ix < g.grid_w; ++ix) {
             Axis<A> ax;
             mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
-            if (ax.valid) sum += bilinear<T, A>(plane, width, ay, ax);
+            if (ax.valid) f(ay, ax);
         }
     }
+}
+
+/* The sum of bin (ph, pw)'s samples of one plane, sample by sample. */
+template <typename T, typename A>
+__device__ inline A sum_samples(const T *plane, int64_t height, int64_t width,
+                                const Geometry<A> &g, int64_t ph, int64_t pw) {
+    A sum = 0;
+    for_each_sample(height, width, g, ph, pw, [&](const Axis<A> &ay, const Axis<A> &ax) {
+        sum += bilinear<T, A>(plane, width, ay, ax);
+    });
     return sum;
 }
 
@@ -281,16 +291,9 @@ __device__ inline void scatter(T *plane, int64_t width, const Axis<A> &ay,
 template <typename T, typename A>
 __device__ inline void scatter_samples(T *plane, int64_t height, int64_t width,
                                        const Geometry<A> &g, int64_t ph, int64_t pw, A share) {
-    for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-        Axis<A> ay;
-        mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
-        if (!ay.valid) continue;
-        for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-            Axis<A> ax;
-            mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
-            if (ax.valid) scatter<T, A>(plane, width, ay, ax, share);
-        }
-    }
+    for_each_sample(height, width, g, ph, pw, [&](const Axis<A> &ay, const Axis<A> &ax) {
+        scatter<T, A>(plane, width, ay, ax, share);
+    });
 }
 
 /* avg: the forward's rows and columns, one atomic add per cell they cross.
@@ -449,25 +452,17 @@ __global__ void deterministic_avg_backward_kernel(
         if (__syncthreads_or(nonfinite)) {
             if (tid == 0)   /* sample by sample, in the atomic kernel's order */
                 for (int64_t b = 0; b < bins; ++b) {
-                    const int64_t ph = b / pooled_w, pw = b % pooled_w;
-                    for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-                        Axis<A> ay;
-                        mmd_interp(mmd_roi_align_sample(g.start_h, g.bin_h, ph, iy, g.grid_h), height, &ay);
-                        if (!ay.valid) continue;
-                        for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                            Axis<A> ax;
-                            mmd_interp(mmd_roi_align_sample(g.start_w, g.bin_w, pw, ix, g.grid_w), width, &ax);
-                            if (!ax.valid) continue;
-                            const int64_t at[4] = {ay.low * width + ax.low, ay.low * width + ax.high,
-                                                   ay.high * width + ax.low,
-                                                   ay.high * width + ax.high};
-                            const A weight[4] = {ay.w_low * ax.w_low, ay.w_low * ax.w_high,
-                                                 ay.w_high * ax.w_low, ay.w_high * ax.w_high};
-                            for (int q = 0; q < 4; ++q)
-                                plane[at[q]] =
-                                    from_compute<T>(to_compute(plane[at[q]]) + grad[b] * weight[q]);
-                        }
-                    }
+                    for_each_sample(height, width, g, b / pooled_w, b % pooled_w,
+                                    [&](const Axis<A> &ay, const Axis<A> &ax) {
+                        const int64_t at[4] = {ay.low * width + ax.low, ay.low * width + ax.high,
+                                               ay.high * width + ax.low,
+                                               ay.high * width + ax.high};
+                        const A weight[4] = {ay.w_low * ax.w_low, ay.w_low * ax.w_high,
+                                             ay.w_high * ax.w_low, ay.w_high * ax.w_high};
+                        for (int q = 0; q < 4; ++q)
+                            plane[at[q]] =
+                                from_compute<T>(to_compute(plane[at[q]]) + grad[b] * weight[q]);
+                    });
                 }
             __syncthreads();
             continue;
