@@ -73,7 +73,7 @@ cdef class FallbackHandle:
             stack.remove(self)
             if not stack:
                 del _fallback_stacks[self.code]
-            _activate_fallback(self.code, stack[-1] if stack else None)
+            _active_fallbacks[self.code] = stack[-1] if stack else None
 
     @property
     def active(self):
@@ -137,17 +137,11 @@ def register_fallback(device, fn, *, bint override=False):
         handle.c_fn = <mmd_boxed_fn>c_fn
         handle.warned = set()
         _fallback_stacks.setdefault(code, []).append(handle)
-        _activate_fallback(code, handle)
+        _active_fallbacks[code] = handle
     return handle
 
 
 cdef bytes _BOXED_FALLBACK_NAME = b"mmdispatch.boxed_fallback"   # boxed.h's capsule name
-
-
-cdef void _activate_fallback(int code, FallbackHandle handle):
-    """Makes `handle` (or none) the device type's active fallback (under
-    _registry_lock)."""
-    _active_fallbacks[code] = handle
 
 
 cdef inline FallbackHandle _c_fallback(int device_type):
@@ -161,7 +155,7 @@ def _remove_fallbacks(device):
     cdef int code = parse_device_type(device)
     with _registry_lock:
         _fallback_stacks.pop(code, None)
-        _activate_fallback(code, None)
+        _active_fallbacks[code] = None
 
 
 def registered_fallbacks():
