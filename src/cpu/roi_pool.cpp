@@ -1,6 +1,13 @@
-/* roi_pool on CPU. Forward splits (roi, channel) planes over the worker
- * pool; backward gives each worker whole channels and visits rois in order,
- * so it is race-free and deterministic. */
+/* roi_pool on CPU. Forward splits (channel, roi) planes over the worker
+ * pool, channel-major, and reduces each row of bins column by column first;
+ * backward gives each worker whole channels and visits rois in order, so it
+ * is race-free and deterministic. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <limits>
+
 #include "mmdispatch/ops/roi_pool.h"
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
@@ -21,34 +28,161 @@ int check_rois(const mmd_tensor *rois, int64_t batch, T spatial_scale, int64_t p
     return MMD_OK;
 }
 
-/* Max of every bin of one (roi, channel) plane: `plane` is the roi's image
- * and channel, `out` and `argmax` its pooled_h * pooled_w bins. */
+/* The column of [w0, w1) whose (col_max, col_row) ranks first (pool_plane
+ * below): the largest value, then the smallest row, then the first column.
+ * -1 for an empty bin. */
+template <typename T, typename Row>
+inline int64_t best_column(const T *col_max, const Row *col_row, int64_t w0, int64_t w1) {
+    T best = -(T)INFINITY;
+    Row best_h = std::numeric_limits<Row>::max();
+    int64_t best_w = w0 < w1 ? w0 : -1;
+    for (int64_t w = w0; w < w1; ++w) {
+        const T v = col_max[w];
+        const Row r = col_row[w];
+        const bool take = (v > best) | ((v == best) & (r < best_h));
+        best = take ? v : best;
+        best_h = take ? r : best_h;
+        best_w = take ? w : best_w;
+    }
+    return best_w;
+}
+
+/* The same for float: each column's (value, row) becomes one integer whose
+ * order is that ranking, the value's bits made monotonic (-0 counted as +0,
+ * which compares equal) above the row's complement, so the loop carries
+ * one integer maximum. Every key is above 0. */
+template <>
+inline int64_t best_column(const float *col_max, const int32_t *col_row, int64_t w0,
+                           int64_t w1) {
+    uint64_t best = 0;
+    int64_t best_w = -1;
+    for (int64_t w = w0; w < w1; ++w) {
+        uint32_t bits;
+        const float v = col_max[w] + 0.0f;
+        memcpy(&bits, &v, sizeof bits);
+        bits ^= (uint32_t)((int32_t)bits >> 31) | 0x80000000u;
+        const uint64_t key = (uint64_t)bits << 32 | (uint32_t)~col_row[w];
+        const bool take = key > best;
+        best = take ? key : best;
+        best_w = take ? w : best_w;
+    }
+    return best_w;
+}
+
+/* A bin's maximum and argmax by the definition: the first maximum of a
+ * row-major scan with a strict >, NaN skipped, NaN for a bin of only NaN.
+ * The bin is not empty. */
 template <typename T>
+void scan_bin(const T *plane, int64_t width, int64_t h0, int64_t h1, int64_t w0, int64_t w1,
+              T *out, int64_t *argmax) {
+    T best = 0;
+    int64_t at = -1;
+    for (int64_t h = h0; h < h1; ++h)
+        for (int64_t w = w0; w < w1; ++w) {
+            const T v = plane[h * width + w];
+            if (v == v && (at < 0 || v > best)) {
+                best = v;
+                at = h * width + w;
+            }
+        }
+    *out = at >= 0 ? best : (T)NAN;
+    *argmax = at;
+}
+
+/* Max of every bin of one (roi, channel) plane: `plane` is the roi's image
+ * and channel, `out` and `argmax` its pooled_h * pooled_w bins.
+ *
+ * A row of bins shares its map rows, so the rows are reduced first, column
+ * by column, in a loop the compiler vectorises: `col_max[w]` is the largest
+ * value above -inf of column w over the bins' rows and `col_row[w]` the
+ * first row holding it; -inf and `none` where there is none (only NaN and
+ * -inf). Each bin then takes, over its columns, the largest value and,
+ * between equal ones, the smallest row, then the smallest column: the
+ * first maximum in row-major order, which a row-major scan with a strict >
+ * finds. A bin whose best column has `none` holds no value above -inf;
+ * scan_bin finds its first -inf, or NaN. `col_max` and `col_row` have
+ * `width` entries. Row is int32_t where the height fits it, so that for
+ * float the vector blends of values and rows have one width. */
+template <typename T, typename Row>
 void pool_plane(const T *plane, int64_t height, int64_t width, const mmd_pool_geometry<T> &g,
-                int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax) {
+                int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax,
+                T *__restrict col_max, Row *__restrict col_row) {
+    const Row none = std::numeric_limits<Row>::max();
+    int64_t lo, hi, last;
+    mmd_roi_pool_bin(g.start_w, g.bin_w, 0, width, &lo, &last);
+    mmd_roi_pool_bin(g.start_w, g.bin_w, pooled_w - 1, width, &last, &hi);
     for (int64_t ph = 0; ph < pooled_h; ++ph) {
         int64_t h0, h1;
         mmd_roi_pool_bin(g.start_h, g.bin_h, ph, height, &h0, &h1);
+        T *bin_out = out + ph * pooled_w;
+        int64_t *bin_arg = argmax + ph * pooled_w;
+        if (h0 >= h1 || lo >= hi) {  /* the whole row of bins is off the map */
+            for (int64_t pw = 0; pw < pooled_w; ++pw) {
+                bin_out[pw] = 0;
+                bin_arg[pw] = -1;
+            }
+            continue;
+        }
+        for (int64_t w = lo; w < hi; ++w) {
+            col_max[w] = -(T)INFINITY;
+            col_row[w] = none;
+        }
+        for (int64_t h = h0; h < h1; ++h) {
+            const T *__restrict row = plane + h * width;
+            for (int64_t w = lo; w < hi; ++w) {
+                /* a max and a masked row, which the compiler vectorises
+                 * (written as one select on v > m, it branches instead) */
+                const T v = row[w], m = col_max[w];
+                const Row take = -(Row)(v > m);
+                col_max[w] = v > m ? v : m;
+                col_row[w] = (col_row[w] & ~take) | ((Row)h & take);
+            }
+        }
         for (int64_t pw = 0; pw < pooled_w; ++pw) {
             int64_t w0, w1;
             mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);
-            T best = 0;
-            int64_t best_index = -1;
-            bool saw_nan = false;
-            for (int64_t h = h0; h < h1; ++h)
-                for (int64_t w = w0; w < w1; ++w) {
-                    const T v = plane[h * width + w];
-                    if (v != v) {
-                        saw_nan = true;
-                    } else if (best_index < 0 || v > best) {
-                        best = v;
-                        best_index = h * width + w;
-                    }
-                }
-            out[ph * pooled_w + pw] = best_index >= 0 ? best : (saw_nan ? (T)NAN : (T)0);
-            argmax[ph * pooled_w + pw] = best_index;
+            const int64_t w = best_column(col_max, col_row, w0, w1);
+            if (w < 0) {  /* an empty bin */
+                bin_out[pw] = 0;
+                bin_arg[pw] = -1;
+            } else if (col_row[w] == none) {
+                scan_bin(plane, width, h0, h1, w0, w1, bin_out + pw, bin_arg + pw);
+            } else {
+                bin_out[pw] = col_max[w];
+                bin_arg[pw] = (int64_t)col_row[w] * width + w;
+            }
         }
     }
+}
+
+/* pool_plane over items [begin, end): item i is channel i / num_rois of roi
+ * i % num_rois. Channel-major, so the rois of one channel follow each other
+ * and read its map planes from cache: rois overlap (a cell of the standard
+ * workload lies in about 30), and roi-major order read the whole map from
+ * memory once per overlapping roi. */
+template <typename T, typename Row>
+int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t num_rois,
+                int64_t batch, int64_t channels, int64_t height, int64_t width, T spatial_scale,
+                int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax) {
+    T *col_max = (T *)malloc(sizeof(T) * (size_t)width);
+    Row *col_row = (Row *)malloc(sizeof(Row) * (size_t)width);
+    if (!col_max || !col_row) {
+        free(col_max);
+        free(col_row);
+        return mmd_error(MMD_ERR_MEMORY, "out of memory for a row of %lld cells",
+                         (long long)width);
+    }
+    const int64_t bins = pooled_h * pooled_w;
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t c = i / num_rois, k = i % num_rois, p = k * channels + c;
+        mmd_pool_geometry<T> g{};
+        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
+        pool_plane(in + (g.batch * channels + c) * height * width, height, width, g, pooled_h,
+                   pooled_w, out + p * bins, argmax + p * bins, col_max, col_row);
+    }
+    free(col_max);
+    free(col_row);
+    return MMD_OK;
 }
 
 template <typename T>
@@ -63,20 +197,17 @@ int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_
     const T *in = (const T *)input->data, *r = (const T *)rois->data;
     T *out = (T *)output->data;
     int64_t *am = (int64_t *)argmax->data;
-    const int64_t planes = rois->shape[0] * channels;
-    return mmd_parallel_for(planes, 16, mmd_worth_threads(planes, planes * bins),
-                            [&](int64_t begin, int64_t end) {
-                                for (int64_t p = begin; p < end; ++p) {
-                                    const int64_t k = p / channels, c = p % channels;
-                                    mmd_pool_geometry<T> g{};
-                                    mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale,
-                                                          pooled_h, pooled_w, &g);
-                                    pool_plane(in + (g.batch * channels + c) * height * width,
-                                               height, width, g, pooled_h, pooled_w,
-                                               out + p * bins, am + p * bins);
-                                }
-                                return (int)MMD_OK;
-                            });
+    const int64_t num_rois = rois->shape[0], planes = num_rois * channels;
+    const bool narrow_rows = sizeof(T) == 4 && height <= INT32_MAX;
+    return mmd_parallel_for(
+        planes, 16, mmd_worth_threads(planes, planes * bins), [&](int64_t begin, int64_t end) {
+            if (narrow_rows)
+                return pool_planes<T, int32_t>(begin, end, in, r, num_rois, batch, channels,
+                                               height, width, spatial_scale, pooled_h, pooled_w,
+                                               out, am);
+            return pool_planes<T, int64_t>(begin, end, in, r, num_rois, batch, channels, height,
+                                           width, spatial_scale, pooled_h, pooled_w, out, am);
+        });
 }
 
 /* Accumulates into grad_input (the caller passes zeros, as in MMCV). A

@@ -230,6 +230,26 @@ def test_first_maximum_wins_ties_in_row_major_order():
     assert out[0, 0, 0, 0] == 1.0 and argmax[0, 0, 0, 0] == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(6))
+def test_ties_signed_zeros_infinities_and_nan_pool_as_the_row_major_scan(seed, dtype):
+    """Maps of a few values (many ties, -0.0 next to 0.0, -inf as a maximum,
+    all-NaN bins): the value, its sign and the argmax are those of the
+    reference's row-major scan with a strict >."""
+    rng = np.random.default_rng(seed)
+    values = np.array([-np.inf, -1.0, -0.0, 0.0, 1.0, np.inf, np.nan], dtype=dtype)
+    weights = [[4, 1, 2, 2, 1, 1, 3], [1, 1, 1, 1, 1, 1, 1], [3, 0, 0, 0, 0, 0, 5]][seed % 3]
+    height, width = int(rng.integers(1, 30)), int(rng.integers(1, 90))
+    x = rng.choice(values, size=(2, 3, height, width), p=np.divide(weights, sum(weights)))
+    rois = random_rois(rng, 12, 2, height, width, 0.5).astype(dtype)
+    pooled = POOLED[seed % len(POOLED)]
+    out, argmax = roi_pool_forward(x, rois, pooled, 0.5)
+    ref_out, ref_arg = ref_forward(x, rois, *pooled, 0.5)
+    np.testing.assert_array_equal(argmax, ref_arg)
+    np.testing.assert_array_equal(out, ref_out)
+    np.testing.assert_array_equal(np.signbit(out), np.signbit(ref_out))
+
+
 # --- properties ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
