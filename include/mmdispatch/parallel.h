@@ -41,6 +41,16 @@ static inline int mmd_worth_threads(int64_t items, int64_t work) {
     return items > 1 && work >= 4096;
 }
 
+/* A hint that the 64-byte line at `address` will be read soon; loops that
+ * read a block at scattered places issue it for the next block. */
+static inline void mmd_prefetch(const void *address) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(address);
+#else
+    (void)address;
+#endif
+}
+
 /* A chunk size for `items` even items: about 8 chunks per thread, so that
  * a thread that starts late or runs slow holds up little. */
 static inline int64_t mmd_even_chunk(int64_t items) {
@@ -60,6 +70,23 @@ inline int mmd_parallel_for(int64_t items, int64_t chunk, int parallel, const Ra
     };
     return mmd_parallel_for(items, chunk, parallel, run, &range);
 }
+
+/* Prefetches the `bytes` from `block` one 64-byte line per step(), and the
+ * rest at finish(): a loop that reads one block at scattered places, which
+ * the hardware does not prefetch, steps it through the next block. */
+struct mmd_block_prefetch {
+    const char *block;
+    int64_t line, lines;
+
+    mmd_block_prefetch(const void *start, int64_t bytes)
+        : block((const char *)start), line(0), lines((bytes + 63) / 64) {}
+    void step() {
+        if (line < lines) mmd_prefetch(block + 64 * line++);
+    }
+    void finish() {
+        while (line < lines) mmd_prefetch(block + 64 * line++);
+    }
+};
 #endif
 
 #endif

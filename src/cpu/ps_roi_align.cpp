@@ -134,15 +134,17 @@ template <typename T> struct BinSamples {
     T divisor;
 };
 
-/* Shares out the (image, input channel) planes for each chunk of rois: for
- * plane p = (n, c_in), which is bin (ph, pw) of output channel co
- * (ps_rois.h), f(p, samples) for every roi of the chunk on image n, in
- * order, so a plane stays in cache while the chunk's rois read (or add
- * into) it. */
+/* Shares out the (image, input channel) planes of `map` (input or
+ * grad_input) for each chunk of rois: for plane p = (n, c_in), which is bin
+ * (ph, pw) of output channel co (ps_rois.h), f(p, samples) for every roi of
+ * the chunk on image n, in order, so a plane stays in cache while the
+ * chunk's rois read (or add into) it. They do so at scattered cells, which
+ * the hardware does not prefetch, so each roi's step prefetches a line of
+ * the next plane. */
 template <typename T, typename F>
-int for_planes_and_rois(const Call<T> &call, const F &f) {
+int for_planes_and_rois(const Call<T> &call, const T *map, const F &f) {
     const int64_t planes = call.batch * call.channels, bins = call.pooled_h * call.pooled_w;
-    const int64_t c_out = call.out_channels();
+    const int64_t c_out = call.out_channels(), plane_size = call.height * call.width;
     RoiTable<T> table;
     for (int64_t from = 0; from < call.num_rois; from = table.end) {
         int s = table.build(call, from);
@@ -155,13 +157,17 @@ int for_planes_and_rois(const Call<T> &call, const F &f) {
                 const int64_t n = p / call.channels, c_in = p % call.channels;
                 const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
                               pw = c_in % call.pooled_w;
+                mmd_block_prefetch next(map + (p + 1 < end ? p + 1 : p) * plane_size,
+                                        plane_size * (int64_t)sizeof(T));
                 for (int64_t k = table.begin; k < table.end; ++k) {
                     const Geometry<T> &g = table.geometry[k - table.begin];
                     if (g.batch != n) continue;
+                    next.step();
                     f(p, BinSamples<T>{table.rows_of(k, ph), table.cols_of(k, pw), g.grid_h,
                                        g.grid_w, (k * c_out + co) * bins + ph * call.pooled_w + pw,
                                        table.divisor(k)});
                 }
+                next.finish();
             }
             return (int)MMD_OK;
         });
@@ -175,7 +181,7 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t plane_size = call.height * call.width;
-    return for_planes_and_rois(call, [&](int64_t p, const BinSamples<T> &b) {
+    return for_planes_and_rois(call, input, [&](int64_t p, const BinSamples<T> &b) {
         const T *plane = input + p * plane_size;
         T sum = 0;
         for (int64_t iy = 0; iy < b.grid_h; ++iy)
@@ -194,7 +200,7 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, [&](int64_t p, const BinSamples<T> &b) {
+    return for_planes_and_rois(call, (const T *)grad_input, [&](int64_t p, const BinSamples<T> &b) {
         const T grad = grad_output[b.out] / b.divisor;
         T *plane = grad_input + p * plane_size;
         for (int64_t iy = 0; iy < b.grid_h; ++iy) {

@@ -73,17 +73,22 @@ struct Cells {
     }
 };
 
-/* Shares out the (image, input channel) planes: for plane (n, c_in), which
- * is bin (ph, pw) of output channel co (ps_rois.h), f(plane, out, k, h0, h1,
- * w0, w1) for every roi k on image n, in order, with `out` its output (or
- * grad_output) element and [h0, h1) x [w0, w1) its bin's cells; a plane
- * stays in cache while every roi reads (or adds into) it. */
-template <typename T, typename F> int for_planes_and_rois(const Call<T> &call, const F &f) {
+/* Shares out the (image, input channel) planes of `map` (input or
+ * grad_input): for plane (n, c_in), which is bin (ph, pw) of output
+ * channel co (ps_rois.h), f(p, out, h0, h1, w0, w1) for every roi k on
+ * image n, in order, with `out` its output (or grad_output) element and
+ * [h0, h1) x [w0, w1) its bin's cells; a plane stays in cache while every
+ * roi reads (or adds into) it. The rois read a plane at scattered cells,
+ * which the hardware does not prefetch, so each roi's step prefetches one
+ * line of the next plane (the rest after the last roi). */
+template <typename T, typename F>
+int for_planes_and_rois(const Call<T> &call, const T *map, const F &f) {
     Cells cells;
     int s = cells.build(call);
     if (s) return s;
     const int64_t planes = call.batch * call.channels, bins = call.pooled_h * call.pooled_w;
-    const int64_t c_out = call.out_channels();
+    const int64_t c_out = call.out_channels(), plane_size = call.height * call.width;
+    const int64_t plane_bytes = plane_size * (int64_t)sizeof(T);
     return mmd_parallel_for(planes, mmd_even_chunk(planes),
                             mmd_worth_threads(planes, planes * call.num_rois * 4),
                             [&](int64_t begin, int64_t end) {
@@ -91,12 +96,15 @@ template <typename T, typename F> int for_planes_and_rois(const Call<T> &call, c
             const int64_t n = p / call.channels, c_in = p % call.channels;
             const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
                           pw = c_in % call.pooled_w;
+            mmd_block_prefetch next(map + (p + 1 < end ? p + 1 : p) * plane_size, plane_bytes);
             for (int64_t k = 0; k < call.num_rois; ++k) {
                 if (cells.batch[k] != n) continue;
+                next.step();
                 f(p, (k * c_out + co) * bins + ph * call.pooled_w + pw,
                   cells.row_lo[k * call.pooled_h + ph], cells.row_hi[k * call.pooled_h + ph],
                   cells.col_lo[k * call.pooled_w + pw], cells.col_hi[k * call.pooled_w + pw]);
             }
+            next.finish();
         }
         return (int)MMD_OK;
     });
@@ -107,8 +115,8 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, [&](int64_t p, int64_t out, int64_t h0, int64_t h1,
-                                         int64_t w0, int64_t w1) {
+    return for_planes_and_rois(call, input, [&](int64_t p, int64_t out, int64_t h0,
+                                                int64_t h1, int64_t w0, int64_t w1) {
         const T *plane = input + p * plane_size;
         T sum = 0;
         for (int64_t h = h0; h < h1; ++h)
@@ -126,8 +134,9 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, [&](int64_t p, int64_t out, int64_t h0, int64_t h1,
-                                         int64_t w0, int64_t w1) {
+    return for_planes_and_rois(call, (const T *)grad_input, [&](int64_t p, int64_t out,
+                                                                 int64_t h0, int64_t h1,
+                                                                 int64_t w0, int64_t w1) {
         if (h1 <= h0 || w1 <= w0) return;
         const T grad = grad_output[out] / (T)((h1 - h0) * (w1 - w0));
         T *plane = grad_input + p * plane_size;
