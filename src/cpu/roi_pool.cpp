@@ -58,8 +58,8 @@ inline int64_t best_column(const float *col_max, const int32_t *col_row, int64_t
     int64_t best_w = -1;
     for (int64_t w = w0; w < w1; ++w) {
         uint32_t bits;
-        const float v = col_max[w] + 0.0f;
-        memcpy(&bits, &v, sizeof bits);
+        memcpy(&bits, &col_max[w], sizeof bits);
+        bits = (bits << 1) == 0 ? 0 : bits;   /* -0 as +0, in any rounding mode */
         bits ^= (uint32_t)((int32_t)bits >> 31) | 0x80000000u;
         const uint64_t key = (uint64_t)bits << 32 | (uint32_t)~col_row[w];
         const bool take = key > best;
@@ -164,8 +164,10 @@ template <typename T, typename Row>
 int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t num_rois,
                 int64_t batch, int64_t channels, int64_t height, int64_t width, T spatial_scale,
                 int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax) {
-    T *col_max = (T *)malloc(sizeof(T) * (size_t)width);
-    Row *col_row = (Row *)malloc(sizeof(Row) * (size_t)width);
+    /* at least one entry: malloc(0) may return NULL */
+    const size_t entries = (size_t)(width > 0 ? width : 1);
+    T *col_max = (T *)malloc(sizeof(T) * entries);
+    Row *col_row = (Row *)malloc(sizeof(Row) * entries);
     if (!col_max || !col_row) {
         free(col_max);
         free(col_row);

@@ -402,6 +402,17 @@ def test_huge_float32_rois_are_clipped_without_overflow():
     assert out[1, 0, 0, 0] == 15.0 and argmax[1, 1, 0, 0] == 15
 
 
+def test_float32_map_wider_than_two_to_the_24_clips_bins_to_its_last_column():
+    """float32 cannot hold 2**24 + 3: the map width rounds up to 2**24 + 4 in
+    the bin clipping, which must still end the bin at the last column."""
+    width = 2 ** 24 + 3
+    x = np.zeros((1, 1, 1, width), np.float32)
+    x[0, 0, 0, -1] = 5.0
+    rois = np.array([[0, width - 40, 0, width + 100, 0]], np.float32)
+    out, argmax = roi_pool_forward(x, rois, 1)
+    assert out[0, 0, 0, 0] == 5.0 and argmax[0, 0, 0, 0] == width - 1
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_roi_pool_fast_path_equals_the_general_path(dtype, rng):
     """roi_pool skips the conversions for plain float numpy arrays; the result

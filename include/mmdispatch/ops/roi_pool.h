@@ -101,7 +101,8 @@ MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size,
 }
 
 /* Cells [*lo, *hi) of bin `index` along an axis of `size` cells; clipped in
- * floating point first, so huge rois cannot overflow the integer cast. */
+ * floating point first, so huge rois cannot overflow the integer cast, and
+ * again after it: (T)size rounds up for float sizes above 2^24. */
 template <typename T>
 MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T bin, int64_t index, int64_t size,
                                          int64_t *lo, int64_t *hi) {
@@ -110,8 +111,8 @@ MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T bin, int64_t index, int64_t 
     const T top = (T)size;
     a = a < 0 ? (T)0 : (a > top ? top : a);
     b = b < 0 ? (T)0 : (b > top ? top : b);
-    *lo = (int64_t)a;
-    *hi = (int64_t)b;
+    *lo = (int64_t)a < size ? (int64_t)a : size;
+    *hi = (int64_t)b < size ? (int64_t)b : size;
 }
 
 #endif
