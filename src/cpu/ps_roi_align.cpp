@@ -200,7 +200,7 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, (const T *)grad_input, [&](int64_t p, const BinSamples<T> &b) {
+    return for_planes_and_rois(call, grad_input, [&](int64_t p, const BinSamples<T> &b) {
         const T grad = grad_output[b.out] / b.divisor;
         T *plane = grad_input + p * plane_size;
         for (int64_t iy = 0; iy < b.grid_h; ++iy) {

@@ -134,9 +134,8 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, (const T *)grad_input, [&](int64_t p, int64_t out,
-                                                                 int64_t h0, int64_t h1,
-                                                                 int64_t w0, int64_t w1) {
+    return for_planes_and_rois(call, grad_input, [&](int64_t p, int64_t out, int64_t h0,
+                                                     int64_t h1, int64_t w0, int64_t w1) {
         if (h1 <= h0 || w1 <= w0) return;
         const T grad = grad_output[out] / (T)((h1 - h0) * (w1 - w0));
         T *plane = grad_input + p * plane_size;

@@ -3,7 +3,6 @@
  * backward gives each worker whole channels and visits rois in order, so it
  * is race-free and deterministic. */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include <limits>
@@ -12,6 +11,7 @@
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "heap_array.h"
 
 namespace {
 
@@ -164,26 +164,19 @@ template <typename T, typename Row>
 int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t num_rois,
                 int64_t batch, int64_t channels, int64_t height, int64_t width, T spatial_scale,
                 int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax) {
-    /* at least one entry: malloc(0) may return NULL */
-    const size_t entries = (size_t)(width > 0 ? width : 1);
-    T *col_max = (T *)malloc(sizeof(T) * entries);
-    Row *col_row = (Row *)malloc(sizeof(Row) * entries);
-    if (!col_max || !col_row) {
-        free(col_max);
-        free(col_row);
+    const HeapArray<T> col_max(width);
+    const HeapArray<Row> col_row(width);
+    if (!col_max || !col_row)
         return mmd_error(MMD_ERR_MEMORY, "out of memory for a row of %lld cells",
                          (long long)width);
-    }
     const int64_t bins = pooled_h * pooled_w;
     for (int64_t i = begin; i < end; ++i) {
         const int64_t c = i / num_rois, k = i % num_rois, p = k * channels + c;
         mmd_pool_geometry<T> g{};
         mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
         pool_plane(in + (g.batch * channels + c) * height * width, height, width, g, pooled_h,
-                   pooled_w, out + p * bins, argmax + p * bins, col_max, col_row);
+                   pooled_w, out + p * bins, argmax + p * bins, col_max.get(), col_row.get());
     }
-    free(col_max);
-    free(col_row);
     return MMD_OK;
 }
 
