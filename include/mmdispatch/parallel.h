@@ -51,6 +51,18 @@ static inline void mmd_prefetch(const void *address) {
 #endif
 }
 
+/* In the body of a loop over `index`, keeps the compiler from vectorising
+ * it (the index becomes opaque to it): for loops of a few iterations,
+ * whose vector prologue and epilogue cost more than they save, and for
+ * read-modify-write loops whose next run loads, as a vector, cells that
+ * the last run stored one at a time, a load the CPU cannot take from its
+ * store buffer. GCC and clang; elsewhere nothing. */
+#if defined(__GNUC__) || defined(__clang__)
+#define MMD_SCALAR_LOOP(index) __asm__("" : "+r"(index))
+#else
+#define MMD_SCALAR_LOOP(index) ((void)0)
+#endif
+
 /* A chunk size for `items` even items: about 8 chunks per thread, so that
  * a thread that starts late or runs slow holds up little. */
 static inline int64_t mmd_even_chunk(int64_t items) {
@@ -73,18 +85,22 @@ inline int mmd_parallel_for(int64_t items, int64_t chunk, int parallel, const Ra
 
 /* Prefetches the `bytes` from `block` one 64-byte line per step(), and the
  * rest at finish(): a loop that reads one block at scattered places, which
- * the hardware does not prefetch, steps it through the next block. */
+ * the hardware does not prefetch, steps it through the next block. With
+ * `blocks` blocks `stride` bytes apart, a step takes the same line of each. */
 struct mmd_block_prefetch {
     const char *block;
-    int64_t line, lines;
+    int64_t line, lines, blocks, stride;
 
-    mmd_block_prefetch(const void *start, int64_t bytes)
-        : block((const char *)start), line(0), lines((bytes + 63) / 64) {}
+    mmd_block_prefetch(const void *start, int64_t bytes, int64_t count = 1, int64_t step_bytes = 0)
+        : block((const char *)start), line(0), lines((bytes + 63) / 64), blocks(count),
+          stride(step_bytes) {}
     void step() {
-        if (line < lines) mmd_prefetch(block + 64 * line++);
+        if (line >= lines) return;
+        for (int64_t b = 0; b < blocks; ++b) mmd_prefetch(block + b * stride + 64 * line);
+        ++line;
     }
     void finish() {
-        while (line < lines) mmd_prefetch(block + 64 * line++);
+        while (line < lines) step();
     }
 };
 #endif

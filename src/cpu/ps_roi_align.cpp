@@ -1,16 +1,15 @@
 /* ps_roi_align on CPU. Each roi's interpolation weights (per sample row
  * and column) go in a table, a chunk of rois at a time; then forward and
- * backward share out the (image, input channel) planes: plane c_in is read
- * (or added into) only by bin (ph, pw) of output channel c_out (the three
- * that name it, ps_rois.h) of each roi, so a plane stays in cache while
- * every roi uses it, and backward's sums, the rois in order, are race-free
- * and deterministic. */
+ * backward share out the planes of the feature map by image, bin and a run
+ * of output channels (ps_plane_groups.h): planes stay in cache while every
+ * roi uses them, each bin's samples serve several planes, and backward's
+ * sums, the rois in order, are race-free and deterministic. */
 #include <stdlib.h>
 
 #include "mmdispatch/ops/ps_roi_align.h"
-#include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "ps_plane_groups.h"
 
 namespace {
 
@@ -125,51 +124,42 @@ template <typename T> struct RoiTable {
     }
 };
 
-/* One roi's samples for one plane: its sample rows and columns of the
- * plane's bin, the bin's sample count (at least 1), and the element of
- * output (or grad_output) the bin is. */
+/* One roi's samples in an item's planes: its sample rows and columns of
+ * the item's bin, the bin's sample count (at least 1), and the element of
+ * output (or grad_output) the bin is in the item's first plane; the next
+ * planes' are `bins` apart. */
 template <typename T> struct BinSamples {
     const Axis<T> *rows, *cols;
     int64_t grid_h, grid_w, out;
     T divisor;
 };
 
-/* Shares out the (image, input channel) planes of `map` (input or
- * grad_input) for each chunk of rois: for plane p = (n, c_in), which is bin
- * (ph, pw) of output channel co (ps_rois.h), f(p, samples) for every roi of
- * the chunk on image n, in order, so a plane stays in cache while the
- * chunk's rois read (or add into) it. They do so at scattered cells, which
- * the hardware does not prefetch, so each roi's step prefetches a line of
- * the next plane. */
+/* For each chunk of rois (RoiTable) and every item (ps_plane_groups.h):
+ * f(size, planes, samples) for each roi of the chunk on the item's image,
+ * in order, with `planes` the offset of the item's first plane in the map
+ * (the next are bins * plane_size apart). */
 template <typename T, typename F>
-int for_planes_and_rois(const Call<T> &call, const T *map, const F &f) {
-    const int64_t planes = call.batch * call.channels, bins = call.pooled_h * call.pooled_w;
-    const int64_t c_out = call.out_channels(), plane_size = call.height * call.width;
+int for_items_and_rois(const Call<T> &call, const T *map, const F &f) {
+    const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
+    const int64_t plane_size = call.height * call.width;
+    const PsPlaneGroups groups(call.batch, call.channels, bins);
     RoiTable<T> table;
     for (int64_t from = 0; from < call.num_rois; from = table.end) {
         int s = table.build(call, from);
         if (s) return s;
-        const int64_t rois = table.end - table.begin;
-        s = mmd_parallel_for(planes, mmd_even_chunk(planes),
-                             mmd_worth_threads(planes, planes * rois * 4),
-                             [&](int64_t begin, int64_t end) {
-            for (int64_t p = begin; p < end; ++p) {
-                const int64_t n = p / call.channels, c_in = p % call.channels;
-                const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
-                              pw = c_in % call.pooled_w;
-                mmd_block_prefetch next(map + (p + 1 < end ? p + 1 : p) * plane_size,
-                                        plane_size * (int64_t)sizeof(T));
-                for (int64_t k = table.begin; k < table.end; ++k) {
-                    const Geometry<T> &g = table.geometry[k - table.begin];
-                    if (g.batch != n) continue;
-                    next.step();
-                    f(p, BinSamples<T>{table.rows_of(k, ph), table.cols_of(k, pw), g.grid_h,
-                                       g.grid_w, (k * c_out + co) * bins + ph * call.pooled_w + pw,
-                                       table.divisor(k)});
-                }
-                next.finish();
+        const int64_t work = call.batch * call.channels * (table.end - table.begin) * 4;
+        s = ps_for_plane_groups(groups, map, plane_size, work,
+                                [&](auto size, const PsItem &it, mmd_block_prefetch &next) {
+            const int64_t ph = it.b / call.pooled_w, pw = it.b % call.pooled_w;
+            const int64_t planes = groups.first_plane(it) * plane_size;
+            for (int64_t k = table.begin; k < table.end; ++k) {
+                const Geometry<T> &g = table.geometry[k - table.begin];
+                if (g.batch != it.n) continue;
+                next.step();
+                f(size, planes,
+                  BinSamples<T>{table.rows_of(k, ph), table.cols_of(k, pw), g.grid_h, g.grid_w,
+                                (k * c_out + it.co) * bins + it.b, table.divisor(k)});
             }
-            return (int)MMD_OK;
         });
         if (s) return s;
     }
@@ -180,16 +170,23 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
-    const int64_t plane_size = call.height * call.width;
-    return for_planes_and_rois(call, input, [&](int64_t p, const BinSamples<T> &b) {
-        const T *plane = input + p * plane_size;
-        T sum = 0;
-        for (int64_t iy = 0; iy < b.grid_h; ++iy)
-            for (int64_t ix = 0; ix < b.grid_w; ++ix)
+    const int64_t stride = bins * call.height * call.width;
+    return for_items_and_rois(call, input,
+                              [&](auto size, int64_t planes, const BinSamples<T> &b) {
+        constexpr int G = decltype(size)::value;
+        T sum[G] = {};
+        for (int64_t iy = 0; iy < b.grid_h; ++iy) {
+            const Axis<T> ay = b.rows[iy];
+            for (int64_t ix = 0; ix < b.grid_w; ++ix) {
+                const Axis<T> ax = b.cols[ix];
                 /* a sample outside the map adds 0 (its weights) */
-                if (b.rows[iy].valid && b.cols[ix].valid)
-                    sum += mmd_ps_roi_align_bilinear(plane, call.width, b.rows[iy], b.cols[ix]);
-        output[b.out] = sum / b.divisor;
+                if (!(ay.valid && ax.valid)) continue;
+                for (int g = 0; g < G; ++g)
+                    sum[g] += mmd_ps_roi_align_bilinear(input + planes + g * stride, call.width,
+                                                        ay, ax);
+            }
+        }
+        for (int g = 0; g < G; ++g) output[b.out + g * bins] = sum[g] / b.divisor;
     });
 }
 
@@ -199,20 +196,27 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
-    const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, grad_input, [&](int64_t p, const BinSamples<T> &b) {
-        const T grad = grad_output[b.out] / b.divisor;
-        T *plane = grad_input + p * plane_size;
+    const int64_t stride = bins * call.height * call.width, width = call.width;
+    return for_items_and_rois(call, (const T *)grad_input,
+                              [&](auto size, int64_t planes, const BinSamples<T> &b) {
+        constexpr int G = decltype(size)::value;
+        T grad[G];
+        for (int g = 0; g < G; ++g) grad[g] = grad_output[b.out + g * bins] / b.divisor;
         for (int64_t iy = 0; iy < b.grid_h; ++iy) {
-            const Axis<T> &ay = b.rows[iy];
+            const Axis<T> ay = b.rows[iy];   /* copies: the stores below may not change them */
             if (!ay.valid) continue;
             for (int64_t ix = 0; ix < b.grid_w; ++ix) {
-                const Axis<T> &ax = b.cols[ix];
+                const Axis<T> ax = b.cols[ix];
                 if (!ax.valid) continue;
-                plane[ay.low * width + ax.low] += grad * ay.w_low * ax.w_low;
-                plane[ay.low * width + ax.high] += grad * ay.w_low * ax.w_high;
-                plane[ay.high * width + ax.low] += grad * ay.w_high * ax.w_low;
-                plane[ay.high * width + ax.high] += grad * ay.w_high * ax.w_high;
+                const int64_t ll = ay.low * width + ax.low, lh = ay.low * width + ax.high;
+                const int64_t hl = ay.high * width + ax.low, hh = ay.high * width + ax.high;
+                for (int g = 0; g < G; ++g) {
+                    T *plane = grad_input + planes + g * stride;
+                    plane[ll] += grad[g] * ay.w_low * ax.w_low;
+                    plane[lh] += grad[g] * ay.w_low * ax.w_high;
+                    plane[hl] += grad[g] * ay.w_high * ax.w_low;
+                    plane[hh] += grad[g] * ay.w_high * ax.w_high;
+                }
             }
         }
     });

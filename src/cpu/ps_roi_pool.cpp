@@ -1,14 +1,12 @@
-/* ps_roi_pool on CPU. Forward and backward share out the (image, input
- * channel) planes: plane c_in is read (or added into) only by bin (ph, pw)
- * of output channel c_out (the three that name it, ps_rois.h) of each roi,
- * so a plane stays in cache while every roi uses it, and backward's sums,
- * the rois in order, are race-free and deterministic. */
-#include <stdlib.h>
-
+/* ps_roi_pool on CPU. Forward and backward share out the planes of the
+ * feature map by image, bin and a run of output channels (ps_plane_groups.h):
+ * planes stay in cache while every roi uses them, each bin's loop serves
+ * several planes, and backward's sums, the rois in order, are race-free
+ * and deterministic. */
 #include "mmdispatch/ops/ps_roi_pool.h"
-#include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "ps_plane_groups.h"
 
 namespace {
 
@@ -34,79 +32,75 @@ Call<T> make_call(const mmd_tensor *map, const mmd_tensor *rois, int64_t pooled_
                    map->shape[2], map->shape[3], pooled_h, pooled_w, (T)spatial_scale};
 }
 
-/* Every roi's image and the cells of each of its bin rows and columns:
- * rows [row_lo, row_hi)[k * pooled_h + ph], columns likewise, computed once
- * per call. */
+/* The rois by image (RoisByImage) and the cells of each one's bin rows and
+ * columns, computed once per call: the j-th roi of that order has rows
+ * [row_lo, row_hi)[ph * K + j] in bin row ph, columns likewise, so an item
+ * (one bin row and column) reads them in sequence. */
 struct Cells {
-    int64_t *batch = nullptr, *row_lo = nullptr, *row_hi = nullptr, *col_lo = nullptr,
-            *col_hi = nullptr;
+    RoisByImage by_image;
+    HeapArray<int64_t> row_lo, row_hi, col_lo, col_hi;
 
-    Cells() = default;
-    Cells(const Cells &) = delete;
-    Cells &operator=(const Cells &) = delete;
-    ~Cells() { free(batch), free(row_lo), free(row_hi), free(col_lo), free(col_hi); }
+    template <typename T>
+    explicit Cells(const Call<T> &call)
+        : by_image(call.num_rois, call.batch), row_lo(call.num_rois * call.pooled_h),
+          row_hi(call.num_rois * call.pooled_h), col_lo(call.num_rois * call.pooled_w),
+          col_hi(call.num_rois * call.pooled_w) {}
 
     template <typename T> int build(const Call<T> &call) {
-        const size_t k = (size_t)call.num_rois + 1;
-        batch = (int64_t *)malloc(sizeof(int64_t) * k);
-        row_lo = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_h);
-        row_hi = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_h);
-        col_lo = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_w);
-        col_hi = (int64_t *)malloc(sizeof(int64_t) * k * call.pooled_w);
-        if (!batch || !row_lo || !row_hi || !col_lo || !col_hi)
+        if (!row_lo || !row_hi || !col_lo || !col_hi)
             return mmd_error(MMD_ERR_MEMORY, "out of memory for the bins of %lld rois",
                              (long long)call.num_rois);
-        for (int64_t r = 0; r < call.num_rois; ++r) {
+        int s = by_image.build(call.num_rois, call.batch, [&](int64_t k) {
+            return (int64_t)call.rois[5 * k];   /* checked by mmd_ps_check_rois */
+        });
+        if (s) return s;
+        const int64_t K = call.num_rois;
+        for (int64_t j = 0; j < K; ++j) {
             Geometry<T> g{};
-            call.geometry(r, &g);
-            batch[r] = g.batch;
+            call.geometry(by_image.order[j], &g);
             for (int64_t ph = 0; ph < call.pooled_h; ++ph)
-                mmd_ps_roi_pool_bin(g.start_h, g.bin_h, ph, call.height,
-                                    &row_lo[r * call.pooled_h + ph],
-                                    &row_hi[r * call.pooled_h + ph]);
+                mmd_ps_roi_pool_bin(g.start_h, g.bin_h, ph, call.height, &row_lo[ph * K + j],
+                                    &row_hi[ph * K + j]);
             for (int64_t pw = 0; pw < call.pooled_w; ++pw)
-                mmd_ps_roi_pool_bin(g.start_w, g.bin_w, pw, call.width,
-                                    &col_lo[r * call.pooled_w + pw],
-                                    &col_hi[r * call.pooled_w + pw]);
+                mmd_ps_roi_pool_bin(g.start_w, g.bin_w, pw, call.width, &col_lo[pw * K + j],
+                                    &col_hi[pw * K + j]);
         }
         return MMD_OK;
     }
 };
 
-/* Shares out the (image, input channel) planes of `map` (input or
- * grad_input): for plane (n, c_in), which is bin (ph, pw) of output
- * channel co (ps_rois.h), f(p, out, h0, h1, w0, w1) for every roi k on
- * image n, in order, with `out` its output (or grad_output) element and
- * [h0, h1) x [w0, w1) its bin's cells; a plane stays in cache while every
- * roi reads (or adds into) it. The rois read a plane at scattered cells,
- * which the hardware does not prefetch, so each roi's step prefetches one
- * line of the next plane (the rest after the last roi). */
-template <typename T, typename F>
-int for_planes_and_rois(const Call<T> &call, const T *map, const F &f) {
-    Cells cells;
+/* One roi's bin in an item's planes: cells [h0, h1) x [w0, w1), and `out`,
+ * the output (or grad_output) element of the item's first plane; the next
+ * planes' are `bins` apart. */
+struct Bin {
+    int64_t out, h0, h1, w0, w1;
+    bool empty() const { return h1 <= h0 || w1 <= w0; }
+    int64_t area() const { return (h1 - h0) * (w1 - w0); }
+};
+
+/* For every item (ps_plane_groups.h): f(size, planes, bin) for each roi on
+ * the item's image, in order, with `planes` the offset of the item's first
+ * plane in the map (the next are bins * plane_size apart). */
+template <typename T, typename F> int for_items_and_rois(const Call<T> &call, const T *map,
+                                                         const F &f) {
+    Cells cells(call);
     int s = cells.build(call);
     if (s) return s;
-    const int64_t planes = call.batch * call.channels, bins = call.pooled_h * call.pooled_w;
-    const int64_t c_out = call.out_channels(), plane_size = call.height * call.width;
-    const int64_t plane_bytes = plane_size * (int64_t)sizeof(T);
-    return mmd_parallel_for(planes, mmd_even_chunk(planes),
-                            mmd_worth_threads(planes, planes * call.num_rois * 4),
-                            [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t n = p / call.channels, c_in = p % call.channels;
-            const int64_t co = c_in / bins, ph = (c_in % bins) / call.pooled_w,
-                          pw = c_in % call.pooled_w;
-            mmd_block_prefetch next(map + (p + 1 < end ? p + 1 : p) * plane_size, plane_bytes);
-            for (int64_t k = 0; k < call.num_rois; ++k) {
-                if (cells.batch[k] != n) continue;
-                next.step();
-                f(p, (k * c_out + co) * bins + ph * call.pooled_w + pw,
-                  cells.row_lo[k * call.pooled_h + ph], cells.row_hi[k * call.pooled_h + ph],
-                  cells.col_lo[k * call.pooled_w + pw], cells.col_hi[k * call.pooled_w + pw]);
-            }
-            next.finish();
+    const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
+    const int64_t plane_size = call.height * call.width, K = call.num_rois;
+    const PsPlaneGroups groups(call.batch, call.channels, bins);
+    return ps_for_plane_groups(groups, map, plane_size, call.batch * call.channels * K * 4,
+                               [&](auto size, const PsItem &it, mmd_block_prefetch &next) {
+        const int64_t ph = it.b / call.pooled_w, pw = it.b % call.pooled_w;
+        const int64_t planes = groups.first_plane(it) * plane_size;
+        const int64_t *row_lo = &cells.row_lo[ph * K], *row_hi = &cells.row_hi[ph * K];
+        const int64_t *col_lo = &cells.col_lo[pw * K], *col_hi = &cells.col_hi[pw * K];
+        for (int64_t j = cells.by_image.start[it.n]; j < cells.by_image.start[it.n + 1]; ++j) {
+            next.step();
+            const int64_t k = cells.by_image.order[j];
+            f(size, planes,
+              Bin{(k * c_out + it.co) * bins + it.b, row_lo[j], row_hi[j], col_lo[j], col_hi[j]});
         }
-        return (int)MMD_OK;
     });
 }
 
@@ -114,15 +108,18 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
-    const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, input, [&](int64_t p, int64_t out, int64_t h0,
-                                                int64_t h1, int64_t w0, int64_t w1) {
-        const T *plane = input + p * plane_size;
-        T sum = 0;
-        for (int64_t h = h0; h < h1; ++h)
-            for (int64_t w = w0; w < w1; ++w) sum += plane[h * width + w];
-        const bool empty = h1 <= h0 || w1 <= w0;
-        output[out] = empty ? (T)0 : sum / (T)((h1 - h0) * (w1 - w0));
+    const int64_t stride = bins * call.height * call.width, width = call.width;
+    return for_items_and_rois(call, input, [&](auto size, int64_t planes, const Bin &bin) {
+        constexpr int G = decltype(size)::value;
+        T sum[G] = {};
+        for (int64_t h = bin.h0; h < bin.h1; ++h)
+            for (int64_t w = bin.w0; w < bin.w1; ++w) {
+                MMD_SCALAR_LOOP(w);
+                const T *cell = input + planes + h * width + w;
+                for (int g = 0; g < G; ++g) sum[g] += cell[g * stride];
+            }
+        const T area = (T)(bin.empty() ? 1 : bin.area());
+        for (int g = 0; g < G; ++g) output[bin.out + g * bins] = bin.empty() ? (T)0 : sum[g] / area;
     });
 }
 
@@ -133,14 +130,19 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     int s = mmd_ps_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
-    const int64_t plane_size = call.height * call.width, width = call.width;
-    return for_planes_and_rois(call, grad_input, [&](int64_t p, int64_t out, int64_t h0,
-                                                     int64_t h1, int64_t w0, int64_t w1) {
-        if (h1 <= h0 || w1 <= w0) return;
-        const T grad = grad_output[out] / (T)((h1 - h0) * (w1 - w0));
-        T *plane = grad_input + p * plane_size;
-        for (int64_t h = h0; h < h1; ++h)
-            for (int64_t w = w0; w < w1; ++w) plane[h * width + w] += grad;
+    const int64_t stride = bins * call.height * call.width, width = call.width;
+    return for_items_and_rois(call, (const T *)grad_input,
+                              [&](auto size, int64_t planes, const Bin &bin) {
+        constexpr int G = decltype(size)::value;
+        if (bin.empty()) return;
+        T grad[G];
+        for (int g = 0; g < G; ++g) grad[g] = grad_output[bin.out + g * bins] / (T)bin.area();
+        for (int64_t h = bin.h0; h < bin.h1; ++h)
+            for (int64_t w = bin.w0; w < bin.w1; ++w) {
+                MMD_SCALAR_LOOP(w);
+                T *cell = grad_input + planes + h * width + w;
+                for (int g = 0; g < G; ++g) cell[g * stride] += grad[g];
+            }
     });
 }
 
