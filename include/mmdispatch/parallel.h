@@ -51,6 +51,13 @@ static inline void mmd_prefetch(const void *address) {
 #endif
 }
 
+/* Prefetches every 64-byte line of [start, start + bytes). */
+static inline void mmd_prefetch_bytes(const void *start, int64_t bytes) {
+    const uintptr_t first = (uintptr_t)start & ~(uintptr_t)63;
+    for (uintptr_t line = first; line < (uintptr_t)start + (uintptr_t)bytes; line += 64)
+        mmd_prefetch((const void *)line);
+}
+
 /* In the body of a loop over `index`, keeps the compiler from vectorising
  * it (the index becomes opaque to it): for loops of a few iterations,
  * whose vector prologue and epilogue cost more than they save, and for
