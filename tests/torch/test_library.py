@@ -74,6 +74,33 @@ def test_outputs_come_from_torch_and_only_strided_inputs_are_copied():
     assert sorted(log.calls) == sorted(["aten.clone"] + ["aten.empty"] * 3)
 
 
+def test_large_cpu_outputs_are_advised_into_2mb_pages_and_keep_their_values(monkeypatch):
+    """An output of 4 MB or more has the 2 MB-aligned pages inside it
+    advised (MADV_HUGEPAGE) before its first write, as numpy does for its
+    arrays; smaller ones are left alone; values are unchanged."""
+    from mmdispatch.torch import _library
+    if _library._MADV_HUGEPAGE is None or _library._madvise() is None:
+        pytest.skip("no madvise(MADV_HUGEPAGE) on this platform")
+    advised = []
+
+    def record(start, length, advice):
+        advised.append((start, length, advice))
+        return 0
+    monkeypatch.setattr(_library, "_madvise", lambda: record)
+    x = torch.randn(1, 2, 768, 1024)   # 6 MB: grad_input is large
+    rois = torch.tensor([[0, 3.0, 5.0, 700.0, 600.0], [0, 0.0, 0.0, 40.0, 30.0]])
+    grad_out = torch.ones(2, 2, 3, 3)
+    out, argmax = OPS.roi_pool_forward(x, rois, 3, 3, 1.0)   # 72-byte outputs
+    assert advised == []
+    grad = OPS.roi_pool_backward(grad_out, rois, argmax, list(x.shape), x.dtype, 3, 3, 1.0)
+    [(start, length, advice)] = advised
+    assert advice == _library._MADV_HUGEPAGE and start % (1 << 21) == 0 and length % (1 << 21) == 0
+    assert grad.data_ptr() <= start and start + length <= grad.data_ptr() + grad.numel() * 4
+    expected = mmdispatch.ops.roi_pool_backward(grad_out.numpy(), rois.numpy(), argmax.numpy(),
+                                                tuple(x.shape), 1.0)
+    assert torch.equal(grad, torch.from_numpy(expected))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cpu_computes_16_bit_floats_in_float32(dtype):
     args = list(roi_args(dtype=dtype))
