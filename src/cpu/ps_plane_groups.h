@@ -9,7 +9,8 @@
  * shared by the planes, and each plane's sum is an independent chain the
  * CPU overlaps with the others. Each plane still gets its rois in order
  * and each bin its cells in order, so results are those of one plane at a
- * time, bit for bit. */
+ * time, bit for bit, except which NaN a NaN result is (x86 keeps the first
+ * operand's NaN of an add, and a vectorised loop may swap the operands). */
 #ifndef MMDISPATCH_CPU_PS_PLANE_GROUPS_H
 #define MMDISPATCH_CPU_PS_PLANE_GROUPS_H
 
@@ -36,9 +37,17 @@ struct PsItem {
 struct PsPlaneGroups {
     int64_t batch, channels, bins, c_out, runs;
 
+    /* Runs of at most kPsGroup output channels, or shorter ones where the
+     * call has too few images and bins to give each thread 4 items. */
     PsPlaneGroups(int64_t batch_, int64_t channels_, int64_t bins_)
         : batch(batch_), channels(channels_), bins(bins_), c_out(channels_ / bins_),
-          runs((channels_ / bins_ + kPsGroup - 1) / kPsGroup) {}
+          runs((channels_ / bins_ + kPsGroup - 1) / kPsGroup) {
+        const int64_t wanted = 4 * (int64_t)mmd_max_threads(), per_run = batch * bins;
+        if (per_run > 0 && runs * per_run < wanted) {
+            const int64_t more = (wanted + per_run - 1) / per_run;
+            runs = more < c_out ? more : c_out;
+        }
+    }
 
     int64_t items() const { return batch * bins * runs; }
     /* Runs of output channels as even as kPsGroup allows (10 = 5 + 5). */
@@ -76,14 +85,14 @@ struct RoisByImage {
     template <typename BatchOf>
     int build(int64_t num_rois, int64_t batch, const BatchOf &batch_of) {
         if (!order || !start)
-            return mmd_error(MMD_ERR_MEMORY, "out of memory for the order of %lld rois",
+            return mmd_error(MMD_ERR_MEMORY, "out of memory to order %lld rois by image",
                              (long long)num_rois);
         for (int64_t n = 0; n <= batch; ++n) start[n] = 0;
         for (int64_t k = 0; k < num_rois; ++k) ++start[batch_of(k) + 1];
         for (int64_t n = 0; n < batch; ++n) start[n + 1] += start[n];
         HeapArray<int64_t> next(batch);
         if (!next)
-            return mmd_error(MMD_ERR_MEMORY, "out of memory for the order of %lld rois",
+            return mmd_error(MMD_ERR_MEMORY, "out of memory to order %lld rois by image",
                              (long long)num_rois);
         for (int64_t n = 0; n < batch; ++n) next[n] = start[n];
         for (int64_t k = 0; k < num_rois; ++k) order[next[batch_of(k)]++] = k;
