@@ -103,10 +103,12 @@ template <typename T> struct Vec {
     }
 };
 
-/* grad's dot products with the four corners' D values: two vectors of
- * partial sums per corner (lane j of the first and of the second take the
- * k = j and k = lanes + j mod 2 * lanes), added together, then the rest of
- * D and the lanes in order; a fixed order, so the sums are deterministic. */
+/* grad's dot products with the four corners' D values. Per corner, two
+ * vectors of partial sums over the first D rounded down to 2 * lanes: lane
+ * j of the first takes every k with k mod 2 * lanes = j, lane j of the
+ * second every k with k mod 2 * lanes = lanes + j. The two are added, and
+ * the dot product is the rest of D (in order) plus the lanes in order: a
+ * fixed order, so the sums are deterministic. */
 template <typename T>
 inline void corner_dots(const T *grad, const T *const cells[4], int64_t dims, T dots[4]) {
     typedef typename Vec<T>::type V;
