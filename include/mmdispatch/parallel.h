@@ -70,6 +70,28 @@ static inline void mmd_prefetch_bytes(const void *start, int64_t bytes) {
 #define MMD_SCALAR_LOOP(index) ((void)0)
 #endif
 
+/* Before a hot kernel function: it is compiled for AVX2, for SSE4.2 and
+ * for baseline x86-64 (SSE2), and the first of these the CPU has is chosen
+ * when the library loads (target_clones, an ifunc: GCC 8+ or clang 14+,
+ * glibc, x86-64). The versions run the same source; the newer sets do its
+ * selects and blends in fewer instructions (SSE2 has no blend and only
+ * two-operand forms). None of them enables FMA, so results are the same
+ * bits. What the function calls is compiled into each version only where
+ * it is inlined: declare its helpers MMD_INLINE. Elsewhere nothing. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define MMD_X86_CLONES __attribute__((target_clones("avx2", "sse4.2", "default")))
+#endif
+#endif
+#ifndef MMD_X86_CLONES
+#define MMD_X86_CLONES
+#endif
+#if defined(__GNUC__) || defined(__clang__)
+#define MMD_INLINE inline __attribute__((always_inline))
+#else
+#define MMD_INLINE inline
+#endif
+
 /* A chunk size for `items` even items: about 8 chunks per thread, so that
  * a thread that starts late or runs slow holds up little. */
 static inline int64_t mmd_even_chunk(int64_t items) {

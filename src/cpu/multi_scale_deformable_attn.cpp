@@ -12,6 +12,7 @@
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
 #include "heap_array.h"
+#include "vec16.h"
 
 namespace {
 
@@ -89,18 +90,6 @@ template <typename T> int forward(const Call<T> &c, T *output) {
 template <typename T> struct Grads {
     const T *output;   /* grad_output */
     T *value, *locations, *weights;
-};
-
-/* 16-byte vectors of T (GCC and clang vector extensions: SSE2 on x86-64,
- * NEON on arm64), loaded from anywhere. */
-template <typename T> struct Vec {
-    static constexpr int lanes = 16 / sizeof(T);
-    typedef T type __attribute__((vector_size(16)));
-    static type load(const T *p) {
-        type v;
-        __builtin_memcpy(&v, p, sizeof v);
-        return v;
-    }
 };
 
 /* grad's dot products with the four corners' D values. Per corner, two

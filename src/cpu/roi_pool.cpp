@@ -1,7 +1,7 @@
 /* roi_pool on CPU. Forward splits (channel, roi) planes over the worker
- * pool, channel-major, and reduces each row of bins column by column first;
- * backward gives each worker whole channels and visits rois in order, so it
- * is race-free and deterministic. */
+ * pool, channel-major, and reduces each row of bins column by column first,
+ * in vector registers; backward gives each worker whole channels and visits
+ * rois in order, so it is race-free and deterministic. */
 #include <stdint.h>
 #include <string.h>
 
@@ -12,6 +12,7 @@
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
 #include "heap_array.h"
+#include "vec16.h"
 
 namespace {
 
@@ -32,7 +33,7 @@ int check_rois(const mmd_tensor *rois, int64_t batch, T spatial_scale, int64_t p
  * below): the largest value, then the smallest row, then the first column.
  * -1 for an empty bin. */
 template <typename T, typename Row>
-inline int64_t best_column(const T *col_max, const Row *col_row, int64_t w0, int64_t w1) {
+MMD_INLINE int64_t best_column(const T *col_max, const Row *col_row, int64_t w0, int64_t w1) {
     T best = -(T)INFINITY;
     Row best_h = std::numeric_limits<Row>::max();
     int64_t best_w = w0 < w1 ? w0 : -1;
@@ -52,7 +53,7 @@ inline int64_t best_column(const T *col_max, const Row *col_row, int64_t w0, int
  * which compares equal) above the row's complement, so the loop carries
  * one integer maximum. Every key is above 0. */
 template <>
-inline int64_t best_column(const float *col_max, const int32_t *col_row, int64_t w0,
+MMD_INLINE int64_t best_column(const float *col_max, const int32_t *col_row, int64_t w0,
                            int64_t w1) {
     uint64_t best = 0;
     int64_t best_w = -1;
@@ -67,6 +68,102 @@ inline int64_t best_column(const float *col_max, const int32_t *col_row, int64_t
         best_w = take ? w : best_w;
     }
     return best_w;
+}
+
+/* The column reduction below (pool_plane) for the NV * lanes columns from
+ * `start` over rows [h0, h1), with each column's maximum and row in vector
+ * registers over the rows. Row has T's width, so the two vectors have the
+ * same lanes. */
+template <int NV, typename T, typename Row>
+MMD_INLINE void max_columns(const T *plane, int64_t width, int64_t h0, int64_t h1,
+                            int64_t start, T *col_max, Row *col_row) {
+    typedef typename Vec<T>::type V;
+    typedef typename Vec<Row>::type R;
+    constexpr int L = Vec<T>::lanes;
+    static_assert(Vec<Row>::lanes == L, "rows and values in the same lanes");
+    V best[NV];
+    R at[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+        best[j] = V{} - (T)INFINITY;
+        at[j] = R{} + std::numeric_limits<Row>::max();
+    }
+    const T *row = plane + h0 * width + start;
+    for (int64_t h = h0; h < h1; ++h, row += width) {
+        const R here = R{} + (Row)h;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) {
+            const V v = Vec<T>::load(row + j * L);
+            const auto take = v > best[j];
+            best[j] = take ? v : best[j];
+            at[j] = take ? here : at[j];
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+        Vec<T>::store(col_max + start + j * L, best[j]);
+        Vec<Row>::store(col_row + start + j * L, at[j]);
+    }
+}
+
+/* The column reduction one column at a time, in a loop the compiler
+ * vectorises (written as one select on v > m, it branches instead). */
+template <typename T, typename Row>
+MMD_INLINE void column_by_column(const T *plane, int64_t width, int64_t h0, int64_t h1,
+                                 int64_t lo, int64_t hi, T *__restrict col_max,
+                                 Row *__restrict col_row) {
+    for (int64_t w = lo; w < hi; ++w) {
+        col_max[w] = -(T)INFINITY;
+        col_row[w] = std::numeric_limits<Row>::max();
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+        const T *__restrict row = plane + h * width;
+        for (int64_t w = lo; w < hi; ++w) {
+            const T v = row[w], m = col_max[w];
+            const Row take = -(Row)(v > m);
+            col_max[w] = v > m ? v : m;
+            col_row[w] = (col_row[w] & ~take) | ((Row)h & take);
+        }
+    }
+}
+
+/* col_max and col_row over rows [h0, h1) for the columns [lo, hi): in
+ * chunks of up to 4 vectors (max_columns) where Row has T's width and the
+ * map's row holds a vector, else column_by_column. Each column is reduced
+ * on its own, so chunks may overlap, and a chunk may take columns on either
+ * side of [lo, hi) inside the map's row (col_max and col_row have `width`
+ * entries). */
+template <typename T, typename Row>
+MMD_INLINE void column_maxima(const T *plane, int64_t width, int64_t h0, int64_t h1,
+                              int64_t lo, int64_t hi, T *__restrict col_max,
+                              Row *__restrict col_row) {
+    constexpr int L = Vec<T>::lanes, C = 4 * L;
+    if constexpr (sizeof(Row) != sizeof(T)) {
+        column_by_column(plane, width, h0, h1, lo, hi, col_max, col_row);
+    } else if (width < L) {
+        column_by_column(plane, width, h0, h1, lo, hi, col_max, col_row);
+    } else if (hi - lo > C) {
+        for (int64_t w = lo;; w += C) {
+            const int64_t s = w < hi - C ? w : hi - C;
+            max_columns<4>(plane, width, h0, h1, s, col_max, col_row);
+            if (s + C >= hi) break;
+        }
+    } else {
+        const int64_t vectors = (hi - lo + L - 1) / L;
+        const int64_t s = lo < width - vectors * L ? lo : width - vectors * L;
+        if (s < 0) {  /* the row holds fewer than `vectors`: overlapping single ones */
+            for (int64_t w = lo; w < hi; w += L)
+                max_columns<1>(plane, width, h0, h1, w < hi - L ? w : hi - L, col_max, col_row);
+        } else if (vectors == 1) {
+            max_columns<1>(plane, width, h0, h1, s, col_max, col_row);
+        } else if (vectors == 2) {
+            max_columns<2>(plane, width, h0, h1, s, col_max, col_row);
+        } else if (vectors == 3) {
+            max_columns<3>(plane, width, h0, h1, s, col_max, col_row);
+        } else {
+            max_columns<4>(plane, width, h0, h1, s, col_max, col_row);
+        }
+    }
 }
 
 /* A bin's maximum and argmax by the definition: the first maximum of a
@@ -93,7 +190,7 @@ void scan_bin(const T *plane, int64_t width, int64_t h0, int64_t h1, int64_t w0,
  * and channel, `out` and `argmax` its pooled_h * pooled_w bins.
  *
  * A row of bins shares its map rows, so the rows are reduced first, column
- * by column, in a loop the compiler vectorises: `col_max[w]` is the largest
+ * by column, in vector registers (column_maxima): `col_max[w]` is the largest
  * value above -inf of column w over the bins' rows and `col_row[w]` the
  * first row holding it; -inf and `none` where there is none (only NaN and
  * -inf). Each bin then takes, over its columns, the largest value and,
@@ -102,11 +199,17 @@ void scan_bin(const T *plane, int64_t width, int64_t h0, int64_t h1, int64_t w0,
  * finds. A bin whose best column has `none` holds no value above -inf;
  * scan_bin finds its first -inf, or NaN. `col_max` and `col_row` have
  * `width` entries. Row is int32_t where the height fits it, so that for
- * float the vector blends of values and rows have one width. */
+ * float the vector blends of values and rows have one width.
+ *
+ * Compiled for AVX2, SSE4.2 and SSE2 (MMD_X86_CLONES): SSE2 has no blend,
+ * and its blends of values and rows (and, andnot, or, and the copies its
+ * two-operand forms need) take a third more time than the whole forward
+ * does with SSE4.2's. */
 template <typename T, typename Row>
-void pool_plane(const T *plane, int64_t height, int64_t width, const mmd_pool_geometry<T> &g,
-                int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax,
-                T *__restrict col_max, Row *__restrict col_row) {
+MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
+                               const mmd_pool_geometry<T> &g, int64_t pooled_h,
+                               int64_t pooled_w, T *out, int64_t *argmax,
+                               T *__restrict col_max, Row *__restrict col_row) {
     const Row none = std::numeric_limits<Row>::max();
     int64_t lo, hi, last;
     mmd_roi_pool_bin(g.start_w, g.bin_w, 0, width, &lo, &last);
@@ -123,21 +226,7 @@ void pool_plane(const T *plane, int64_t height, int64_t width, const mmd_pool_ge
             }
             continue;
         }
-        for (int64_t w = lo; w < hi; ++w) {
-            col_max[w] = -(T)INFINITY;
-            col_row[w] = none;
-        }
-        for (int64_t h = h0; h < h1; ++h) {
-            const T *__restrict row = plane + h * width;
-            for (int64_t w = lo; w < hi; ++w) {
-                /* a max and a masked row, which the compiler vectorises
-                 * (written as one select on v > m, it branches instead) */
-                const T v = row[w], m = col_max[w];
-                const Row take = -(Row)(v > m);
-                col_max[w] = v > m ? v : m;
-                col_row[w] = (col_row[w] & ~take) | ((Row)h & take);
-            }
-        }
+        column_maxima(plane, width, h0, h1, lo, hi, col_max, col_row);
         for (int64_t pw = 0; pw < pooled_w; ++pw) {
             int64_t w0, w1;
             mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);

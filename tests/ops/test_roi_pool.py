@@ -250,6 +250,32 @@ def test_ties_signed_zeros_infinities_and_nan_pool_as_the_row_major_scan(seed, d
     np.testing.assert_array_equal(np.signbit(out), np.signbit(ref_out))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 40])
+def test_every_column_span_of_a_row_pools_as_the_reference(width, dtype):
+    """The kernel reduces a roi's columns in register chunks of up to 4
+    vectors (16 float32 or 8 float64 columns) that may overlap, or reach
+    past the roi inside the map's row, and one column at a time on maps
+    narrower than a vector: rois on every column span [x1, x2] of a row
+    (a sample of them on wide maps), over small integers (many ties) with
+    -0.0, -inf and NaN, pool as the reference's row-major scan."""
+    rng = np.random.default_rng(width)
+    height = 5
+    values = np.array([-np.inf, -0.0, 0.0, 1.0, 2.0, np.nan], dtype=dtype)
+    x = rng.choice(values, size=(1, 2, height, width), p=[0.1, 0.15, 0.15, 0.3, 0.2, 0.1])
+    spans = [(a, b) for a in range(width) for b in range(a, width)]
+    if len(spans) > 150:
+        spans = [spans[i] for i in rng.choice(len(spans), 150, replace=False)]
+    rois = np.array([[0, a, rng.integers(0, 2), b, rng.integers(2, height)] for a, b in spans],
+                    dtype=dtype)
+    for pooled in [(2, 1), (1, 3)]:
+        out, argmax = roi_pool_forward(x, rois, pooled, 1.0)
+        ref_out, ref_arg = ref_forward(x, rois, *pooled, 1.0)
+        np.testing.assert_array_equal(argmax, ref_arg)
+        np.testing.assert_array_equal(out, ref_out)
+        np.testing.assert_array_equal(np.signbit(out), np.signbit(ref_out))
+
+
 # --- properties ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
