@@ -514,6 +514,8 @@ cdef class OpRegistry:
         if pending:  # arrays other than plain contiguous numpy ones
             held = self.view_pending(st, pending, device_type, device_id)
         self.check_outputs(st)
+        if st.c_fallback:   # its first use warns once the call has passed the checks
+            _warn_once(<FallbackHandle>python_kernel, self, device_name(device_type, device_id))
         if missing:   # the Python kernel, or the C fallback's handle to hold
             return python_kernel, held
         return held if not st.c_fallback else (held, python_kernel)
@@ -760,7 +762,8 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
     the device (None returned), else the device's fallback: a C one through
     the op's boxing function as st.kernel (st.c_fallback set, its function
     in st.ctx.fallback, its handle returned for the caller to hold during
-    the call), a Python one as the Python kernel (st.boxed set too); else
+    the call and to warn with once the outputs pass their checks), a
+    Python one as the Python kernel (st.boxed set too); else
     KernelNotFoundError."""
     cdef int slot = device_type * MMD_MAX_BACKENDS + backend
     cdef FallbackHandle c_fallback = None
@@ -781,7 +784,6 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
             if c_fallback is None:
                 st.python_kernel = st.boxed = True
                 return _boxed_kernel(op, device_type, device_id)
-            _warn_once(c_fallback, op, device_name(device_type, device_id))
             st.kernel = op.boxed_kernel
             st.ctx.fallback = <void *>c_fallback.c_fn
             st.c_fallback = True
@@ -795,8 +797,11 @@ cdef inline object _find_kernel(OpRegistry op, CallState *st, int device_type, i
 cdef inline object _plain_numpy_kernel(OpRegistry op, CallState *st):
     """prepare() after mmd_intake_plain_numpy took every array (so the device
     is the CPU): only the kernel lookup is left. Inline in every entry point."""
-    return _find_kernel(op, st, MMD_DEVICE_CPU, 0,
-                        mmd_thread_backends()[MMD_DEVICE_CPU] if _any_backend_selected else 0)
+    found = _find_kernel(op, st, MMD_DEVICE_CPU, 0,
+                         mmd_thread_backends()[MMD_DEVICE_CPU] if _any_backend_selected else 0)
+    if st.c_fallback:   # the intake has checked the outputs
+        _warn_once(<FallbackHandle>found, op, "cpu")
+    return found
 
 
 # Scalar arguments: converted before dispatch; errors name the parameter.

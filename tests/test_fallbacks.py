@@ -516,6 +516,29 @@ def test_a_c_fallback_capsule_must_carry_the_boxed_fallback_name():
     assert mmdispatch.registered_fallbacks() == {}
 
 
+def test_a_c_fallback_warns_only_for_a_call_whose_outputs_pass_their_checks():
+    """An output that overlaps an input is refused before the fallback runs:
+    that call neither reaches the fallback nor uses up its one warning,
+    which the next good call gives."""
+    x, rois = roi_inputs()
+    fallback = CFallback()
+    features = HostMemoryOnRocm(x)
+    unused = HostMemoryOnRocm(np.zeros(0, np.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mmdispatch.register_fallback("rocm", fallback.capsule):
+            with pytest.raises(ValueError, match=r"^roi_align_forward_impl: .*overlap"):
+                mmdispatch.roi_align_forward_impl(features, HostMemoryOnRocm(rois), features,
+                                                  unused, unused, 2, 2, 0.5, 0, 1, True)
+            assert fallback.calls == []
+            assert not [w for w in caught if w.category is mmdispatch.FallbackWarning]
+            output = HostMemoryOnRocm(np.zeros((2, 3, 2, 2), np.float32))
+            mmdispatch.roi_align_forward_impl(features, HostMemoryOnRocm(rois), output, unused,
+                                              unused, 2, 2, 0.5, 0, 1, True)
+    assert len(fallback.calls) == 1
+    assert len([w for w in caught if w.category is mmdispatch.FallbackWarning]) == 1
+
+
 def test_a_c_fallback_needs_given_outputs_where_the_dispatcher_cannot_allocate():
     x, rois = roi_inputs()
     fallback = CFallback()
