@@ -60,6 +60,7 @@ cdef class FallbackHandle:
     cdef readonly object fn
     cdef readonly str origin
     cdef readonly str kind
+    cdef readonly object cost   # what its FallbackWarning names, or None
     cdef int code
     cdef mmd_boxed_fn c_fn   # a C fallback's function, else NULL
     cdef set warned   # (op, device) pairs this fallback has warned about
@@ -90,7 +91,7 @@ cdef class FallbackHandle:
         return f"<FallbackHandle {self.device} {self.origin}>"
 
 
-def register_fallback(device, fn, *, bint override=False):
+def register_fallback(device, fn, *, bint override=False, cost=None):
     """Installs ``fn`` as the fallback of a device type: it is called for any
     op whose slot on that device (for the thread's backend) is empty, as
     ``fn(op_name, call)`` with ``call`` a BoxedCall (the arrays by name with
@@ -104,8 +105,9 @@ def register_fallback(device, fn, *, bint override=False):
     and calls it without the GIL with the arguments boxed as C values.
 
     Nothing falls back unless registered. The first call of each op on
-    each device through it warns (FallbackWarning), naming its cost: the
-    fallback's ``cost`` attribute where it has one. Registering where a
+    each device through it warns (FallbackWarning), naming its cost:
+    ``cost`` (a string) where given, else the fallback's ``cost`` attribute
+    where it has one (a capsule has none). Registering where a
     fallback is raises ValueError unless ``override=True``; the returned
     handle's ``remove()`` restores the previous one."""
     cdef int code = parse_device_type(device)
@@ -121,6 +123,10 @@ def register_fallback(device, fn, *, bint override=False):
     elif not callable(fn):
         raise TypeError(f"register_fallback: fn must be callable or a C fallback capsule, got "
                         f"{type(fn).__name__}")
+    if cost is None:
+        cost = getattr(fn, "cost", None)
+    if cost is not None and not isinstance(cost, str):
+        raise TypeError(f"register_fallback: cost must be a string, got {type(cost).__name__}")
     _probe_device(code)   # built-in kernels fill their slots first
     with _registry_lock:
         stack = _fallback_stacks.get(code)
@@ -131,6 +137,7 @@ def register_fallback(device, fn, *, bint override=False):
         handle.device = DEVICE_TYPES.get(code, str(code))
         handle.fn = fn
         handle.kind = "C" if is_capsule else "python"
+        handle.cost = cost
         handle.origin = (f"capsule:{_BOXED_FALLBACK_NAME.decode()} at {<uintptr_t>c_fn:#x}"
                          if is_capsule else _origin_of(fn))
         handle.code = code
@@ -269,8 +276,7 @@ cdef int _warn_once(FallbackHandle handle, OpRegistry op, str device) except -1:
     if key in handle.warned:
         return 0
     handle.warned.add(key)
-    cost = getattr(handle.fn, "cost", None) or (
-        f"each call goes through {handle.origin} instead of a kernel")
+    cost = handle.cost or f"each call goes through {handle.origin} instead of a kernel"
     warnings.warn(f"{op.name}: no kernel for {device}; running it through the "
                   f"{handle.device} fallback, which costs: {cost}",
                   FallbackWarning, stacklevel=_caller_stacklevel())

@@ -539,6 +539,46 @@ def test_a_c_fallback_warns_only_for_a_call_whose_outputs_pass_their_checks():
     assert len([w for w in caught if w.category is mmdispatch.FallbackWarning]) == 1
 
 
+def test_the_cost_given_at_registration_is_what_the_warning_names():
+    """A capsule has no `cost` attribute: register_fallback's cost= names
+    what it costs; for a callable, cost= wins over its attribute. Without
+    either the warning names the fallback's origin."""
+    x, rois = roi_inputs()
+    unused = HostMemoryOnRocm(np.zeros(0, np.float32))
+
+    def call_c():
+        output = HostMemoryOnRocm(np.zeros((2, 3, 2, 2), np.float32))
+        mmdispatch.roi_align_forward_impl(HostMemoryOnRocm(x), HostMemoryOnRocm(rois), output,
+                                          unused, unused, 2, 2, 0.5, 0, 1, True)
+
+    def warned(register, call):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with register() as handle:
+                call()
+        messages = [str(w.message) for w in caught if w.category is mmdispatch.FallbackWarning]
+        assert len(messages) == 1
+        return handle, messages[0]
+
+    handle, message = warned(lambda: mmdispatch.register_fallback(
+        "rocm", CFallback().capsule, cost="a host copy of every array, each way"), call_c)
+    assert handle.cost == "a host copy of every array, each way"
+    assert message.endswith("which costs: a host copy of every array, each way")
+    handle, message = warned(lambda: mmdispatch.register_fallback("rocm", CFallback().capsule),
+                             call_c)
+    assert handle.cost is None
+    assert message.endswith(f"which costs: each call goes through {handle.origin} instead of "
+                            "a kernel")
+    handle, message = warned(lambda: mmdispatch.register_fallback("rocm", copy_to_cpu,
+                                                                  cost="the test's words"),
+                             lambda: ops.roi_align(OnRocm(x), OnRocm(rois), 2))
+    assert message.endswith("which costs: the test's words")
+    assert mmdispatch.register_fallback("rocm", copy_to_cpu).remove() is None
+    with pytest.raises(TypeError, match="register_fallback: cost must be a string, got int"):
+        mmdispatch.register_fallback("rocm", copy_to_cpu, cost=3)
+    assert mmdispatch.registered_fallbacks() == {}
+
+
 def test_a_c_fallback_needs_given_outputs_where_the_dispatcher_cannot_allocate():
     x, rois = roi_inputs()
     fallback = CFallback()
