@@ -320,11 +320,18 @@ int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
     if (total == 0 || mmd_numel(grad_input) == 0) return MMD_OK;
     const T *go = (const T *)grad_output->data, *r = (const T *)rois->data;
     T *gi = (T *)grad_input->data;
-    /* roi k's grad_input plane of channel c */
-    auto plane_of = [&](int64_t k, int64_t c) {
+    /* each roi's image, found once rather than per channel and per use */
+    const HeapArray<int64_t> image_of(num_rois);
+    if (!image_of)
+        return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld rois", (long long)num_rois);
+    for (int64_t k = 0; k < num_rois; ++k) {
         mmd_pool_geometry<T> g{};
         mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
-        return gi + (g.batch * channels + c) * plane_size;
+        image_of[k] = g.batch;
+    }
+    /* roi k's grad_input plane of channel c */
+    auto plane_of = [&](int64_t k, int64_t c) {
+        return gi + (image_of[k] * channels + c) * plane_size;
     };
     return mmd_parallel_for(
         channels, 1, mmd_worth_threads(channels, total), [&](int64_t begin, int64_t end) {
