@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mmdispatch
-from mmdispatch.ops import bbox_overlaps, roi_align, roi_pool, sigmoid_focal_loss_backward
+from mmdispatch.ops import (bbox_overlaps, box_iou_rotated, nms, nms_rotated, roi_align,
+                            roi_pool, sigmoid_focal_loss_backward)
 
 # big enough that every op shares its loop out (mmd_worth_threads)
 RNG = np.random.default_rng(0)
@@ -19,12 +20,19 @@ XY = RNG.uniform(0, 30, (64, 2))
 ROIS = np.concatenate([RNG.integers(0, 2, (64, 1)), XY, XY + RNG.uniform(1, 10, (64, 2))], 1)
 BOXES = np.concatenate([XY, XY + 5], 1)
 LOGITS = RNG.standard_normal((4096, 8))
+# nms decides 1,024 boxes at a time, the first test of each block shared out
+MANY_XY = RNG.uniform(0, 100, (3000, 2))
+MANY_BOXES = np.concatenate([MANY_XY, MANY_XY + RNG.uniform(1, 8, (3000, 2))], 1)
+ROTATED = np.concatenate([MANY_XY, RNG.uniform(1, 8, (3000, 2)), RNG.uniform(-3, 3, (3000, 1))], 1)
+SCORES = RNG.random(3000)
 
 
 def outputs():
     return [roi_align(X, ROIS, 7, 1.0, 2), roi_align(X, ROIS, 5, 0.5, 0, "max"),
             roi_pool(X, ROIS, 7), bbox_overlaps(BOXES, BOXES),
-            sigmoid_focal_loss_backward(LOGITS, np.arange(4096) % 9)]
+            sigmoid_focal_loss_backward(LOGITS, np.arange(4096) % 9),
+            nms(MANY_BOXES, SCORES, 0.3), nms_rotated(ROTATED, SCORES, 0.3),
+            box_iou_rotated(ROTATED[:300], ROTATED)]
 
 
 def script(body):

@@ -11,18 +11,24 @@ namespace {
  * allocation failure), freed with the holder; zeroed when asked. */
 template <typename U> class HeapArray {
   public:
-    explicit HeapArray(int64_t n, bool zeroed = false) {
-        const size_t count = (size_t)(n > 0 ? n : 1);
-        data_ = (U *)(zeroed ? calloc(count, sizeof(U)) : malloc(count * sizeof(U)));
-    }
+    explicit HeapArray(int64_t n, bool zeroed = false) { allocate(n, zeroed); }
     ~HeapArray() { free(data_); }
     HeapArray(const HeapArray &) = delete;
     HeapArray &operator=(const HeapArray &) = delete;
     U *get() const { return data_; }
     U &operator[](int64_t i) const { return data_[i]; }
     explicit operator bool() const { return data_ != nullptr; }
+    /* n new items in place of the old ones */
+    void reset(int64_t n, bool zeroed = false) {
+        free(data_);
+        allocate(n, zeroed);
+    }
 
   private:
+    void allocate(int64_t n, bool zeroed) {
+        const size_t count = (size_t)(n > 0 ? n : 1);
+        data_ = (U *)(zeroed ? calloc(count, sizeof(U)) : malloc(count * sizeof(U)));
+    }
     U *data_;
 };
 

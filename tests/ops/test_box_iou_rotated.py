@@ -128,6 +128,21 @@ def test_random_boxes_match_the_reference(dtype, mode, clockwise):
                                ref_table(b1, b2[:1].repeat(40, 0), mode, True, clockwise), **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["iou", "iof"])
+def test_a_table_wider_than_a_block_of_columns_equals_its_pairs_one_by_one(dtype, mode):
+    """The CPU kernel readies boxes2 1,024 at a time: every entry of a
+    3-row table of 2,500 columns (undefined boxes among them) is the same
+    bits as its pair computed alone, in aligned mode."""
+    rng = np.random.default_rng(9)
+    b1, b2 = random_boxes(rng, 3, dtype), random_boxes(rng, 2500, dtype)
+    b2[::97, 0] = math.nan
+    got = box_iou_rotated(b1, b2, mode)
+    assert (got > 0).sum() > 1000
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], box_iou_rotated(b1[[i] * 2500], b2, mode, True))
+
+
 def test_exact_cases():
     square = [0.0, 0.0, 2.0, 2.0, 0.0]
     cases = [

@@ -616,6 +616,36 @@ def test_default_backend_keeps_exactly_what_the_reference_backend_keeps(seed, dt
                                       expected_batched)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7])
+def test_default_backend_agrees_with_the_reference_over_several_decision_blocks(dtype, threshold):
+    """The default backend decides 1,024 boxes at a time: each box of a block
+    against the boxes kept before the block (shared out over threads), then
+    the survivors against the boxes the block keeps, in order. 5,000 crowded
+    boxes cross four such boundaries; a few cover much of the map (kept out
+    of the grid), half of those ahead of every other box."""
+    rng = np.random.default_rng(41)
+    n = 5000
+    xy = rng.uniform(0, 200, (n, 2))
+    large = rng.random(n) < 0.02
+    wh = np.where(large[:, None], rng.uniform(50, 200, (n, 2)), rng.uniform(1, 12, (n, 2)))
+    boxes = np.concatenate([xy, xy + wh], axis=1).astype(dtype)
+    scores = rng.random(n)
+    scores[large & (rng.random(n) < 0.5)] += 1   # half the large boxes come first
+    scores = scores.astype(dtype)
+    idxs = rng.integers(0, 3, n)
+    with mmdispatch.use_backend("cpu", "reference"):
+        expected = nms(boxes, scores, threshold)
+        expected_batched = batched_nms(boxes, scores, idxs, threshold)
+    got = nms(boxes, scores, threshold)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(batched_nms(boxes, scores, idxs, threshold), expected_batched)
+    rank = np.empty(n, np.int64)
+    rank[np.lexsort((np.arange(n), -scores.astype(np.float64)))] = np.arange(n)
+    suppressed = np.setdiff1d(np.arange(n), got)
+    assert set(rank[suppressed] // 1024) == set(range(5))   # suppressions in every block
+
+
 # --- bad input -------------------------------------------------------------------------
 
 B = np.array([[0, 0, 2, 2], [1, 1, 3, 3.0]])

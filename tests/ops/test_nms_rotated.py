@@ -22,12 +22,14 @@ def ref_keep(boxes, scores, threshold, idxs=None, clockwise=True):
     IoU(kept, box) > threshold."""
     n = len(boxes)
     iou = box_iou_rotated(boxes, boxes, clockwise=clockwise) if n else np.zeros((0, 0))
+    classes = np.zeros(n, np.int64) if idxs is None else np.asarray(idxs)
     key = [(1, 0.0, i) if math.isnan(s) else (0, -float(s), i) for i, s in enumerate(scores)]
     kept = []
+    kept_mask = np.zeros(n, bool)
     for _, _, i in sorted(key):
-        if all(not (iou[k, i] > threshold) for k in kept
-               if idxs is None or idxs[k] == idxs[i]):
+        if not np.any(iou[kept_mask & (classes == classes[i]), i] > threshold):
             kept.append(i)
+            kept_mask[i] = True
     return kept
 
 
@@ -84,6 +86,63 @@ def test_rotation_matters_and_axis_aligned_boxes_agree_with_nms():
     cross = np.array([[0, 0, 10, 1, 0], [0, 0, 10, 1, math.pi / 2]])
     assert nms_rotated(cross, np.array([0.9, 0.8]), 0.2).tolist() == [0, 1]
     assert nms_rotated(cross[[0, 0]], np.array([0.9, 0.8]), 0.2).tolist() == [0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.5, 1 / 3, 0.7, 1e-9])
+@pytest.mark.parametrize("origin", [0.0, 1e6])
+def test_nested_boxes_with_an_area_ratio_near_the_threshold_keep_what_the_definition_keeps(
+        dtype, threshold, origin):
+    """A box holding a narrower one (same centre, height and angle) has IoU =
+    their area ratio, which bounds every pair's IoU: the kernel decides pairs
+    whose ratio is below the threshold without their polygon, but only with a
+    margin wider than the polygon's rounding. Ratios from 1e-6 below to 1e-6
+    above the threshold, the narrower box kept first or second, near the
+    origin and a million pixels away."""
+    rows, scores = [], []
+    for k, rel in enumerate([-1e-6, -1e-9, -1e-12, -1e-15, 0.0, 1e-15, 1e-12, 1e-9, 1e-6]):
+        for inner_first in (False, True):
+            cx, cy = origin + 100.0 * k, origin + 100.0 * inner_first
+            outer = [cx, cy, 40.0, 8.0, 0.3]
+            inner = [cx, cy, 40.0 * threshold * (1 + rel), 8.0, 0.3]
+            rows += [outer, inner]
+            scores += [0.5, 0.9] if inner_first else [0.9, 0.5]
+    boxes, scores = np.array(rows, dtype), np.array(scores, dtype)
+    got = nms_rotated(boxes, scores, threshold)
+    assert got.tolist() == ref_keep(boxes, scores, threshold)
+    assert len(boxes) // 2 < len(got) < len(boxes)   # some pairs suppress, some do not
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.6])
+def test_thousands_of_boxes_over_several_decision_blocks_keep_what_the_definition_keeps(
+        dtype, threshold):
+    """The kernel decides 1,024 boxes at a time (against the boxes kept before
+    the block, shared out over threads, then within the block in order), each
+    box meeting only the kept boxes whose bounding rectangles share a grid
+    cell with its own: 3,000 crowded boxes of 3 classes, a few of them large
+    (kept out of the grid; half of those ahead of every other box),
+    zero-size or undefined."""
+    rng = np.random.default_rng(17)
+    n = 3000
+    boxes = random_boxes(rng, n, np.float64, spread=150.0)
+    large = rng.random(n) < 0.02
+    boxes[large, 2:4] = rng.uniform(60, 150, (int(large.sum()), 2))
+    special = rng.random(n)
+    boxes[special < 0.01, 2] = 0.0
+    boxes[(special >= 0.01) & (special < 0.02), 0] = math.nan
+    boxes[(special >= 0.02) & (special < 0.03), 3] = -2.0
+    boxes = boxes.astype(dtype)
+    scores = rng.random(n)
+    scores[large & (rng.random(n) < 0.5)] += 1   # half the large boxes come first
+    scores = scores.astype(dtype)
+    idxs = rng.integers(0, 3, n)
+    got = batched_nms_rotated(boxes, scores, idxs, threshold)
+    assert got.tolist() == ref_keep(boxes, scores, threshold, idxs)
+    rank = np.empty(n, np.int64)
+    rank[np.lexsort((np.arange(n), -scores.astype(np.float64)))] = np.arange(n)
+    suppressed = np.setdiff1d(np.arange(n), got)
+    assert set(rank[suppressed] // 1024) == {0, 1, 2}   # suppressions in every block
 
 
 def test_undefined_boxes_neither_suppress_nor_are_suppressed():

@@ -57,17 +57,43 @@ struct mmd_polygon {
     int count;
 };
 
-/* The corners of box b relative to (ox, oy), in order of positive
- * signed area. */
-MMD_HOSTDEV inline void mmd_rbox_polygon(const mmd_rbox &b, double ox, double oy, bool clockwise,
-                                         mmd_polygon *p) {
+/* A box made ready to meet many others: its corners' offsets from its
+ * centre (in order of positive signed area), the length of its diagonal,
+ * its area w * h, and whether its IoU with any box is defined (finite
+ * values, sides >= 0). A box's corner relative to (ox, oy) is
+ * (cx - ox) + corner_x[i], (cy - oy) + corner_y[i], the same bits whether
+ * the shape was made once for all pairs (the CPU kernels) or per pair. */
+struct mmd_rbox_shape {
+    double cx, cy;
+    double corner_x[4], corner_y[4];
+    double diagonal, area;
+    bool defined;
+};
+
+MMD_HOSTDEV inline mmd_rbox_shape mmd_rbox_prepare(const mmd_rbox &b, bool clockwise) {
+    mmd_rbox_shape shape;
     const double a = clockwise ? b.angle : -b.angle;
     const double c = cos(a), s = sin(a);
     const double dx[4] = {-0.5 * b.w, 0.5 * b.w, 0.5 * b.w, -0.5 * b.w};
     const double dy[4] = {-0.5 * b.h, -0.5 * b.h, 0.5 * b.h, 0.5 * b.h};
+    shape.cx = b.cx;
+    shape.cy = b.cy;
     for (int i = 0; i < 4; ++i) {
-        p->x[i] = (b.cx - ox) + dx[i] * c - dy[i] * s;
-        p->y[i] = (b.cy - oy) + dx[i] * s + dy[i] * c;
+        shape.corner_x[i] = dx[i] * c - dy[i] * s;
+        shape.corner_y[i] = dx[i] * s + dy[i] * c;
+    }
+    shape.diagonal = sqrt(b.w * b.w + b.h * b.h);
+    shape.area = b.w * b.h;
+    shape.defined = b.w >= 0 && b.h >= 0 && isfinite(b.cx + b.cy + b.w + b.h + b.angle);
+    return shape;
+}
+
+/* The corners of box b relative to (ox, oy). */
+MMD_HOSTDEV inline void mmd_rbox_polygon(const mmd_rbox_shape &b, double ox, double oy,
+                                         mmd_polygon *p) {
+    for (int i = 0; i < 4; ++i) {
+        p->x[i] = (b.cx - ox) + b.corner_x[i];
+        p->y[i] = (b.cy - oy) + b.corner_y[i];
     }
     p->count = 4;
 }
@@ -105,16 +131,14 @@ MMD_HOSTDEV inline double mmd_polygon_area(const mmd_polygon &p) {
 
 /* The area of the intersection of a and b (both of non-negative, finite
  * size). */
-MMD_HOSTDEV inline double mmd_rbox_intersection(const mmd_rbox &a, const mmd_rbox &b,
-                                                bool clockwise) {
+MMD_HOSTDEV inline double mmd_rbox_intersection(const mmd_rbox_shape &a, const mmd_rbox_shape &b) {
     /* boxes farther apart than their half diagonals cannot meet */
-    const double reach = 0.5 * (sqrt(a.w * a.w + a.h * a.h) + sqrt(b.w * b.w + b.h * b.h));
+    const double reach = 0.5 * (a.diagonal + b.diagonal);
     const double ddx = b.cx - a.cx, ddy = b.cy - a.cy;
-    if (!(ddx * ddx + ddy * ddy <= reach * reach) || a.w * a.h == 0 || b.w * b.h == 0)
-        return 0;
+    if (!(ddx * ddx + ddy * ddy <= reach * reach) || a.area == 0 || b.area == 0) return 0;
     mmd_polygon clip, polygon[2];
-    mmd_rbox_polygon(b, a.cx, a.cy, clockwise, &clip);
-    mmd_rbox_polygon(a, a.cx, a.cy, clockwise, &polygon[0]);
+    mmd_rbox_polygon(b, a.cx, a.cy, &clip);
+    mmd_rbox_polygon(a, a.cx, a.cy, &polygon[0]);
     int current = 0;
     for (int e = 0; e < 4 && polygon[current].count > 0; ++e) {
         const int f = e + 1 < 4 ? e + 1 : 0;
@@ -125,16 +149,19 @@ MMD_HOSTDEV inline double mmd_rbox_intersection(const mmd_rbox &a, const mmd_rbo
     return polygon[current].count >= 3 ? mmd_polygon_area(polygon[current]) : 0;
 }
 
+/* IoU (mode 0) or IoF (mode 1) of two prepared boxes. */
+MMD_HOSTDEV inline double mmd_rbox_overlap(const mmd_rbox_shape &a, const mmd_rbox_shape &b,
+                                           int64_t mode) {
+    if (!(a.defined && b.defined)) return NAN;
+    const double inter = mmd_rbox_intersection(a, b);
+    const double base = mode == 0 ? a.area + b.area - inter : a.area;
+    return base > 0 ? inter / base : 0;
+}
+
 /* IoU (mode 0) or IoF (mode 1) of two boxes. */
 MMD_HOSTDEV inline double mmd_rbox_overlap(const mmd_rbox &a, const mmd_rbox &b, int64_t mode,
                                            bool clockwise) {
-    const bool defined = a.w >= 0 && a.h >= 0 && b.w >= 0 && b.h >= 0 &&
-                         isfinite(a.cx + a.cy + a.w + a.h + a.angle) &&
-                         isfinite(b.cx + b.cy + b.w + b.h + b.angle);
-    if (!defined) return NAN;
-    const double inter = mmd_rbox_intersection(a, b, clockwise);
-    const double base = mode == 0 ? a.w * a.h + b.w * b.h - inter : a.w * a.h;
-    return base > 0 ? inter / base : 0;
+    return mmd_rbox_overlap(mmd_rbox_prepare(a, clockwise), mmd_rbox_prepare(b, clockwise), mode);
 }
 
 #endif

@@ -23,13 +23,38 @@ inline int mmd_nms_rotated_check(const mmd_tensor *boxes, const mmd_tensor *scor
     return mmd_nms_check_arrays(boxes, 5, scores, idxs, keep, num_kept, float_mask);
 }
 
+/* Whether box a's IoU with box b, as box_iou_rotated computes it, is
+ * certainly at most `threshold` (> 0, of type T) without its polygon: the
+ * IoU is at most min(area) / max(area). The computed intersection may pass
+ * the smaller area by the polygon's rounding, which is below 2^-40 r^2,
+ * r bounding every vertex coordinate (taken relative to a's centre), so
+ * the test leaves that and another 2^-40 of margin. A pair whose IoU is
+ * not defined (NaN) may be answered here too: it suppresses nothing
+ * either way. */
+template <typename T>
+MMD_HOSTDEV inline bool mmd_rotated_below_by_areas(const mmd_rbox_shape &a,
+                                                   const mmd_rbox_shape &b, T threshold) {
+    const double lo = a.area < b.area ? a.area : b.area, hi = a.area < b.area ? b.area : a.area;
+    const double r = a.diagonal + b.diagonal + fabs(b.cx - a.cx) + fabs(b.cy - a.cy);
+    const double slack = 0x1p-40 * r * r;
+    return threshold > 0 && lo + slack < (double)threshold * (1 - 0x1p-40) * (hi - slack);
+}
+
 /* Whether kept box a suppresses box b: box_iou_rotated's IoU of (a, b),
  * rounded to the boxes' type T, above the threshold (rounded down to T,
  * so that the comparison is the one of the values box_iou_rotated gives). */
 template <typename T>
+MMD_HOSTDEV inline bool mmd_rotated_suppresses(const mmd_rbox_shape &a, const mmd_rbox_shape &b,
+                                               T threshold) {
+    return !mmd_rotated_below_by_areas(a, b, threshold) &&
+           (T)mmd_rbox_overlap(a, b, 0) > threshold;
+}
+
+template <typename T>
 MMD_HOSTDEV inline bool mmd_rotated_suppresses(const mmd_rbox &a, const mmd_rbox &b,
                                                bool clockwise, T threshold) {
-    return (T)mmd_rbox_overlap(a, b, 0, clockwise) > threshold;
+    return mmd_rotated_suppresses(mmd_rbox_prepare(a, clockwise), mmd_rbox_prepare(b, clockwise),
+                                  threshold);
 }
 
 #endif
