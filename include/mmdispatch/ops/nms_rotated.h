@@ -50,11 +50,4 @@ MMD_HOSTDEV inline bool mmd_rotated_suppresses(const mmd_rbox_shape &a, const mm
            (T)mmd_rbox_overlap(a, b, 0) > threshold;
 }
 
-template <typename T>
-MMD_HOSTDEV inline bool mmd_rotated_suppresses(const mmd_rbox &a, const mmd_rbox &b,
-                                               bool clockwise, T threshold) {
-    return mmd_rotated_suppresses(mmd_rbox_prepare(a, clockwise), mmd_rbox_prepare(b, clockwise),
-                                  threshold);
-}
-
 #endif
