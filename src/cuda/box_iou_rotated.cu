@@ -1,7 +1,8 @@
-/* box_iou_rotated on CUDA: one thread per output element, the exact
- * polygon of mmdispatch/ops/box_iou_rotated.h in double whatever the
- * storage type (float16 and bfloat16 included). Launches on ctx->stream,
- * on ctx->device_id. */
+/* box_iou_rotated on CUDA: the exact polygon of
+ * mmdispatch/ops/box_iou_rotated.h in double whatever the storage type
+ * (float16 and bfloat16 included), a thread per pair (aligned) or per
+ * column of a tile of the table. Launches on ctx->stream, on
+ * ctx->device_id. */
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/box_iou_rotated.h"
 #include "mmdispatch/registry.h"
@@ -11,23 +12,56 @@ namespace {
 
 using namespace mmd_cuda;
 
-template <typename T> __device__ inline mmd_rbox load_box(const T *boxes, int64_t i) {
+/* box i made ready for the polygon (its corners, diagonal and area) */
+template <typename T>
+__device__ inline mmd_rbox_shape shape_at(const T *boxes, int64_t i, bool clockwise) {
     const T *b = boxes + 5 * i;
-    return mmd_rbox{(double)to_compute(b[0]), (double)to_compute(b[1]), (double)to_compute(b[2]),
-                    (double)to_compute(b[3]), (double)to_compute(b[4])};
+    return mmd_rbox_prepare(mmd_rbox{(double)to_compute(b[0]), (double)to_compute(b[1]),
+                                     (double)to_compute(b[2]), (double)to_compute(b[3]),
+                                     (double)to_compute(b[4])},
+                            clockwise);
 }
 
+/* aligned: one thread per pair */
 template <typename T>
-__global__ void overlaps_kernel(const T *boxes1, const T *boxes2, T *ious, int64_t rows,
-                                int64_t cols, int64_t mode, int aligned, bool clockwise) {
+__global__ void pairs_kernel(const T *boxes1, const T *boxes2, T *ious, int64_t pairs,
+                             int64_t mode, bool clockwise) {
     typedef typename Compute<T>::type A;
-    const int64_t total = aligned ? rows : rows * cols;
-    MMD_GRID_STRIDE_LOOP(index, total) {
-        const int64_t i = aligned ? index : index / cols;
-        const int64_t j = aligned ? index : index % cols;
-        const double overlap = mmd_rbox_overlap(load_box(boxes1, i), load_box(boxes2, j), mode,
-                                                clockwise);
-        ious[index] = from_compute<T>((A)overlap);
+    MMD_GRID_STRIDE_LOOP(i, pairs) {
+        const double overlap = mmd_rbox_overlap(shape_at(boxes1, i, clockwise),
+                                                shape_at(boxes2, i, clockwise), mode);
+        ious[i] = from_compute<T>((A)overlap);
+    }
+}
+
+/* The (rows, cols) table in tiles of kTile x kTile: a block's thread takes
+ * one column against the tile's rows, which the block makes ready once in
+ * shared memory, so each box's corners are computed once per tile instead
+ * of for every pair, and each row's writes are coalesced. Row tiles beyond
+ * the grid's height are taken in turn. */
+constexpr int kTile = 64;
+constexpr int64_t kMaxRowTiles = 65535;   /* gridDim.y */
+
+template <typename T>
+__global__ void table_kernel(const T *boxes1, const T *boxes2, T *ious, int64_t rows,
+                             int64_t cols, int64_t mode, bool clockwise) {
+    typedef typename Compute<T>::type A;
+    __shared__ mmd_rbox_shape row_boxes[kTile];
+    const int64_t j = blockIdx.x * (int64_t)kTile + threadIdx.x;
+    const bool in_table = j < cols;
+    mmd_rbox_shape column = {};
+    if (in_table) column = shape_at(boxes2, j, clockwise);
+    for (int64_t first = blockIdx.y * (int64_t)kTile; first < rows;
+         first += (int64_t)gridDim.y * kTile) {
+        const int count = (int)min((int64_t)kTile, rows - first);
+        __syncthreads();   /* the previous tile's rows are read */
+        if (threadIdx.x < count) row_boxes[threadIdx.x] = shape_at(boxes1, first + threadIdx.x,
+                                                                   clockwise);
+        __syncthreads();
+        if (!in_table) continue;
+        for (int r = 0; r < count; ++r)
+            ious[(first + r) * cols + j] =
+                from_compute<T>((A)mmd_rbox_overlap(row_boxes[r], column, mode));
     }
 }
 
@@ -42,9 +76,18 @@ int box_iou_rotated_cuda(const mmd_tensor *boxes1, const mmd_tensor *boxes2,
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(boxes1->dtype, [&](auto tag) {
             typedef decltype(tag) T;
-            overlaps_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
-                (const T *)boxes1->data, (const T *)boxes2->data, (T *)ious->data,
-                boxes1->shape[0], boxes2->shape[0], mode, aligned, clockwise != 0);
+            const T *b1 = (const T *)boxes1->data, *b2 = (const T *)boxes2->data;
+            if (aligned) {
+                pairs_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                    b1, b2, (T *)ious->data, total, mode, clockwise != 0);
+            } else {
+                const int64_t rows = boxes1->shape[0], cols = boxes2->shape[0];
+                const int64_t row_tiles = (rows + kTile - 1) / kTile;
+                const dim3 grid((unsigned)((cols + kTile - 1) / kTile),
+                                (unsigned)(row_tiles < kMaxRowTiles ? row_tiles : kMaxRowTiles));
+                table_kernel<T><<<grid, kTile, 0, stream>>>(b1, b2, (T *)ious->data, rows, cols,
+                                                           mode, clockwise != 0);
+            }
             return launch_status("box_iou_rotated launch");
         });
     });
@@ -54,6 +97,6 @@ int box_iou_rotated_cuda(const mmd_tensor *boxes1, const mmd_tensor *boxes2,
 
 MMD_REGISTRATIONS(cuda, box_iou_rotated) {
     MMD_REGISTER_DEVICE_IMPL(box_iou_rotated_impl, CUDA, DEFAULT, box_iou_rotated_cuda);
-    /* one thread per output element: deterministic as it is */
+    /* each output element computed by one thread: deterministic as it is */
     MMD_REGISTER_DEVICE_IMPL(box_iou_rotated_impl, CUDA, DETERMINISTIC, box_iou_rotated_cuda);
 }

@@ -300,3 +300,30 @@ def test_nms_rotated_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu):
     expected = run(list)
     assert 0 < len(expected) < n
     np.testing.assert_array_equal(run(on_gpu), expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,cols", [(150, 130), (1, 1), (64, 64), (3, 200), (200, 3)])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_box_iou_rotated_tables_of_many_64_box_tiles_equal_the_cpu(emu, dtype, rows, cols, mode):
+    """The table kernel's tiles: a block's threads take the columns of a
+    tile against its rows, made ready once in shared memory; partial tiles
+    on both sides, undefined boxes among them."""
+    rng = np.random.default_rng(rows * cols + mode)
+
+    def boxes(n):
+        b = np.concatenate([rng.uniform(0, 100, (n, 2)), rng.uniform(5, 60, (n, 2)),
+                            rng.uniform(-np.pi, np.pi, (n, 1))], axis=1)
+        b[::17, 2] = np.nan
+        return b.astype(dtype)
+
+    b1, b2 = boxes(rows), boxes(cols)
+
+    def run(wrap):
+        ious = np.full((rows, cols), 7, dtype)
+        mmdispatch.box_iou_rotated_impl(*wrap([b1, b2, ious]), mode, False, True)
+        return ious
+
+    expected = run(list)
+    assert not (expected == 7).any()
+    np.testing.assert_array_equal(run(on_gpu), expected)
