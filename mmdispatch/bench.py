@@ -974,24 +974,38 @@ def rotated_boxes(cfg, n, seed=0):
                           axis=1).astype(np.float32)
 
 
-def rotated_cases(cfg):
+def rotated_cases(cfg, to_device=None, sync=None):
     """(name, ours, theirs, None) for box_iou_rotated and nms_rotated of
-    boxes spread over an image, against numpy_box_iou_rotated and
-    numpy_nms_rotated."""
+    boxes spread over an image: on the CPU against numpy_box_iou_rotated and
+    numpy_nms_rotated; with to_device (arrays moved to a device, every timed
+    call followed by sync(), as device_cases), ours alone."""
+    on_device = to_device is not None
+    move = to_device if on_device else (lambda a: a)
+    done = sync if on_device else (lambda: None)
     n = cfg["rotated_boxes"]
     boxes = rotated_boxes(cfg, n)
-    yield (f"box_iou_rotated {n}x{n} (vs vectorised numpy)",
-           lambda: ops.box_iou_rotated(boxes, boxes), lambda: numpy_box_iou_rotated(boxes, boxes),
-           None)
+    d_boxes = move(boxes)
+
+    def iou():
+        ops.box_iou_rotated(d_boxes, d_boxes)
+        done()
+    yield (f"box_iou_rotated {n}x{n}" + ("" if on_device else " (vs vectorised numpy)"), iou,
+           None if on_device else lambda: numpy_box_iou_rotated(boxes, boxes), None)
     n = cfg["nms_boxes"]
     boxes = rotated_boxes(cfg, n, 1)
     scores = np.random.default_rng(2).random(n).astype(np.float32)
+    d_boxes, d_scores = move(boxes), move(scores)
+
+    def nms():
+        ops.nms_rotated(d_boxes, d_scores, 0.5)
+        done()
 
     def theirs():
         numpy_nms_rotated(boxes, scores, 0.5)
     theirs.single_run = True   # about a minute for 20,000 boxes
-    yield (f"nms_rotated {n} boxes, IoU 0.5 (vs vectorised numpy, timed once)",
-           lambda: ops.nms_rotated(boxes, scores, 0.5), theirs, None)
+    yield (f"nms_rotated {n} boxes, IoU 0.5" +
+           ("" if on_device else " (vs vectorised numpy, timed once)"), nms,
+           None if on_device else theirs, None)
 
 
 def run_cuda(quick, repeat, tv):
@@ -1022,6 +1036,7 @@ def run_cuda(quick, repeat, tv):
                 fn()
         return run_deterministic
 
+    rows += timed_rows(rotated_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
     rows += timed_rows([(f"{name}, deterministic backend", deterministic(fn), None, traffic)
                         for cases in (device_cases(cfg, cupy.asarray, sync),
                                       msda_cases(msda, cupy.asarray, sync))

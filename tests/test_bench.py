@@ -120,3 +120,14 @@ def test_rotated_case_compares_with_a_numpy_implementation_that_computes_the_sam
     for _, ours, theirs, _ in cases:
         ours()
         theirs()
+
+
+def test_rotated_cases_on_a_device_time_ours_alone_each_call_waiting_for_the_device():
+    synced = []
+    cases = list(bench.rotated_cases(dict(bench.QUICK, rotated_boxes=30, nms_boxes=50),
+                                     np.asarray, lambda: synced.append(1)))
+    assert [(name, theirs) for name, _, theirs, _ in cases] == [
+        ("box_iou_rotated 30x30", None), ("nms_rotated 50 boxes, IoU 0.5", None)]
+    for _, ours, _, _ in cases:
+        ours()
+    assert synced == [1, 1]
