@@ -27,14 +27,17 @@ template <typename T> struct SortedBoxes {
         return (iou > threshold) & (cls[k] == cls[j]);
     }
 
-    /* the box with the offset added to its far sides; a box of no extent
-     * (x2 + offset <= x1, y2 + offset <= y1, or NaN) meets nothing */
+    /* the box with the offset added to its far sides; a box whose overlap
+     * with itself is 0 (x2 - x1 + offset <= 0 in T, or NaN) has none with
+     * any box (the overlap computed in T can only shrink as the other box
+     * moves its sides inward), so it meets nothing */
     bool extent(int64_t i, double *ax, double *ay, double *bx, double *by) const {
         *ax = x1[i];
         *ay = y1[i];
         *bx = (double)x2[i] + offset;
         *by = (double)y2[i] + offset;
-        return *bx > *ax && *by > *ay;
+        return mmd_overlap_1d(x1[i], x2[i], x1[i], x2[i], offset) > 0 &&
+               mmd_overlap_1d(y1[i], y2[i], y1[i], y2[i], offset) > 0;
     }
 };
 

@@ -1,10 +1,10 @@
 /* nms_rotated / batched_nms_rotated on CPU. Boxes are sorted once by
  * (score key desc, index asc) and made ready for the polygon once each
  * (corners, diagonal, area: mmd_rbox_prepare). For thresholds >= 0 each box
- * then meets only the kept boxes whose bounding rectangles overlap its own
- * (nms_grid.h), and a pair whose area ratio is below the threshold is
- * decided without its polygon; otherwise every kept box tests every later
- * box. The decisions are those of box_iou_rotated's values either way. */
+ * then meets only the kept boxes whose bounding rectangles meet its own
+ * (rotated_bounds, nms_grid.h), and a pair whose area ratio is below the
+ * threshold is decided without its polygon; otherwise every kept box tests
+ * every later box. The decisions are those of box_iou_rotated's values either way. */
 #include "mmdispatch/ops/nms_rotated.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -17,7 +17,7 @@ namespace {
 template <typename T> struct SortedRotatedBoxes {
     int64_t n;
     const mmd_rbox_shape *shape;
-    const double *bounds;   /* x0, y0, x1, y1 per box; NaN x0: no extent */
+    const double *bounds;   /* x0, y0, x1, y1 per box (rotated_bounds) */
     const int64_t *cls;     /* class of each box; all 0 for plain nms_rotated */
     T threshold;
 
@@ -35,25 +35,67 @@ template <typename T> struct SortedRotatedBoxes {
     }
 };
 
-/* The rectangle around box b's corners, widened by far more than the
- * polygon's rounding; x0 = NaN for a box whose intersection with any box
- * is 0 or undefined (zero area, NaN, infinite, a negative side), which at
- * a threshold >= 0 neither suppresses nor is suppressed. */
-void rotated_bounds(const mmd_rbox &b, const mmd_rbox_shape &shape, double *out) {
-    if (!shape.defined || !(shape.area > 0)) {
-        out[0] = out[1] = out[2] = out[3] = NAN;
-        return;
+/* How a box may meet others (an extent for nms_grid.h). */
+enum class Reach { none, everywhere, bounded };
+
+/* none: the box's intersection with any box is 0 or undefined (zero area,
+ * NaN, infinite, a negative side), so at a threshold >= 0 it neither
+ * suppresses nor is suppressed; everywhere: so large or so far out that
+ * squared distances could overflow; else bounded. */
+Reach reach_of(const mmd_rbox_shape &shape) {
+    if (!shape.defined || !(shape.area > 0)) return Reach::none;
+    if (!(shape.diagonal < 0x1p500 && fabs(shape.cx) < 0x1p500 && fabs(shape.cy) < 0x1p500))
+        return Reach::everywhere;
+    return Reach::bounded;
+}
+
+/* Rectangles around the boxes (x0, y0, x1, y1 each; x0 = NaN: Reach::none)
+ * such that boxes whose rectangles do not meet cannot suppress each other.
+ * Two boxes within reach (their centres no farther apart than their half
+ * diagonals, the test that begins mmd_rbox_intersection) have their corners
+ * computed to within a few ulps of the largest diagonal D. When every
+ * bounded box's sides are at least 2^-30 D, the polygons are then true to
+ * the boxes, and boxes whose bounding rectangles, widened by 2^-30 D, do
+ * not meet have an intersection of 0. Otherwise a corner may vanish in the
+ * rounding and a polygon be anything: then each box gets the square around
+ * its circumscribed circle, outside which the distance test alone gives 0. */
+void rotated_bounds(const mmd_rbox_shape *shapes, int64_t n, double *out) {
+    double largest = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (reach_of(shapes[i]) == Reach::bounded && shapes[i].diagonal > largest)
+            largest = shapes[i].diagonal;
+    bool true_polygons = true;
+    for (int64_t i = 0; i < n && true_polygons; ++i)
+        true_polygons = reach_of(shapes[i]) != Reach::bounded ||
+                        shapes[i].area >= 0x1p-30 * largest * shapes[i].diagonal;
+    for (int64_t i = 0; i < n; ++i) {
+        const mmd_rbox_shape &shape = shapes[i];
+        double *o = out + 4 * i;
+        switch (reach_of(shape)) {
+        case Reach::none:
+            o[0] = o[1] = o[2] = o[3] = NAN;
+            continue;
+        case Reach::everywhere:
+            o[0] = o[1] = -INFINITY;
+            o[2] = o[3] = INFINITY;
+            continue;
+        case Reach::bounded:
+            break;
+        }
+        double half_w = 0.5 * shape.diagonal, half_h = half_w;
+        if (true_polygons) {
+            half_w = half_h = 0;
+            for (int k = 0; k < 4; ++k) {
+                half_w = fmax(half_w, fabs(shape.corner_x[k]));
+                half_h = fmax(half_h, fabs(shape.corner_y[k]));
+            }
+        }
+        const double margin = 0x1p-30 * (fabs(shape.cx) + fabs(shape.cy) + largest);
+        o[0] = shape.cx - half_w - margin;
+        o[1] = shape.cy - half_h - margin;
+        o[2] = shape.cx + half_w + margin;
+        o[3] = shape.cy + half_h + margin;
     }
-    double half_w = 0, half_h = 0;
-    for (int i = 0; i < 4; ++i) {
-        half_w = fmax(half_w, fabs(shape.corner_x[i]));
-        half_h = fmax(half_h, fabs(shape.corner_y[i]));
-    }
-    const double margin = 0x1p-30 * (fabs(b.cx) + fabs(b.cy) + shape.diagonal);
-    out[0] = b.cx - half_w - margin;
-    out[1] = b.cy - half_h - margin;
-    out[2] = b.cx + half_w + margin;
-    out[3] = b.cy + half_h + margin;
 }
 
 /* steps a pair test costs: most pairs whose rectangles meet are decided by
@@ -80,9 +122,9 @@ int nms_rotated(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_ten
             const mmd_rbox rbox = {(double)box[0], (double)box[1], (double)box[2],
                                    (double)box[3], (double)box[4]};
             shape[k] = mmd_rbox_prepare(rbox, clockwise);
-            rotated_bounds(rbox, shape[k], bounds.get() + 4 * k);
             if (cls_in) cls[k] = cls_in[order[k].index];
         }
+        rotated_bounds(shape.get(), n, bounds.get());
         const SortedRotatedBoxes<T> s = {n, shape.get(), bounds.get(), cls.get(),
                                          mmd_threshold_below<T>(iou_threshold)};
         kept = (!(iou_threshold >= 0) || n > INT32_MAX)

@@ -616,6 +616,19 @@ def test_default_backend_keeps_exactly_what_the_reference_backend_keeps(seed, dt
                                       expected_batched)
 
 
+@pytest.mark.parametrize("dtype, x", [(np.float64, 2.0 ** 53), (np.float32, 1e30),
+                                      (np.float64, 1e30)])
+def test_a_box_whose_offset_is_lost_beside_its_coordinates_still_meets_its_twin(dtype, x):
+    """x2 + 1 rounds to x2 in double for these, so the grid once took the
+    boxes for empty; in the boxes' dtype (x2 - x1) + 1 = 1 and the two
+    overlap fully (found by a reviewer's fuzzing)."""
+    boxes = np.array([[x, 0, x, 10], [x, 0, x, 10]], dtype)
+    scores = np.array([0.9, 0.8], dtype)
+    with mmdispatch.use_backend("cpu", "reference"):
+        assert nms(boxes, scores, 0.5, 1).tolist() == [0]
+    assert nms(boxes, scores, 0.5, 1).tolist() == [0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7])
 def test_default_backend_agrees_with_the_reference_over_several_decision_blocks(dtype, threshold):

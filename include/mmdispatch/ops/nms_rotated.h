@@ -25,19 +25,26 @@ inline int mmd_nms_rotated_check(const mmd_tensor *boxes, const mmd_tensor *scor
 
 /* Whether box a's IoU with box b, as box_iou_rotated computes it, is
  * certainly at most `threshold` (> 0, of type T) without its polygon: the
- * IoU is at most min(area) / max(area). The computed intersection may pass
- * the smaller area by the polygon's rounding, which is below 2^-40 r^2,
- * r bounding every vertex coordinate (taken relative to a's centre), so
- * the test leaves that and another 2^-40 of margin. A pair whose IoU is
- * not defined (NaN) may be answered here too: it suppresses nothing
- * either way. */
+ * IoU is at most min(area) / max(area). With r bounding every vertex
+ * coordinate (taken relative to a's centre), the computed intersection
+ * passes the smaller area by less than 2^-40 r^2 when every side is at
+ * least 2^-30 r (area >= 2^-30 r * diagonal) and r lies within 2^+-400:
+ * a smaller side can vanish in the rounding of its corners' coordinates,
+ * and then the clipped polygon is not the intersection at all; outside
+ * that range the areas may be subnormal. Such pairs take the polygon. The
+ * test leaves the 2^-40 r^2 and another relative 2^-40 of margin. A pair
+ * whose IoU is not defined (NaN) may be answered here too: it suppresses
+ * nothing either way. */
 template <typename T>
 MMD_HOSTDEV inline bool mmd_rotated_below_by_areas(const mmd_rbox_shape &a,
                                                    const mmd_rbox_shape &b, T threshold) {
     const double lo = a.area < b.area ? a.area : b.area, hi = a.area < b.area ? b.area : a.area;
     const double r = a.diagonal + b.diagonal + fabs(b.cx - a.cx) + fabs(b.cy - a.cy);
+    const bool bounded = r >= 0x1p-400 && r <= 0x1p400 && a.area >= 0x1p-30 * r * a.diagonal &&
+                         b.area >= 0x1p-30 * r * b.diagonal;
     const double slack = 0x1p-40 * r * r;
-    return threshold > 0 && lo + slack < (double)threshold * (1 - 0x1p-40) * (hi - slack);
+    return threshold > 0 && bounded &&
+           lo + slack < (double)threshold * (1 - 0x1p-40) * (hi - slack);
 }
 
 /* Whether kept box a suppresses box b: box_iou_rotated's IoU of (a, b),
