@@ -115,32 +115,32 @@ def test_nested_boxes_with_an_area_ratio_near_the_threshold_keep_what_the_defini
     assert len(boxes) // 2 < len(got) < len(boxes)   # some pairs suppress, some do not
 
 
-@pytest.mark.parametrize("boxes, threshold", [
+ROUNDED_AWAY = [
     # a box small beside its coordinates: its corners vanish in the rounding,
     # the clipped polygon is not the intersection, and box_iou_rotated gives
     # an IoU of about 3e12 for an area ratio of 2e-31
-    ([[0.0, 0.0, 10000.0, 1.0, 1.0], [-1874.5, 1250.25, 1e-14, 2e-14, 0.0]], 0.5),
+    ([[0.0, 0.0, 10000.0, 1.0, 1.0], [-1874.5, 1250.25, 1e-14, 2e-14, 0.0]], 0.5, DTYPES),
     # the same far apart: box_iou_rotated gives 7e-17 > 0 for boxes whose
     # bounding rectangles are 3.3e7 apart (within reach of each other)
     ([[12223192.799801689, 29748803.2416144, 247346302811.25006, 0.3132183255467909, 1e-07],
       [62625197.74709353, 62780506.9802173, 3.992390377347512e-08, 1.249554426724923e-12,
-       1.5707963367948965]], 0.0),
+       1.5707963367948965]], 0.0, DTYPES),
     # subnormal areas (2002 and 4006 x 2^-1074): the polygon's 2004 gives 0.5005
     ([[0.0, 0.0, 9.945448320584526e-161, 9.945448320584526e-161, 0.0],
-      [0.0, 0.0, 1.989089664116905e-160, 9.95042602740449e-161, 0.0]], 0.5),
+      [0.0, 0.0, 1.989089664116905e-160, 9.95042602740449e-161, 0.0]], 0.5, [np.float64]),
     # boxes so large that squared distances overflow
-    ([[0.0, 0.0, 1e200, 1e200, 0.3], [3e200, 0.0, 1e200, 1e200, 0.0]], 0.0),
-])
-@pytest.mark.parametrize("dtype", DTYPES)
+    ([[0.0, 0.0, 1e200, 1e200, 0.3], [3e200, 0.0, 1e200, 1e200, 0.0]], 0.0, [np.float64]),
+]
+
+
+@pytest.mark.parametrize("boxes, threshold, dtype", [
+    (boxes, threshold, dtype) for boxes, threshold, dtypes in ROUNDED_AWAY for dtype in dtypes])
 def test_boxes_whose_polygon_is_not_their_intersection_keep_what_box_iou_rotated_says(
         boxes, threshold, dtype):
     """nms_rotated follows box_iou_rotated's values even where rounding makes
     them wrong geometry (found by a reviewer's fuzzing): the area and grid
     shortcuts leave such pairs to the polygon."""
-    boxes = np.array(boxes, np.float64)
-    if dtype == np.float32 and np.abs(boxes).max() > np.finfo(np.float32).max:
-        pytest.skip("not representable in float32")
-    boxes = boxes.astype(dtype)
+    boxes = np.array(boxes, dtype)
     scores = np.array([0.9, 0.8], dtype)
     assert nms_rotated(boxes, scores, threshold).tolist() == ref_keep(boxes, scores, threshold)
 
