@@ -1,7 +1,7 @@
 /* box_iou_rotated on CUDA: the exact polygon of
  * mmdispatch/ops/box_iou_rotated.h in double whatever the storage type
- * (float16 and bfloat16 included), a thread per pair (aligned) or per
- * column of a tile of the table. Launches on ctx->stream, on
+ * (float16 and bfloat16 included): a thread per pair when aligned, else the
+ * table in tiles (table_kernel). Launches on ctx->stream, on
  * ctx->device_id. */
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/box_iou_rotated.h"
@@ -34,34 +34,38 @@ __global__ void pairs_kernel(const T *boxes1, const T *boxes2, T *ious, int64_t 
     }
 }
 
-/* The (rows, cols) table in tiles of kTile x kTile: a block's thread takes
- * one column against the tile's rows, which the block makes ready once in
- * shared memory, so each box's corners are computed once per tile instead
- * of for every pair, and each row's writes are coalesced. Row tiles beyond
- * the grid's height are taken in turn. */
+/* The (rows, cols) table in tiles of up to kTile x kTile boxes: the block
+ * makes the tile's row and column boxes ready (corners, diagonal, area)
+ * once, in shared memory, then its threads take the tile's pairs in
+ * row-major order. So each box's corners are computed once per tile
+ * instead of for every pair, writes are coalesced, and a narrow table (a
+ * few ground-truth boxes against many anchors) keeps every thread busy.
+ * Row tiles beyond the grid's height are taken in turn. */
 constexpr int kTile = 64;
-constexpr int64_t kMaxRowTiles = 65535;   /* gridDim.y */
+constexpr int kTableThreads = 256;
 
 template <typename T>
 __global__ void table_kernel(const T *boxes1, const T *boxes2, T *ious, int64_t rows,
                              int64_t cols, int64_t mode, bool clockwise) {
     typedef typename Compute<T>::type A;
-    __shared__ mmd_rbox_shape row_boxes[kTile];
-    const int64_t j = blockIdx.x * (int64_t)kTile + threadIdx.x;
-    const bool in_table = j < cols;
-    mmd_rbox_shape column = {};
-    if (in_table) column = shape_at(boxes2, j, clockwise);
-    for (int64_t first = blockIdx.y * (int64_t)kTile; first < rows;
-         first += (int64_t)gridDim.y * kTile) {
-        const int count = (int)min((int64_t)kTile, rows - first);
+    __shared__ mmd_rbox_shape row_boxes[kTile], col_boxes[kTile];
+    const int64_t col_first = blockIdx.x * (int64_t)kTile;
+    const int width = (int)min((int64_t)kTile, cols - col_first);
+    if (threadIdx.x < width)
+        col_boxes[threadIdx.x] = shape_at(boxes2, col_first + threadIdx.x, clockwise);
+    for (int64_t row_first = blockIdx.y * (int64_t)kTile; row_first < rows;
+         row_first += (int64_t)gridDim.y * kTile) {
+        const int height = (int)min((int64_t)kTile, rows - row_first);
         __syncthreads();   /* the previous tile's rows are read */
-        if (threadIdx.x < count) row_boxes[threadIdx.x] = shape_at(boxes1, first + threadIdx.x,
-                                                                   clockwise);
+        if (threadIdx.x < height)
+            row_boxes[threadIdx.x] = shape_at(boxes1, row_first + threadIdx.x, clockwise);
         __syncthreads();
-        if (!in_table) continue;
-        for (int r = 0; r < count; ++r)
-            ious[(first + r) * cols + j] =
-                from_compute<T>((A)mmd_rbox_overlap(row_boxes[r], column, mode));
+        T *tile = ious + row_first * cols + col_first;
+        for (int pair = threadIdx.x; pair < height * width; pair += kTableThreads) {
+            const int r = pair / width, c = pair % width;
+            tile[r * cols + c] = from_compute<T>((A)mmd_rbox_overlap(row_boxes[r], col_boxes[c],
+                                                                     mode));
+        }
     }
 }
 
@@ -83,10 +87,16 @@ int box_iou_rotated_cuda(const mmd_tensor *boxes1, const mmd_tensor *boxes2,
             } else {
                 const int64_t rows = boxes1->shape[0], cols = boxes2->shape[0];
                 const int64_t row_tiles = (rows + kTile - 1) / kTile;
-                const dim3 grid((unsigned)((cols + kTile - 1) / kTile),
-                                (unsigned)(row_tiles < kMaxRowTiles ? row_tiles : kMaxRowTiles));
-                table_kernel<T><<<grid, kTile, 0, stream>>>(b1, b2, (T *)ious->data, rows, cols,
-                                                           mode, clockwise != 0);
+                const int64_t col_tiles = (cols + kTile - 1) / kTile;
+                if (col_tiles > INT32_MAX)
+                    return mmd_error(MMD_ERR_VALUE, "CUDA box_iou_rotated takes at most %lld "
+                                     "boxes2, got %lld", (long long)INT32_MAX * kTile,
+                                     (long long)cols);
+                const dim3 grid((unsigned)col_tiles,
+                                (unsigned)(row_tiles < MMD_CUDA_MAX_GRID_Y ? row_tiles
+                                                                          : MMD_CUDA_MAX_GRID_Y));
+                table_kernel<T><<<grid, kTableThreads, 0, stream>>>(
+                    b1, b2, (T *)ious->data, rows, cols, mode, clockwise != 0);
             }
             return launch_status("box_iou_rotated launch");
         });

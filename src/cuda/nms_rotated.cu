@@ -1,8 +1,9 @@
 /* nms_rotated / batched_nms_rotated on CUDA: the pipeline of
  * mmdispatch/cuda/nms.cuh with this mask kernel, whose suppression test is
  * the CPU kernel's (mmdispatch/ops/nms_rotated.h: box_iou_rotated's exact
- * polygon in double), so both keep the same boxes. float16 and bfloat16
- * boxes are gathered in float32. */
+ * polygon in double), so both keep the same boxes unless an IoU lies
+ * within the last bit of the threshold (CUDA's sin and cos may differ from
+ * the host's there). float16 and bfloat16 boxes are gathered in float32. */
 #include "mmdispatch/cuda/nms.cuh"
 #include "mmdispatch/ops/nms_rotated.h"
 #include "mmdispatch/registry.h"

@@ -54,6 +54,13 @@ class DeviceGuard {
     cudaError_t err_;
 };
 
+/* The grid height a kernel that loops over what its grid does not cover
+ * launches at most (CUDA's limit is 65535; the CUDA emulator's tests build
+ * with a small one, so that those loops run). */
+#ifndef MMD_CUDA_MAX_GRID_Y
+#define MMD_CUDA_MAX_GRID_Y 65535
+#endif
+
 /* Grid size for a grid-stride loop over `total` items. */
 inline unsigned blocks_for(int64_t total) {
     int64_t blocks = (total + kThreads - 1) / kThreads;

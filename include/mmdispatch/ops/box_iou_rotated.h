@@ -158,10 +158,4 @@ MMD_HOSTDEV inline double mmd_rbox_overlap(const mmd_rbox_shape &a, const mmd_rb
     return base > 0 ? inter / base : 0;
 }
 
-/* IoU (mode 0) or IoF (mode 1) of two boxes. */
-MMD_HOSTDEV inline double mmd_rbox_overlap(const mmd_rbox &a, const mmd_rbox &b, int64_t mode,
-                                           bool clockwise) {
-    return mmd_rbox_overlap(mmd_rbox_prepare(a, clockwise), mmd_rbox_prepare(b, clockwise), mode);
-}
-
 #endif
