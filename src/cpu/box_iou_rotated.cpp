@@ -10,12 +10,6 @@
 
 namespace {
 
-template <typename T> mmd_rbox_shape shape_at(const T *boxes, int64_t i, bool clockwise) {
-    const T *b = boxes + 5 * i;
-    return mmd_rbox_prepare(
-        mmd_rbox{(double)b[0], (double)b[1], (double)b[2], (double)b[3], (double)b[4]}, clockwise);
-}
-
 /* boxes2 are made ready (mmd_rbox_prepare) kBlockBoxes at a time, so the
  * table stays in cache and its size bounded */
 constexpr int64_t kBlockBoxes = 1024;
@@ -30,7 +24,7 @@ int box_iou_rotated(const mmd_tensor *boxes1, const mmd_tensor *boxes2, const mm
         return mmd_parallel_for(rows, mmd_even_chunk(rows), mmd_worth_threads(rows, 16 * rows),
                                 [&](int64_t begin, int64_t end) {
             for (int64_t i = begin; i < end; ++i)
-                out[i] = (T)mmd_rbox_overlap(shape_at(a, i, clockwise), shape_at(b, i, clockwise),
+                out[i] = (T)mmd_rbox_overlap(mmd_rbox_shape_at(a, i, clockwise), mmd_rbox_shape_at(b, i, clockwise),
                                              mode);
             return (int)MMD_OK;
         });
@@ -39,13 +33,13 @@ int box_iou_rotated(const mmd_tensor *boxes1, const mmd_tensor *boxes2, const mm
     if (!block) return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld boxes", (long long)cols);
     for (int64_t first = 0; first < cols; first += kBlockBoxes) {
         const int64_t width = cols - first < kBlockBoxes ? cols - first : kBlockBoxes;
-        for (int64_t j = 0; j < width; ++j) block[j] = shape_at(b, first + j, clockwise);
+        for (int64_t j = 0; j < width; ++j) block[j] = mmd_rbox_shape_at(b, first + j, clockwise);
         /* a pair costs a few hundred steps when the boxes meet */
         const int s = mmd_parallel_for(rows, mmd_even_chunk(rows),
                                        mmd_worth_threads(rows, 16 * rows * width),
                                        [&](int64_t begin, int64_t end) {
             for (int64_t i = begin; i < end; ++i) {
-                const mmd_rbox_shape box = shape_at(a, i, clockwise);
+                const mmd_rbox_shape box = mmd_rbox_shape_at(a, i, clockwise);
                 T *row = out + i * cols + first;
                 for (int64_t j = 0; j < width; ++j)
                     row[j] = (T)mmd_rbox_overlap(box, block[j], mode);

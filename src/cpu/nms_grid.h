@@ -136,14 +136,47 @@ template <typename S> class KeptGrid {
     }
 
     int64_t kept() const { return kept_; }
-    int64_t num_big() const { return num_big_; }
 
-    /* Whether a kept box of rank `from` or more suppresses box j, each
-     * such pair tested once: in the first cell (lowest row, then column)
-     * the two share. Kept boxes are counted in kept_rank[0:kept()] and
-     * big_[0:num_big()]; [kept_from, kept_to) and [big_from, big_to) are
-     * the ranges of those to test. Only reads the grid: calls between two
-     * keep()s may run in parallel. */
+    /* Starts a block of boxes from rank `first` on (every box below it is
+     * decided). */
+    void begin_block(int64_t first) {
+        block_first_ = first;
+        kept_before_ = kept_;
+        big_before_ = num_big_;
+    }
+
+    /* Whether a box kept before the block suppresses box j. Only reads the
+     * grid: calls for the block's boxes may run in parallel. */
+    int suppressed_before_block(int64_t j) const {
+        return suppressed(j, 0, 0, kept_before_, 0, big_before_);
+    }
+
+    /* Whether a box the block has kept so far suppresses box j. */
+    int suppressed_in_block(int64_t j) const {
+        return suppressed(j, block_first_, kept_before_, kept_, big_before_, num_big_);
+    }
+
+    /* Keeps box j (every box of lower rank is decided). */
+    void keep(int64_t j) {
+        kept_rank_[kept_++] = j;
+        const Cells *c = &cells_[j];
+        if (c->c0 < 0) return;
+        if (c->big) {
+            big_[num_big_++] = j;
+            return;
+        }
+        for (int32_t r = c->r0; r <= c->r1; ++r)
+            for (int32_t q = c->c0; q <= c->c1; ++q) {
+                const int64_t cell = (int64_t)r * cols_ + q;
+                entries_[cell_start_[cell] + cell_fill_[cell]++] = (int32_t)j;
+            }
+    }
+
+  private:
+    /* Whether a kept box of rank `from` or more suppresses box j, each such
+     * pair tested once: in the first cell (lowest row, then column) the two
+     * share; [kept_from, kept_to) and [big_from, big_to) are the ranges of
+     * kept_rank_ and big_ to test. */
     int suppressed(int64_t j, int64_t from, int64_t kept_from, int64_t kept_to, int64_t big_from,
                    int64_t big_to) const {
         const Cells *c = &cells_[j];
@@ -173,23 +206,6 @@ template <typename S> class KeptGrid {
         return 0;
     }
 
-    /* Keeps box j (every box of lower rank is decided). */
-    void keep(int64_t j) {
-        kept_rank_[kept_++] = j;
-        const Cells *c = &cells_[j];
-        if (c->c0 < 0) return;
-        if (c->big) {
-            big_[num_big_++] = j;
-            return;
-        }
-        for (int32_t r = c->r0; r <= c->r1; ++r)
-            for (int32_t q = c->c0; q <= c->c1; ++q) {
-                const int64_t cell = (int64_t)r * cols_ + q;
-                entries_[cell_start_[cell] + cell_fill_[cell]++] = (int32_t)j;
-            }
-    }
-
-  private:
     const S &s_;
     int64_t *kept_rank_;
     HeapArray<Cells> cells_{s_.n};
@@ -200,6 +216,7 @@ template <typename S> class KeptGrid {
     GridLayout grid_;
     int32_t cols_ = 1;
     int64_t kept_ = 0, num_big_ = 0;
+    int64_t block_first_ = 0, kept_before_ = 0, big_before_ = 0;   /* begin_block */
 };
 
 /* With threads, boxes are decided a block at a time: first each box of the
@@ -224,22 +241,16 @@ int64_t suppress_grid(const S &s, int64_t *kept_rank, int64_t pair_work) {
     if (!grid.build() || !earlier) return -1;
     for (int64_t first = 0; first < s.n; first += block) {
         const int64_t width = s.n - first < block ? s.n - first : block;
-        const int64_t kept_before = grid.kept(), big_before = grid.num_big();
+        grid.begin_block(first);
         (void)mmd_parallel_for(width, mmd_even_chunk(width),
-                         mmd_worth_threads(width, 8 * width * pair_work),
-                         [&](int64_t begin, int64_t end) {
+                               mmd_worth_threads(width, 8 * width * pair_work),
+                               [&](int64_t begin, int64_t end) {
             for (int64_t i = begin; i < end; ++i)
-                earlier[i] = (unsigned char)grid.suppressed(first + i, 0, 0, kept_before, 0,
-                                                            big_before);
+                earlier[i] = (unsigned char)grid.suppressed_before_block(first + i);
             return (int)MMD_OK;
         });
-        for (int64_t i = 0; i < width; ++i) {
-            const int64_t j = first + i;
-            if (earlier[i] || grid.suppressed(j, first, kept_before, grid.kept(), big_before,
-                                              grid.num_big()))
-                continue;
-            grid.keep(j);
-        }
+        for (int64_t i = 0; i < width; ++i)
+            if (!earlier[i] && !grid.suppressed_in_block(first + i)) grid.keep(first + i);
     }
     return grid.kept();
 }

@@ -4,7 +4,8 @@
  * then meets only the kept boxes whose bounding rectangles meet its own
  * (rotated_bounds, nms_grid.h), and a pair whose area ratio is below the
  * threshold is decided without its polygon; otherwise every kept box tests
- * every later box. The decisions are those of box_iou_rotated's values either way. */
+ * every later box. The decisions are those of box_iou_rotated's values
+ * either way. */
 #include "mmdispatch/ops/nms_rotated.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -118,10 +119,7 @@ int nms_rotated(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_ten
     if (order && shape && bounds && cls && kept_rank) {
         score_order((const T *)scores->data, n, order.get());
         for (int64_t k = 0; k < n; ++k) {
-            const T *box = b + 5 * order[k].index;
-            const mmd_rbox rbox = {(double)box[0], (double)box[1], (double)box[2],
-                                   (double)box[3], (double)box[4]};
-            shape[k] = mmd_rbox_prepare(rbox, clockwise);
+            shape[k] = mmd_rbox_shape_at(b, order[k].index, clockwise);
             if (cls_in) cls[k] = cls_in[order[k].index];
         }
         rotated_bounds(shape.get(), n, bounds.get());

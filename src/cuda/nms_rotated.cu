@@ -13,14 +13,6 @@ namespace {
 
 using namespace mmd_cuda;
 
-/* box i made ready for the polygon (its corners, diagonal and area) */
-template <typename A>
-__device__ inline mmd_rbox_shape shape_at(const A *boxes, int64_t i, bool clockwise) {
-    const A *b = boxes + 5 * i;
-    return mmd_rbox_prepare(
-        mmd_rbox{(double)b[0], (double)b[1], (double)b[2], (double)b[3], (double)b[4]}, clockwise);
-}
-
 template <typename A>
 __global__ void mask_kernel(const A *boxes, const int64_t *classes, int64_t n,
                             int64_t col_blocks, A threshold, bool clockwise,
@@ -32,13 +24,13 @@ __global__ void mask_kernel(const A *boxes, const int64_t *classes, int64_t n,
     const int64_t col_start = col_block * kBlockBoxes;
     const int col_size = (int)min((int64_t)kBlockBoxes, n - col_start);
     if (threadIdx.x < col_size) {
-        col_boxes[threadIdx.x] = shape_at(boxes, col_start + threadIdx.x, clockwise);
+        col_boxes[threadIdx.x] = mmd_rbox_shape_at(boxes, col_start + threadIdx.x, clockwise);
         col_classes[threadIdx.x] = classes[col_start + threadIdx.x];
     }
     __syncthreads();
     const int64_t i = row_block * kBlockBoxes + threadIdx.x;
     if (i >= n) return;
-    const mmd_rbox_shape box = shape_at(boxes, i, clockwise);
+    const mmd_rbox_shape box = mmd_rbox_shape_at(boxes, i, clockwise);
     const int64_t cls = classes[i];
     unsigned long long bits = 0;
     for (int j = row_block == col_block ? threadIdx.x + 1 : 0; j < col_size; ++j)

@@ -88,6 +88,14 @@ MMD_HOSTDEV inline mmd_rbox_shape mmd_rbox_prepare(const mmd_rbox &b, bool clock
     return shape;
 }
 
+/* Box i of an (n, 5) array of float or double, made ready. */
+template <typename T>
+MMD_HOSTDEV inline mmd_rbox_shape mmd_rbox_shape_at(const T *boxes, int64_t i, bool clockwise) {
+    const T *b = boxes + 5 * i;
+    return mmd_rbox_prepare(
+        mmd_rbox{(double)b[0], (double)b[1], (double)b[2], (double)b[3], (double)b[4]}, clockwise);
+}
+
 /* The corners of box b relative to (ox, oy). */
 MMD_HOSTDEV inline void mmd_rbox_polygon(const mmd_rbox_shape &b, double ox, double oy,
                                          mmd_polygon *p) {
