@@ -30,7 +30,8 @@ def info():
     for dev in mmdispatch.devices():
         print(f"  {dev['device']}: {dev['status']}")
     print("backends:", ", ".join(mmdispatch.backends()))
-    print("CPU matrix products:", mmdispatch._core.gemm_provider())
+    print("CPU matrix products:", mmdispatch._core.gemm_provider(),
+          f"(register tiles of our own: {mmdispatch._core.cpu_tiles()})")
     print("registry (active kernel per op and device/backend):")
     print(registry_matrix())
 

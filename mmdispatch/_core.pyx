@@ -363,6 +363,7 @@ def _op_registry(op_name):
 
 cdef extern from "mmdispatch/gemm.h":
     const char *mmd_gemm_provider() nogil
+    const char *mmd_tile_isa_name() nogil
 
 
 def gemm_provider():
@@ -370,6 +371,14 @@ def gemm_provider():
     the process's BLAS, found on the first product, or "mmdispatch's own"
     (none found, or MMDISPATCH_BLAS=none)."""
     return mmd_gemm_provider().decode()
+
+
+def cpu_tiles():
+    """The instruction set of our own products' register tiles: "avx512",
+    "avx2" or "baseline", the best this CPU has, capped by
+    MMDISPATCH_CPU_ISA. From AVX2 up, deform_conv2d's forward runs on them
+    instead of the BLAS."""
+    return mmd_tile_isa_name().decode()
 
 
 def op_signatures():

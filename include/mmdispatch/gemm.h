@@ -7,8 +7,8 @@
  * They call the BLAS already loaded into the process (numpy's OpenBLAS, or
  * any library exporting cblas_sgemm/cblas_dgemm, 64-bit or 32-bit indices),
  * found once, on the first call, the way threadpoolctl finds it; where none
- * is found, or MMDISPATCH_BLAS=none is set, a blocked product of our own on
- * the worker pool. Both are deterministic for a given thread count. */
+ * is found, or MMDISPATCH_BLAS=none is set, our own tile products (below)
+ * on the worker pool. Both are deterministic for a given thread count. */
 #ifndef MMDISPATCH_GEMM_H
 #define MMDISPATCH_GEMM_H
 
@@ -29,6 +29,42 @@ void mmd_dgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, double
  * "mmdispatch's own" when none was found. */
 const char *mmd_gemm_provider(void);
 
+/* Tile products, for kernels that make the rows of one operand a block at a
+ * time on their own threads (deform_conv2d's columns) and for our own gemm:
+ *
+ *     out[o * ldo + p] = sum_j w[o][j] * x[p * ldx + j]   (+ bias[o])
+ *
+ * for o < outs and p < pixels, summed in j order with fused multiply-adds
+ * where the instruction set has them, in register tiles of pixels x
+ * strip outs (mmd_tile_strip). w is first packed (mmd_pack_strips) into
+ * ceil(outs / strip) strips of k rows of `strip` values, zero beyond outs.
+ * With `accumulate`, out += the sums instead (bias then unused). Each out
+ * value is one sum, so the result does not depend on how callers share
+ * pixels out over threads. The call itself is single-threaded.
+ *
+ * The tiles are compiled for AVX-512, AVX2+FMA and the baseline vector
+ * unit; the best the CPU has is used, capped by MMDISPATCH_CPU_ISA
+ * ("avx512", "avx2" or "baseline", read once), which tests use to run
+ * each. mmd_tiles_beat_blas() says whether the chosen one is as fast as a
+ * BLAS's gemm (AVX2 and up). */
+int mmd_tile_isa(void);   /* 2 AVX-512, 1 AVX2+FMA, 0 baseline */
+const char *mmd_tile_isa_name(void);
+int mmd_tiles_beat_blas(void);
+int64_t mmd_tile_strip(int64_t elem_size);   /* sizeof(float) or sizeof(double) */
+/* Pixels per call whose rows of k values stay in a core's cache while
+ * every strip passes over them: a multiple of the tile's pixels. */
+int64_t mmd_tile_block(int64_t k, int64_t elem_size);
+void mmd_spack_strips(int64_t outs, int64_t k, float scale, const float *w, int64_t ldw,
+                      float *packed);
+void mmd_dpack_strips(int64_t outs, int64_t k, double scale, const double *w, int64_t ldw,
+                      double *packed);
+void mmd_stile_product(int64_t outs, int64_t pixels, int64_t k, const float *packed,
+                       const float *x, int64_t ldx, const float *bias, int accumulate, float *out,
+                       int64_t ldo);
+void mmd_dtile_product(int64_t outs, int64_t pixels, int64_t k, const double *packed,
+                       const double *x, int64_t ldx, const double *bias, int accumulate,
+                       double *out, int64_t ldo);
+
 #ifdef __cplusplus
 }
 
@@ -42,6 +78,29 @@ inline void mmd_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, 
                      const double *a, int64_t lda, const double *b, int64_t ldb, double beta,
                      double *c, int64_t ldc) {
     mmd_dgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+/* The packed size of w (values) and the tile products, in T. */
+template <typename T> inline int64_t mmd_packed_size(int64_t outs, int64_t k) {
+    const int64_t strip = mmd_tile_strip((int64_t)sizeof(T));
+    return (outs + strip - 1) / strip * strip * k;
+}
+inline void mmd_pack_strips(int64_t outs, int64_t k, float scale, const float *w, int64_t ldw,
+                            float *packed) {
+    mmd_spack_strips(outs, k, scale, w, ldw, packed);
+}
+inline void mmd_pack_strips(int64_t outs, int64_t k, double scale, const double *w, int64_t ldw,
+                            double *packed) {
+    mmd_dpack_strips(outs, k, scale, w, ldw, packed);
+}
+inline void mmd_tile_product(int64_t outs, int64_t pixels, int64_t k, const float *packed,
+                             const float *x, int64_t ldx, const float *bias, int accumulate,
+                             float *out, int64_t ldo) {
+    mmd_stile_product(outs, pixels, k, packed, x, ldx, bias, accumulate, out, ldo);
+}
+inline void mmd_tile_product(int64_t outs, int64_t pixels, int64_t k, const double *packed,
+                             const double *x, int64_t ldx, const double *bias, int accumulate,
+                             double *out, int64_t ldo) {
+    mmd_dtile_product(outs, pixels, k, packed, x, ldx, bias, accumulate, out, ldo);
 }
 #endif
 #endif

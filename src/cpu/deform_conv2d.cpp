@@ -109,67 +109,86 @@ template <typename T> struct Call {
     }
 
     /* The samples of image n's pixels [p0, p0 + count), sample (g, t) of
-     * pixel q at table[q * samples() + g * taps + t]. */
-    void locate(int64_t n, int64_t p0, int64_t count, Sample<T> *table) const {
+     * pixel q at table[q * samples() + g * taps + t]: those of rows (g, t)
+     * in [r0, r1) here, all of them in locate. */
+    void locate_rows(int64_t n, int64_t p0, int64_t count, Sample<T> *table, int64_t r0,
+                     int64_t r1) const {
         const int64_t taps = d.taps(), rows = samples(), pixels = d.pixels(), off_map = plane();
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t g = r / taps, t = r % taps, i = t / d.kernel_w, j = t % d.kernel_w;
+            const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels;
+            const T *dx = dy + pixels;
+            const T *m = mask ? mask + ((n * d.offset_groups + g) * taps + t) * pixels : nullptr;
+            for (int64_t q = 0; q < count; ++q) {
+                const int64_t p = p0 + q, oy = p / d.out_w, ox = p % d.out_w;
+                const T y = mmd_dcn_base<T>(oy, i, d.stride_h, d.pad_h, d.dilation_h) + dy[p];
+                const T x = mmd_dcn_base<T>(ox, j, d.stride_w, d.pad_w, d.dilation_w) + dx[p];
+                Sample<T> &s = table[q * rows + r];
+                mmd_bilinear_locate(y, x, d.height, d.width, &s);
+                for (int k = 0; k < 4; ++k)
+                    if (s.index[k] < 0) s.index[k] = off_map + k;   /* weight 0, value 0 */
+                s.mask = m ? m[p] : (T)1;
+            }
+        }
+    }
+    void locate(int64_t n, int64_t p0, int64_t count, Sample<T> *table) const {
+        const int64_t rows = samples();
         mmd_parallel_for(rows, 1, mmd_worth_threads(rows, rows * count * 8),
                          [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r) {
-                const int64_t g = r / taps, t = r % taps, i = t / d.kernel_w, j = t % d.kernel_w;
-                const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels;
-                const T *dx = dy + pixels;
-                const T *m = mask ? mask + ((n * d.offset_groups + g) * taps + t) * pixels : nullptr;
-                for (int64_t q = 0; q < count; ++q) {
-                    const int64_t p = p0 + q, oy = p / d.out_w, ox = p % d.out_w;
-                    const T y = mmd_dcn_base<T>(oy, i, d.stride_h, d.pad_h, d.dilation_h) + dy[p];
-                    const T x = mmd_dcn_base<T>(ox, j, d.stride_w, d.pad_w, d.dilation_w) + dx[p];
-                    Sample<T> &s = table[q * rows + r];
-                    mmd_bilinear_locate(y, x, d.height, d.width, &s);
-                    for (int k = 0; k < 4; ++k)
-                        if (s.index[k] < 0) s.index[k] = off_map + k;   /* weight 0, value 0 */
-                    s.mask = m ? m[p] : (T)1;
-                }
-            }
+            locate_rows(n, p0, count, table, begin, end);
             return (int)MMD_OK;
         });
     }
 
     /* A pixel's row of columns: mask * sample of each channel, the same
-     * sums as mmd_bilinear_value's (an off-map cell reads a zero row). */
-    void im2col(const T *image, int64_t count, const Sample<T> *table, const Segment *segs,
-                int64_t nsegs, T *columns) const {
+     * sums as mmd_bilinear_value's (an off-map cell reads a zero row); the
+     * rows of pixels [q0, q1) here, all of them in im2col. */
+    void im2col_rows(const T *image, const Sample<T> *table, const Segment *segs, int64_t nsegs,
+                     T *columns, int64_t q0, int64_t q1) const {
         const int64_t taps = d.taps(), channels = d.in_channels, step = group_channels();
         const int64_t per_pixel = samples(), width = row();
-        mmd_parallel_for(count, mmd_even_chunk(count), mmd_worth_threads(count, count * width),
-                         [&](int64_t begin, int64_t end) {
-            for (int64_t q = begin; q < end; ++q) {
-                const Sample<T> *sq = table + q * per_pixel;
-                T *row_q = columns + q * width;
-                for (int64_t k = 0; k < nsegs; ++k) {
-                    const Segment &sg = segs[k];
-                    const int64_t n = sg.c1 - sg.c0;
-                    for (int64_t t = 0; t < taps; ++t) {
-                        const Sample<T> &s = sq[sg.offset_group * taps + t];
-                        T *__restrict out = row_q + sg.column + t * step;
-                        if (s.undefined) {
-                            for (int64_t c = 0; c < n; ++c) out[c] = s.mask * (T)NAN;
-                            continue;
-                        }
-                        const T *__restrict a = image + s.index[0] * channels + sg.c0;
-                        const T *__restrict b = image + s.index[1] * channels + sg.c0;
-                        const T *__restrict e = image + s.index[2] * channels + sg.c0;
-                        const T *__restrict f = image + s.index[3] * channels + sg.c0;
-                        const T w0 = s.weight[0], w1 = s.weight[1], w2 = s.weight[2],
-                                w3 = s.weight[3], m = s.mask;
-                        for (int64_t c = 0; c < n; ++c)
-                            out[c] = m * (w0 * a[c] + w1 * b[c] + w2 * e[c] + w3 * f[c]);
+        for (int64_t q = q0; q < q1; ++q) {
+            const Sample<T> *sq = table + q * per_pixel;
+            T *row_q = columns + q * width;
+            for (int64_t k = 0; k < nsegs; ++k) {
+                const Segment &sg = segs[k];
+                const int64_t n = sg.c1 - sg.c0;
+                for (int64_t t = 0; t < taps; ++t) {
+                    const Sample<T> &s = sq[sg.offset_group * taps + t];
+                    T *__restrict out = row_q + sg.column + t * step;
+                    if (s.undefined) {
+                        for (int64_t c = 0; c < n; ++c) out[c] = s.mask * (T)NAN;
+                        continue;
                     }
+                    const T *__restrict a = image + s.index[0] * channels + sg.c0;
+                    const T *__restrict b = image + s.index[1] * channels + sg.c0;
+                    const T *__restrict e = image + s.index[2] * channels + sg.c0;
+                    const T *__restrict f = image + s.index[3] * channels + sg.c0;
+                    const T w0 = s.weight[0], w1 = s.weight[1], w2 = s.weight[2],
+                            w3 = s.weight[3], m = s.mask;
+                    for (int64_t c = 0; c < n; ++c)
+                        out[c] = m * (w0 * a[c] + w1 * b[c] + w2 * e[c] + w3 * f[c]);
                 }
             }
+        }
+    }
+    void im2col(const T *image, int64_t count, const Sample<T> *table, const Segment *segs,
+                int64_t nsegs, T *columns) const {
+        mmd_parallel_for(count, mmd_even_chunk(count), mmd_worth_threads(count, count * row()),
+                         [&](int64_t begin, int64_t end) {
+            im2col_rows(image, table, segs, nsegs, columns, begin, end);
             return (int)MMD_OK;
         });
     }
 };
+
+/* Image n channels-last into image ((plane + kOffMapRows) x channels), with
+ * the off-map rows zeroed. */
+template <typename T> void load_channels_last(const Call<T> &call, int64_t n, T *image) {
+    const int64_t channels = call.d.in_channels, plane = call.plane();
+    transpose(call.input + n * channels * plane, channels, plane, plane, image, channels);
+    memset(image + plane * channels, 0, sizeof(T) * kOffMapRows * channels);
+}
 
 /* Scratch memory of a call: a chunk's columns and samples, the image
  * channels-last (and its gradient, for backward), the weight as (out, tap,
@@ -203,13 +222,7 @@ template <typename T> struct Workspace {
         return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's columns",
                          (long long)bytes);
     }
-    /* Image n channels-last, with the off-map rows zeroed. */
-    void load_image(const Call<T> &call, int64_t n) {
-        const int64_t channels = call.d.in_channels, plane = call.plane();
-        transpose(call.input + n * channels * plane, channels, plane, plane, image.get(),
-                  channels);
-        memset(image.get() + plane * channels, 0, sizeof(T) * kOffMapRows * channels);
-    }
+    void load_image(const Call<T> &call, int64_t n) { load_channels_last(call, n, image.get()); }
 };
 
 /* (out, channel, tap) <-> (out, tap, channel) per out channel, with the
@@ -228,10 +241,70 @@ void reorder_weight(const Call<T> &call, const T *src, T *dst, bool to_taps) {
             }
 }
 
+/* Forward on the tile products (gemm.h), where they are as fast as a BLAS:
+ * each thread takes blocks of an image's output pixels and makes a block's
+ * samples, its columns and their products with every strip of the packed
+ * weight in scratch of its own, small enough to stay in its core's cache.
+ * The columns never go out to memory, and no BLAS threads wake (OpenBLAS's
+ * spin for a while after each product, taking cores from the next image's
+ * columns). The outputs do not depend on the thread count. */
+template <typename T> int forward_tiles(const Call<T> &call, const T *bias, T *output) {
+    const mmd_dcn_shape &d = call.d;
+    const int64_t pixels = d.pixels(), outs = call.group_outputs(), k = call.group_columns();
+    const int64_t width = call.row(), per_pixel = call.samples();
+    const int64_t block = mmd_tile_block(width, (int64_t)sizeof(T));
+    const int64_t blocks = (pixels + block - 1) / block, threads = mmd_max_threads();
+    /* a scratch slot per range of blocks the loop hands out */
+    const int64_t ranges = 2 * threads < blocks ? 2 * threads : blocks;
+    const int64_t per_range = (blocks + ranges - 1) / ranges;
+    const int64_t slots = (blocks + per_range - 1) / per_range;
+    const int64_t packed_group = mmd_packed_size<T>(outs, k);
+    const int64_t image_size = (call.plane() + kOffMapRows) * d.in_channels;
+    HeapArray<T> weight(d.out_channels * k), packed(d.groups * packed_group), image(image_size),
+        columns(slots * block * width);
+    HeapArray<Sample<T>> table(slots * block * per_pixel);
+    HeapArray<Segment> segs(d.groups + d.offset_groups);
+    if (!weight || !packed || !image || !columns || !table || !segs)
+        return mmd_error(MMD_ERR_MEMORY,
+                         "cannot allocate %lld bytes for deform_conv2d's columns",
+                         (long long)((int64_t)sizeof(T) * (d.out_channels * k +
+                                                           d.groups * packed_group + image_size +
+                                                           slots * block * width) +
+                                     (int64_t)sizeof(Sample<T>) * slots * block * per_pixel));
+    const int64_t nsegs = call.segments(segs.get());
+    reorder_weight(call, call.weight, weight.get(), true);
+    for (int64_t g = 0; g < d.groups; ++g)
+        mmd_pack_strips(outs, k, (T)1, weight.get() + g * outs * k, k,
+                        packed.get() + g * packed_group);
+    for (int64_t n = 0; n < d.batch; ++n) {
+        T *out = output + n * d.out_channels * pixels;
+        load_channels_last(call, n, image.get());
+        mmd_parallel_for(blocks, per_range,
+                         mmd_worth_threads(blocks, pixels * (width + 1) * d.out_channels),
+                         [&](int64_t begin, int64_t end) {
+            const int64_t slot = begin / per_range;
+            T *cols = columns.get() + slot * block * width;
+            Sample<T> *samples = table.get() + slot * block * per_pixel;
+            for (int64_t b = begin; b < end; ++b) {
+                const int64_t p0 = b * block, count = pixels - p0 < block ? pixels - p0 : block;
+                call.locate_rows(n, p0, count, samples, 0, per_pixel);
+                call.im2col_rows(image.get(), samples, segs.get(), nsegs, cols, 0, count);
+                for (int64_t g = 0; g < d.groups; ++g)
+                    mmd_tile_product(outs, count, k, packed.get() + g * packed_group,
+                                     cols + g * k, width, bias ? bias + g * outs : nullptr, 0,
+                                     out + g * outs * pixels + p0, pixels);
+            }
+            return (int)MMD_OK;
+        });
+    }
+    return MMD_OK;
+}
+
 template <typename T> int forward(const Call<T> &call, const T *bias, T *output) {
     const mmd_dcn_shape &d = call.d;
     const int64_t pixels = d.pixels(), chunk = call.chunk();
     if (d.batch * d.out_channels * pixels == 0) return MMD_OK;
+    if (mmd_tiles_beat_blas()) return forward_tiles(call, bias, output);
     Workspace<T> work(call, chunk, false);
     if (!work.ok()) return work.no_memory();
     reorder_weight(call, call.weight, work.weight.get(), true);

@@ -1,5 +1,6 @@
 /* Matrix products for the CPU kernels (mmdispatch/gemm.h): the process's
- * BLAS when one is loaded, else a blocked product on the worker pool. */
+ * BLAS when one is loaded, else our own tile products on the worker pool;
+ * and those tile products, per instruction set. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -13,6 +14,7 @@
 
 #include "mmdispatch/gemm.h"
 #include "mmdispatch/parallel.h"
+#include "heap_array.h"
 
 namespace {
 
@@ -95,69 +97,184 @@ const Blas &blas() {
     return g_blas;
 }
 
-/* op(X)[i][j] of a row-major X with leading dimension ld */
-template <typename T>
-inline T at(const T *x, int64_t ld, bool trans, int64_t i, int64_t j) {
-    return trans ? x[j * ld + i] : x[i * ld + j];
+/* ---- Tile products (gemm.h) ----
+ * A tile is P pixels x NV vectors of outs, P * NV accumulators in vector
+ * registers; each step j loads the strip's NV vectors of w[.][j] and
+ * broadcasts each pixel's x[p][j]. Shapes per instruction set: AVX-512 12
+ * pixels x 2 zmm (24 of 32 registers), AVX2 and the baseline 6 pixels x 2
+ * (12 of 16). */
+constexpr int64_t kBlockBytes = int64_t(1) << 19;   /* a block's rows: half of a 1 MB L2 */
+constexpr int kMaxBlockTiles = 8;
+
+template <typename T, int Bytes, int P, int NV> struct Tiles {
+    typedef T V __attribute__((vector_size(Bytes)));
+    typedef T Unaligned __attribute__((vector_size(Bytes), aligned(sizeof(T)), may_alias));
+    static constexpr int kLanes = Bytes / (int)sizeof(T);
+    static constexpr int64_t kStrip = (int64_t)NV * kLanes;
+
+    static MMD_INLINE void tile(int64_t k, const T *__restrict w, const T *x, int64_t ldx,
+                                int pixels, T *out, int64_t ldo, int64_t outs, const T *bias,
+                                int accumulate) {
+        V acc[P][NV];
+        for (int i = 0; i < P; ++i)
+            for (int v = 0; v < NV; ++v) acc[i][v] = V{};
+        const T *row[P];
+        for (int i = 0; i < P; ++i) row[i] = x + (i < pixels ? i : pixels - 1) * ldx;
+        for (int64_t j = 0; j < k; ++j) {
+            V wv[NV];
+            for (int v = 0; v < NV; ++v) wv[v] = *(const Unaligned *)(w + j * kStrip + v * kLanes);
+            for (int i = 0; i < P; ++i) {
+                const V xi = row[i][j] - V{};   /* a splat; x - 0 is x, -0 too */
+                for (int v = 0; v < NV; ++v) acc[i][v] += xi * wv[v];
+            }
+        }
+        /* out of the registers by constant indices (a variable one would
+         * keep acc in memory through the loop above) */
+        T sums[P][kStrip];
+        for (int i = 0; i < P; ++i)
+            for (int v = 0; v < NV; ++v) memcpy(&sums[i][v * kLanes], &acc[i][v], sizeof(V));
+        for (int i = 0; i < pixels; ++i)
+            for (int64_t o = 0; o < outs; ++o) {
+                T *dst = out + o * ldo + i;
+                *dst = accumulate ? *dst + sums[i][o] : bias ? sums[i][o] + bias[o] : sums[i][o];
+            }
+    }
+
+    static MMD_INLINE void product(int64_t outs, int64_t pixels, int64_t k, const T *packed,
+                                   const T *x, int64_t ldx, const T *bias, int accumulate,
+                                   T *out, int64_t ldo) {
+        for (int64_t o0 = 0; o0 < outs; o0 += kStrip) {
+            const int64_t n = outs - o0 < kStrip ? outs - o0 : kStrip;
+            for (int64_t p0 = 0; p0 < pixels; p0 += P)
+                tile(k, packed + o0 * k, x + p0 * ldx, ldx,
+                     (int)(pixels - p0 < P ? pixels - p0 : P), out + o0 * ldo + p0, ldo, n,
+                     bias ? bias + o0 : nullptr, accumulate);
+        }
+    }
+};
+
+template <typename T> using BaselineTiles = Tiles<T, 16, 6, 2>;
+template <typename T> using Avx2Tiles = Tiles<T, 32, 6, 2>;
+template <typename T> using Avx512Tiles = Tiles<T, 64, 12, 2>;
+
+#define MMD_TILE_ARGS(T)                                                                        \
+    int64_t outs, int64_t pixels, int64_t k, const T *packed, const T *x, int64_t ldx,          \
+        const T *bias, int accumulate, T *out, int64_t ldo
+#define MMD_TILE_PASS outs, pixels, k, packed, x, ldx, bias, accumulate, out, ldo
+
+template <typename T> void baseline_product(MMD_TILE_ARGS(T)) {
+    BaselineTiles<T>::product(MMD_TILE_PASS);
 }
 
-/* The fallback: op(A) and op(B) copied row-major (when transposed), then
- * rows of C shared out; each row block adds k-slices of B a column block at
- * a time, so its part of C stays in cache. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MMD_TILES_X86 1
+template <typename T> __attribute__((target("avx2,fma"))) void avx2_product(MMD_TILE_ARGS(T)) {
+    Avx2Tiles<T>::product(MMD_TILE_PASS);
+}
+template <typename T> __attribute__((target("avx512f"))) void avx512_product(MMD_TILE_ARGS(T)) {
+    Avx512Tiles<T>::product(MMD_TILE_PASS);
+}
+#endif
+
+/* The CPU's best, capped by MMDISPATCH_CPU_ISA. */
+int detect_isa() {
+    int best = 0;
+#ifdef MMD_TILES_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        best = 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = 1;
+#endif
+    const char *cap = getenv("MMDISPATCH_CPU_ISA");
+    if (cap != nullptr) {
+        const int most = strcmp(cap, "avx512") == 0 ? 2 : strcmp(cap, "avx2") == 0 ? 1
+                         : strcmp(cap, "baseline") == 0 ? 0 : best;
+        if (most < best) best = most;
+    }
+    return best;
+}
+
+int isa() {
+    static const int value = detect_isa();
+    return value;
+}
+
+/* The tile shape of the chosen instruction set. */
+template <typename T> int64_t strip_of() {
+    switch (isa()) {
+    case 2: return Avx512Tiles<T>::kStrip;
+    case 1: return Avx2Tiles<T>::kStrip;
+    default: return BaselineTiles<T>::kStrip;
+    }
+}
+int tile_pixels() { return isa() == 2 ? 12 : 6; }
+
+template <typename T> void tile_product(MMD_TILE_ARGS(T)) {
+    if (outs <= 0 || pixels <= 0) return;
+#ifdef MMD_TILES_X86
+    if (isa() == 2) return avx512_product<T>(MMD_TILE_PASS);
+    if (isa() == 1) return avx2_product<T>(MMD_TILE_PASS);
+#endif
+    baseline_product<T>(MMD_TILE_PASS);
+}
+
+/* w[o * row_step + j * column_step] * scale into strips. */
+template <typename T>
+void pack(int64_t outs, int64_t k, T scale, const T *w, int64_t row_step, int64_t column_step,
+          T *packed) {
+    const int64_t strip = strip_of<T>();
+    for (int64_t o0 = 0; o0 < outs; o0 += strip)
+        for (int64_t j = 0; j < k; ++j)
+            for (int64_t l = 0; l < strip; ++l) {
+                const int64_t o = o0 + l;
+                packed[o0 * k + j * strip + l] =
+                    o < outs ? scale * w[o * row_step + j * column_step] : (T)0;
+            }
+}
+
+/* The fallback gemm: op(A) * alpha packed into strips, op(B)'s columns as
+ * the tiles' rows (B itself when transposed, else a transposed copy), C's
+ * columns shared out over the threads a block at a time. Without memory
+ * for the copies, a plain loop. */
 template <typename T>
 void own_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T *a,
               int64_t lda, const T *b, int64_t ldb, T beta, T *c, int64_t ldc) {
-    T *a_copy = nullptr, *b_copy = nullptr;
-    if (trans_a && m * k > 0) {
-        a_copy = (T *)malloc(sizeof(T) * m * k);
-        if (a_copy != nullptr) {
-            for (int64_t i = 0; i < m; ++i)
-                for (int64_t p = 0; p < k; ++p) a_copy[i * k + p] = at(a, lda, true, i, p);
-            a = a_copy, lda = k, trans_a = false;
-        }
+    HeapArray<T> packed(mmd_packed_size<T>(m, k)), rows(trans_b ? 0 : n * k);
+    if (!packed || !rows) {
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+                T sum = 0;
+                for (int64_t p = 0; p < k; ++p)
+                    sum += (trans_a ? a[p * lda + i] : a[i * lda + p]) *
+                           (trans_b ? b[j * ldb + p] : b[p * ldb + j]);
+                c[i * ldc + j] = alpha * sum + (beta == 0 ? (T)0 : beta * c[i * ldc + j]);
+            }
+        return;
     }
-    if (trans_b && k * n > 0) {
-        b_copy = (T *)malloc(sizeof(T) * k * n);
-        if (b_copy != nullptr) {
-            for (int64_t p = 0; p < k; ++p)
-                for (int64_t j = 0; j < n; ++j) b_copy[p * n + j] = at(b, ldb, true, p, j);
-            b = b_copy, ldb = n, trans_b = false;
-        }
+    pack(m, k, alpha, a, trans_a ? 1 : lda, trans_a ? lda : 1, packed.get());
+    const T *x = b;
+    int64_t ldx = ldb;
+    if (!trans_b) {
+        for (int64_t p = 0; p < k; ++p)
+            for (int64_t j = 0; j < n; ++j) rows[j * k + p] = b[p * ldb + j];
+        x = rows.get(), ldx = k;
     }
-    const int64_t rows = 16, cols = 512, depth = 256;
-    const int64_t row_blocks = (m + rows - 1) / rows;
-    mmd_parallel_for(row_blocks, 1, mmd_worth_threads(row_blocks, m * n * (k + 1)),
+    const int accumulate = beta != 0;
+    if (accumulate && beta != 1)
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) c[i * ldc + j] *= beta;
+    const int64_t block = mmd_tile_block(k, (int64_t)sizeof(T));
+    const int64_t blocks = (n + block - 1) / block;
+    mmd_parallel_for(blocks, 1, mmd_worth_threads(blocks, m * n * (k + 1)),
                      [&](int64_t begin, int64_t end) {
-        for (int64_t rb = begin; rb < end; ++rb) {
-            const int64_t i0 = rb * rows, i1 = i0 + rows < m ? i0 + rows : m;
-            for (int64_t i = i0; i < i1; ++i) {
-                T *row = c + i * ldc;
-                for (int64_t j = 0; j < n; ++j) row[j] = beta == 0 ? (T)0 : beta * row[j];
-            }
-            for (int64_t j0 = 0; j0 < n; j0 += cols) {
-                const int64_t j1 = j0 + cols < n ? j0 + cols : n;
-                for (int64_t p0 = 0; p0 < k; p0 += depth) {
-                    const int64_t p1 = p0 + depth < k ? p0 + depth : k;
-                    for (int64_t i = i0; i < i1; ++i) {
-                        T *__restrict row = c + i * ldc;
-                        for (int64_t p = p0; p < p1; ++p) {
-                            const T scale = alpha * at(a, lda, trans_a, i, p);
-                            if (!trans_b) {
-                                const T *__restrict brow = b + p * ldb;
-                                for (int64_t j = j0; j < j1; ++j) row[j] += scale * brow[j];
-                            } else {
-                                for (int64_t j = j0; j < j1; ++j)
-                                    row[j] += scale * at(b, ldb, true, p, j);
-                            }
-                        }
-                    }
-                }
-            }
+        for (int64_t blk = begin; blk < end; ++blk) {
+            const int64_t p0 = blk * block, count = n - p0 < block ? n - p0 : block;
+            tile_product<T>(m, count, k, packed.get(), x + p0 * ldx, ldx, nullptr, accumulate,
+                            c + p0, ldc);
         }
         return 0;
     });
-    free(a_copy);
-    free(b_copy);
 }
 
 template <typename T>
@@ -204,3 +321,37 @@ extern "C" void mmd_dgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_
 }
 
 extern "C" const char *mmd_gemm_provider(void) { return blas().name; }
+
+extern "C" int mmd_tile_isa(void) { return isa(); }
+
+extern "C" const char *mmd_tile_isa_name(void) {
+    return isa() == 2 ? "avx512" : isa() == 1 ? "avx2" : "baseline";
+}
+
+extern "C" int mmd_tiles_beat_blas(void) { return isa() >= 1; }
+
+extern "C" int64_t mmd_tile_strip(int64_t elem_size) {
+    return elem_size == (int64_t)sizeof(double) ? strip_of<double>() : strip_of<float>();
+}
+
+extern "C" int64_t mmd_tile_block(int64_t k, int64_t elem_size) {
+    const int64_t p = tile_pixels(), bytes = p * (k > 0 ? k : 1) * elem_size;
+    int64_t tiles = kBlockBytes / bytes;
+    if (tiles < 1) tiles = 1;
+    if (tiles > kMaxBlockTiles) tiles = kMaxBlockTiles;
+    return tiles * p;
+}
+
+extern "C" void mmd_spack_strips(int64_t outs, int64_t k, float scale, const float *w,
+                                 int64_t ldw, float *packed) {
+    pack<float>(outs, k, scale, w, ldw, 1, packed);
+}
+
+extern "C" void mmd_dpack_strips(int64_t outs, int64_t k, double scale, const double *w,
+                                 int64_t ldw, double *packed) {
+    pack<double>(outs, k, scale, w, ldw, 1, packed);
+}
+
+extern "C" void mmd_stile_product(MMD_TILE_ARGS(float)) { tile_product<float>(MMD_TILE_PASS); }
+
+extern "C" void mmd_dtile_product(MMD_TILE_ARGS(double)) { tile_product<double>(MMD_TILE_PASS); }

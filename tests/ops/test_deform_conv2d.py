@@ -300,34 +300,70 @@ def test_every_gradient_is_the_forwards_by_finite_differences(numeric_gradient, 
                                    atol=1e-6, err_msg=name)
 
 
-def test_the_products_without_a_blas_give_the_same_results(tmp_path):
-    """MMDISPATCH_BLAS=none: the matrix products of our own (gemm.h)."""
+ISAS = ["baseline", "avx2", "avx512"]
+
+
+def product_cases():
+    """Shapes that leave partial register tiles (70 and 12 output pixels)
+    and partial strips of outs (37; 19 per group), channel runs that cross
+    offset groups, a bias, and a NaN offset."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for dtype, c_out, groups, offset_groups, hw in [(np.float64, 37, 1, 1, (9, 11)),
+                                                    (np.float32, 38, 2, 3, (9, 11)),
+                                                    (np.float64, 38, 2, 3, (5, 6))]:
+        x, offset, mask, weight, bias = random_case(rng, dtype, c_in=6, c_out=c_out, hw=hw,
+                                                    kernel=(3, 2), groups=groups,
+                                                    offset_groups=offset_groups, pad=(1, 0))
+        offset[0, 1, 2, 3] = np.nan
+        grad = rng.standard_normal((2, c_out) + offset.shape[2:]).astype(dtype)
+        cases.append((x, offset, mask, weight, bias, grad))
+    return cases
+
+
+@pytest.mark.parametrize("blas", ["none", ""])
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_tile_instruction_set_with_or_without_a_blas_gives_the_definition(
+        tmp_path, isa, blas):
+    """MMDISPATCH_CPU_ISA caps the register tiles of our own products (the
+    forward runs on them from AVX2 up, else on the BLAS); MMDISPATCH_BLAS=none
+    puts our own under the backward too. Every combination this CPU has
+    gives the slow reference's values."""
+    cases = product_cases()
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, *[a for case in cases for a in case])
     script = (
         "import numpy as np, sys\n"
-        "from mmdispatch.ops import deform_conv2d, deform_conv2d_backward\n"
-        "rng = np.random.default_rng(5)\n"
-        "x, w = rng.standard_normal((2, 6, 9, 11)), rng.standard_normal((4, 3, 3, 2))\n"
-        "off, m = rng.standard_normal((2, 36, 7, 10)), rng.random((2, 18, 7, 10))\n"
-        "g = rng.standard_normal((2, 4, 7, 10))\n"
-        "out = [deform_conv2d(x, off, w, None, 1, (0, 0), 1, m)]\n"
-        "out += list(deform_conv2d_backward(g, x, off, w, 1, (0, 0), 1, m))\n"
-        "np.savez(sys.argv[1], *out)\n"
         "from mmdispatch import _core\n"
-        "print(_core.gemm_provider())\n")
-    results, providers = [], []
-    for setting in ("none", ""):
-        path = tmp_path / f"blas_{setting or 'found'}.npz"
-        proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
-                              text=True, timeout=120, cwd=tmp_path,
-                              env=dict(os.environ, MMDISPATCH_BLAS=setting))
-        assert proc.returncode == 0, proc.stderr
-        providers.append(proc.stdout.strip())
-        with np.load(path) as data:
-            results.append([data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))])
+        "from mmdispatch.ops import deform_conv2d, deform_conv2d_backward\n"
+        "with np.load(sys.argv[1]) as d:\n"
+        "    a = [d[f'arr_{i}'] for i in range(len(d.files))]\n"
+        "out = []\n"
+        "for x, off, m, w, b, g in zip(*[a[i::6] for i in range(6)]):\n"
+        "    out.append(deform_conv2d(x, off, w, b, 1, (1, 0), 1, m))\n"
+        "    out += deform_conv2d_backward(g, x, off, w, 1, (1, 0), 1, m)\n"
+        "np.savez(sys.argv[2], *out)\n"
+        "print(_core.gemm_provider(), _core.cpu_tiles(), sep='\\n')\n")
+    path = tmp_path / "out.npz"
+    proc = subprocess.run([sys.executable, "-c", script, str(inputs), str(path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, MMDISPATCH_BLAS=blas, MMDISPATCH_CPU_ISA=isa))
+    assert proc.returncode == 0, proc.stderr
+    provider, tiles = proc.stdout.split("\n")[:2]
     # numpy's wheels bring OpenBLAS, which the lookup must find
-    assert providers[0] == "mmdispatch's own" and "gemm" in providers[1], providers
-    for own, blas in zip(*results):
-        np.testing.assert_allclose(own, blas, rtol=1e-11, atol=1e-11)
+    assert (provider == "mmdispatch's own") == (blas == "none"), provider
+    best = os.environ.get("MMDISPATCH_CPU_ISA") or mmdispatch._core.cpu_tiles()
+    assert tiles == ISAS[min(ISAS.index(isa), ISAS.index(best))]
+    with np.load(path) as data:
+        got = [data[f"arr_{i}"] for i in range(len(data.files))]
+    for (x, offset, mask, weight, bias, grad), i in zip(cases, range(0, len(got), 6)):
+        geometry = dict(pad=(1, 0))
+        expected = [ref_forward(x, offset, mask, weight, bias, **geometry)]
+        expected += ref_backward(grad, x, offset, mask, weight, **geometry)
+        for name, g, e in zip(["out", "input", "offset", "mask", "weight", "bias"],
+                              got[i:i + 6], expected):
+            assert g.dtype == x.dtype and g.shape == e.shape, name
+            np.testing.assert_allclose(g, e, err_msg=f"{name}, {x.dtype}", **tolerance(x.dtype))
 
 
 def test_mmcvs_published_values_are_reproduced():
