@@ -10,7 +10,10 @@
  * once and shared by the group's channels. The columns are pixel-major: a
  * pixel's row holds, per weight group and tap, the group's channels'
  * masked samples. Each weight group's output is then one product with its
- * weight, reordered once per call to (out, tap, channel).
+ * weight, reordered once per call to (out, tap, channel). Where our tile
+ * products (gemm.h) are as fast as a BLAS, the forward instead makes the
+ * columns of a small block of pixels on each thread and multiplies them
+ * there and then (forward_tiles).
  *
  * Backward recomputes the columns, adds grad_output x columns into
  * grad_weight, turns the columns into their gradient (grad_output^T x
@@ -254,8 +257,11 @@ template <typename T> int forward_tiles(const Call<T> &call, const T *bias, T *o
     const int64_t width = call.row(), per_pixel = call.samples();
     const int64_t block = mmd_tile_block(width, (int64_t)sizeof(T));
     const int64_t blocks = (pixels + block - 1) / block, threads = mmd_max_threads();
-    /* a scratch slot per range of blocks the loop hands out */
-    const int64_t ranges = 2 * threads < blocks ? 2 * threads : blocks;
+    /* a scratch slot per range of blocks the loop hands out: two ranges a
+     * thread, or one where their columns would pass kColumnBytes */
+    const int64_t slot_bytes = block * width * (int64_t)sizeof(T);
+    int64_t ranges = 2 * threads * slot_bytes <= kColumnBytes ? 2 * threads : threads;
+    if (ranges > blocks) ranges = blocks;
     const int64_t per_range = (blocks + ranges - 1) / ranges;
     const int64_t slots = (blocks + per_range - 1) / per_range;
     const int64_t packed_group = mmd_packed_size<T>(outs, k);
