@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import mmdispatch
-from mmdispatch.ops import (bbox_overlaps, box_iou_rotated, deform_conv2d, nms, nms_rotated,
-                            roi_align, roi_pool, sigmoid_focal_loss_backward)
+from mmdispatch.ops import (bbox_overlaps, box_iou_rotated, deform_conv2d,
+                            deform_conv2d_backward, nms, nms_rotated, roi_align, roi_pool,
+                            sigmoid_focal_loss_backward)
 
 # big enough that every op shares its loop out (mmd_worth_threads)
 RNG = np.random.default_rng(0)
@@ -25,9 +26,11 @@ MANY_XY = RNG.uniform(0, 100, (3000, 2))
 MANY_BOXES = np.concatenate([MANY_XY, MANY_XY + RNG.uniform(1, 8, (3000, 2))], 1)
 ROTATED = np.concatenate([MANY_XY, RNG.uniform(1, 8, (3000, 2)), RNG.uniform(-3, 3, (3000, 1))], 1)
 SCORES = RNG.random(3000)
-# deform_conv2d's forward on the tiles (AVX2 and up): blocks of 48 pixels
+# deform_conv2d on the tiles (AVX2 and up): forward blocks of 48 pixels,
+# backward strips of 32 columns and blocks of pixels
 OFFSET, MASK = RNG.standard_normal((2, 18, 40, 40)), RNG.random((2, 9, 40, 40))
 WEIGHT, BIAS = RNG.standard_normal((40, 32, 3, 3)), RNG.standard_normal(40)
+GRAD = RNG.standard_normal((2, 40, 40, 40))
 
 
 def outputs():
@@ -36,7 +39,8 @@ def outputs():
             sigmoid_focal_loss_backward(LOGITS, np.arange(4096) % 9),
             nms(MANY_BOXES, SCORES, 0.3), nms_rotated(ROTATED, SCORES, 0.3),
             box_iou_rotated(ROTATED[:300], ROTATED)] + (
-                [deform_conv2d(X, OFFSET, WEIGHT, BIAS, 1, 1, 1, MASK)]
+                [deform_conv2d(X, OFFSET, WEIGHT, BIAS, 1, 1, 1, MASK),
+                 *deform_conv2d_backward(GRAD, X, OFFSET, WEIGHT, 1, 1, 1, MASK)]
                 if mmdispatch._core.cpu_tiles() != "baseline" else [])
 
 

@@ -280,7 +280,7 @@ template <typename T> int forward_tiles(const Call<T> &call, const T *bias, T *o
     const int64_t nsegs = call.segments(segs.get());
     reorder_weight(call, call.weight, weight.get(), true);
     for (int64_t g = 0; g < d.groups; ++g)
-        mmd_pack_strips(outs, k, (T)1, weight.get() + g * outs * k, k,
+        mmd_pack_strips(outs, k, (T)1, weight.get() + g * outs * k, k, 1,
                         packed.get() + g * packed_group);
     for (int64_t n = 0; n < d.batch; ++n) {
         T *out = output + n * d.out_channels * pixels;
@@ -298,7 +298,7 @@ template <typename T> int forward_tiles(const Call<T> &call, const T *bias, T *o
                 for (int64_t g = 0; g < d.groups; ++g)
                     mmd_tile_product(outs, count, k, packed.get() + g * packed_group,
                                      cols + g * k, width, bias ? bias + g * outs : nullptr, 0,
-                                     out + g * outs * pixels + p0, pixels);
+                                     out + g * outs * pixels + p0, pixels, 1);
             }
             return (int)MMD_OK;
         });
@@ -438,6 +438,88 @@ void col2im(const Call<T> &call, Workspace<T> &work, int64_t count, const T *gra
     });
 }
 
+/* Backward's two products on the tiles (gemm.h), where they are as fast as
+ * a BLAS (and so that no BLAS threads spin through col2im):
+ * - grad_weight += grad_output x columns, a strip of a group's columns at a
+ *   time per thread: the strip packed (its columns' values pixel by pixel),
+ *   then its tiles over the group's out channels, whose grad_output rows
+ *   are the tiles' rows as they are;
+ * - the columns' gradient, grad_output^T x weight, a block of pixels at a
+ *   time per thread: grad_output transposed for the chunk (a row of out
+ *   channels per pixel), the weight packed once as (tap, channel) strips.
+ * Each value is one sum (pixels, or out channels, in order), whatever the
+ * thread count. */
+template <typename T> struct BackwardTiles {
+    const Call<T> &call;
+    Workspace<T> &work;
+    bool on;
+    int64_t strip = 0, packed_group = 0, ranges = 0, per_range = 0, chunk = 0;
+    HeapArray<T> packed, transposed, scratch;
+
+    BackwardTiles(const Call<T> &c, Workspace<T> &w, int64_t chunk_pixels)
+        : call(c), work(w), on(mmd_tiles_beat_blas() != 0), packed(0), transposed(0),
+          scratch(0) {
+        if (!on) return;
+        const mmd_dcn_shape &d = call.d;
+        const int64_t outs = call.group_outputs(), k = call.group_columns();
+        chunk = chunk_pixels;
+        strip = mmd_tile_strip((int64_t)sizeof(T));
+        packed_group = mmd_packed_size<T>(k, outs);
+        const int64_t items = d.groups * ((k + strip - 1) / strip);
+        const int64_t threads = mmd_max_threads();
+        ranges = items < threads ? items : threads;
+        per_range = ranges > 0 ? (items + ranges - 1) / ranges : 1;
+        ranges = ranges > 0 ? (items + per_range - 1) / per_range : 0;
+        packed.reset(d.groups * packed_group);
+        transposed.reset(chunk * d.out_channels);
+        scratch.reset(ranges * chunk * strip);
+        if (!packed || !transposed || !scratch) return;
+        for (int64_t g = 0; g < d.groups; ++g)   /* w'[j][o] = weight[o][j] */
+            mmd_pack_strips(k, outs, (T)1, work.weight.get() + g * outs * k, 1, k,
+                            packed.get() + g * packed_group);
+    }
+    bool ok() const { return !on || (packed && transposed && scratch); }
+
+    void products(const T *grad_out, int64_t p0, int64_t count) {
+        const mmd_dcn_shape &d = call.d;
+        const int64_t outs = call.group_outputs(), k = call.group_columns();
+        const int64_t pixels = d.pixels(), width = call.row(), strips = (k + strip - 1) / strip;
+        T *columns = work.columns.get();
+        T *grad_weight = work.grad_weight.get();
+        const int64_t items = d.groups * strips;
+        mmd_parallel_for(items, per_range, mmd_worth_threads(items, count * outs * k),
+                         [&](int64_t begin, int64_t end) {
+            T *strip_values = scratch.get() + begin / per_range * chunk * strip;
+            for (int64_t item = begin; item < end; ++item) {
+                const int64_t g = item / strips, j0 = item % strips * strip;
+                const int64_t n = k - j0 < strip ? k - j0 : strip;
+                /* w'[j][p] = columns[p][g * k + j0 + j] */
+                mmd_pack_strips(n, count, (T)1, columns + g * k + j0, 1, width, strip_values);
+                mmd_tile_product(n, outs, count, strip_values, grad_out + g * outs * pixels + p0,
+                                 pixels, (const T *)nullptr, 1, grad_weight + g * outs * k + j0,
+                                 1, k);
+            }
+            return (int)MMD_OK;
+        });
+        transpose(grad_out + p0, d.out_channels, count, pixels, transposed.get(), d.out_channels);
+        const int64_t block = mmd_tile_block(outs, (int64_t)sizeof(T));
+        const int64_t blocks = (count + block - 1) / block;
+        mmd_parallel_for(blocks, mmd_even_chunk(blocks),
+                         mmd_worth_threads(blocks, count * outs * width),
+                         [&](int64_t begin, int64_t end) {
+            for (int64_t b = begin; b < end; ++b) {
+                const int64_t q0 = b * block, n = count - q0 < block ? count - q0 : block;
+                for (int64_t g = 0; g < d.groups; ++g)
+                    mmd_tile_product(k, n, outs, packed.get() + g * packed_group,
+                                     transposed.get() + q0 * d.out_channels + g * outs,
+                                     d.out_channels, (const T *)nullptr, 0,
+                                     columns + q0 * width + g * k, 1, width);
+            }
+            return (int)MMD_OK;
+        });
+    }
+};
+
 template <typename T> int backward(const Call<T> &call, const T *grad_output, const Grads<T> &grads) {
     const mmd_dcn_shape &d = call.d;
     const int64_t pixels = d.pixels(), width = call.row(), plane = call.plane();
@@ -460,6 +542,8 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
     if (!work.ok()) return work.no_memory();
     reorder_weight(call, call.weight, work.weight.get(), true);
     const int64_t outs = call.group_outputs(), k = call.group_columns();
+    BackwardTiles<T> tiles(call, work, chunk);
+    if (!tiles.ok()) return work.no_memory();
     T *columns = work.columns.get();
     for (int64_t n = 0; n < d.batch; ++n) {
         const T *grad_out = grad_output + n * d.out_channels * pixels;
@@ -470,15 +554,18 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
             call.locate(n, p0, count, work.table.get());
             call.im2col(work.image.get(), count, work.table.get(), work.segs.get(), work.nsegs,
                         columns);
-            for (int64_t g = 0; g < d.groups; ++g) {
-                const T *grad_g = grad_out + g * outs * pixels + p0;
-                /* grad_weight += grad_output x columns */
-                mmd_gemm(0, 0, outs, k, count, (T)1, grad_g, pixels, columns + g * k, width,
-                         (T)1, work.grad_weight.get() + g * outs * k, k);
-                /* the columns' gradient: grad_output^T x weight */
-                mmd_gemm(1, 0, count, k, outs, (T)1, grad_g, pixels,
-                         work.weight.get() + g * outs * k, k, (T)0, columns + g * k, width);
-            }
+            if (tiles.on)
+                tiles.products(grad_out, p0, count);
+            else
+                for (int64_t g = 0; g < d.groups; ++g) {
+                    const T *grad_g = grad_out + g * outs * pixels + p0;
+                    /* grad_weight += grad_output x columns */
+                    mmd_gemm(0, 0, outs, k, count, (T)1, grad_g, pixels, columns + g * k, width,
+                             (T)1, work.grad_weight.get() + g * outs * k, k);
+                    /* the columns' gradient: grad_output^T x weight */
+                    mmd_gemm(1, 0, count, k, outs, (T)1, grad_g, pixels,
+                             work.weight.get() + g * outs * k, k, (T)0, columns + g * k, width);
+                }
             offset_and_mask_grads(call, work, n, p0, count, columns, grads);
             col2im(call, work, count, columns);
         }

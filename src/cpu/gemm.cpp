@@ -113,8 +113,8 @@ template <typename T, int Bytes, int P, int NV> struct Tiles {
     static constexpr int64_t kStrip = (int64_t)NV * kLanes;
 
     static MMD_INLINE void tile(int64_t k, const T *__restrict w, const T *x, int64_t ldx,
-                                int pixels, T *out, int64_t ldo, int64_t outs, const T *bias,
-                                int accumulate) {
+                                int pixels, T *out, int64_t ldo, int64_t ldp, int64_t outs,
+                                const T *bias, int accumulate) {
         V acc[P][NV];
         for (int i = 0; i < P; ++i)
             for (int v = 0; v < NV; ++v) acc[i][v] = V{};
@@ -133,22 +133,29 @@ template <typename T, int Bytes, int P, int NV> struct Tiles {
         T sums[P][kStrip];
         for (int i = 0; i < P; ++i)
             for (int v = 0; v < NV; ++v) memcpy(&sums[i][v * kLanes], &acc[i][v], sizeof(V));
-        for (int i = 0; i < pixels; ++i)
-            for (int64_t o = 0; o < outs; ++o) {
-                T *dst = out + o * ldo + i;
-                *dst = accumulate ? *dst + sums[i][o] : bias ? sums[i][o] + bias[o] : sums[i][o];
-            }
+        for (int i = 0; i < pixels; ++i) {
+            T *dst = out + i * ldp;
+            if (ldo == 1 && accumulate)   /* a pixel's outs in a row: vector loops */
+                for (int64_t o = 0; o < outs; ++o) dst[o] += sums[i][o];
+            else if (ldo == 1 && !bias)
+                for (int64_t o = 0; o < outs; ++o) dst[o] = sums[i][o];
+            else
+                for (int64_t o = 0; o < outs; ++o)
+                    dst[o * ldo] = accumulate ? dst[o * ldo] + sums[i][o]
+                                   : bias    ? sums[i][o] + bias[o]
+                                             : sums[i][o];
+        }
     }
 
     static MMD_INLINE void product(int64_t outs, int64_t pixels, int64_t k, const T *packed,
                                    const T *x, int64_t ldx, const T *bias, int accumulate,
-                                   T *out, int64_t ldo) {
+                                   T *out, int64_t ldo, int64_t ldp) {
         for (int64_t o0 = 0; o0 < outs; o0 += kStrip) {
             const int64_t n = outs - o0 < kStrip ? outs - o0 : kStrip;
             for (int64_t p0 = 0; p0 < pixels; p0 += P)
                 tile(k, packed + o0 * k, x + p0 * ldx, ldx,
-                     (int)(pixels - p0 < P ? pixels - p0 : P), out + o0 * ldo + p0, ldo, n,
-                     bias ? bias + o0 : nullptr, accumulate);
+                     (int)(pixels - p0 < P ? pixels - p0 : P), out + o0 * ldo + p0 * ldp, ldo,
+                     ldp, n, bias ? bias + o0 : nullptr, accumulate);
         }
     }
 };
@@ -159,8 +166,8 @@ template <typename T> using Avx512Tiles = Tiles<T, 64, 12, 2>;
 
 #define MMD_TILE_ARGS(T)                                                                        \
     int64_t outs, int64_t pixels, int64_t k, const T *packed, const T *x, int64_t ldx,          \
-        const T *bias, int accumulate, T *out, int64_t ldo
-#define MMD_TILE_PASS outs, pixels, k, packed, x, ldx, bias, accumulate, out, ldo
+        const T *bias, int accumulate, T *out, int64_t ldo, int64_t ldp
+#define MMD_TILE_PASS outs, pixels, k, packed, x, ldx, bias, accumulate, out, ldo, ldp
 
 template <typename T> void baseline_product(MMD_TILE_ARGS(T)) {
     BaselineTiles<T>::product(MMD_TILE_PASS);
@@ -224,13 +231,19 @@ template <typename T>
 void pack(int64_t outs, int64_t k, T scale, const T *w, int64_t row_step, int64_t column_step,
           T *packed) {
     const int64_t strip = strip_of<T>();
-    for (int64_t o0 = 0; o0 < outs; o0 += strip)
+    for (int64_t o0 = 0; o0 < outs; o0 += strip) {
+        T *to = packed + o0 * k;
+        if (row_step == 1 && scale == 1 && outs - o0 >= strip) {   /* a strip's rows: copies */
+            for (int64_t j = 0; j < k; ++j)
+                memcpy(to + j * strip, w + o0 + j * column_step, sizeof(T) * strip);
+            continue;
+        }
         for (int64_t j = 0; j < k; ++j)
             for (int64_t l = 0; l < strip; ++l) {
                 const int64_t o = o0 + l;
-                packed[o0 * k + j * strip + l] =
-                    o < outs ? scale * w[o * row_step + j * column_step] : (T)0;
+                to[j * strip + l] = o < outs ? scale * w[o * row_step + j * column_step] : (T)0;
             }
+    }
 }
 
 /* The fallback gemm: op(A) * alpha packed into strips, op(B)'s columns as
@@ -271,7 +284,7 @@ void own_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alp
         for (int64_t blk = begin; blk < end; ++blk) {
             const int64_t p0 = blk * block, count = n - p0 < block ? n - p0 : block;
             tile_product<T>(m, count, k, packed.get(), x + p0 * ldx, ldx, nullptr, accumulate,
-                            c + p0, ldc);
+                            c + p0, ldc, 1);
         }
         return 0;
     });
@@ -343,13 +356,13 @@ extern "C" int64_t mmd_tile_block(int64_t k, int64_t elem_size) {
 }
 
 extern "C" void mmd_spack_strips(int64_t outs, int64_t k, float scale, const float *w,
-                                 int64_t ldw, float *packed) {
-    pack<float>(outs, k, scale, w, ldw, 1, packed);
+                                 int64_t row_step, int64_t column_step, float *packed) {
+    pack<float>(outs, k, scale, w, row_step, column_step, packed);
 }
 
 extern "C" void mmd_dpack_strips(int64_t outs, int64_t k, double scale, const double *w,
-                                 int64_t ldw, double *packed) {
-    pack<double>(outs, k, scale, w, ldw, 1, packed);
+                                 int64_t row_step, int64_t column_step, double *packed) {
+    pack<double>(outs, k, scale, w, row_step, column_step, packed);
 }
 
 extern "C" void mmd_stile_product(MMD_TILE_ARGS(float)) { tile_product<float>(MMD_TILE_PASS); }
