@@ -376,8 +376,9 @@ def gemm_provider():
 def cpu_tiles():
     """The instruction set of our own products' register tiles: "avx512",
     "avx2" or "baseline", the best this CPU has, capped by
-    MMDISPATCH_CPU_ISA. From AVX2 up, deform_conv2d's forward runs on them
-    instead of the BLAS."""
+    MMDISPATCH_CPU_ISA. From AVX2 up, deform_conv2d's products run on them
+    instead of the BLAS (unless its groups have fewer than a quarter of a
+    strip, 8 float32 values in AVX-512, of out channels or columns)."""
     return mmd_tile_isa_name().decode()
 
 

@@ -1,4 +1,4 @@
-/* Matrix products for the CPU kernels (src/core/gemm.c), as BLAS's gemm:
+/* Matrix products for the CPU kernels (src/cpu/gemm.cpp), as BLAS's gemm:
  *     C = alpha * op(A) op(B) + beta * C,
  * all row-major, op(X) = X or its transpose (trans_x nonzero), op(A) m x k,
  * op(B) k x n, C m x n with leading dimension ldc; beta == 0 overwrites C
@@ -34,8 +34,9 @@ const char *mmd_gemm_provider(void);
  *
  *     out[o * ldo + p * ldp] = sum_j w[o][j] * x[p * ldx + j]   (+ bias[o])
  *
- * for o < outs and p < pixels, summed in j order with fused multiply-adds
- * where the instruction set has them, in register tiles of pixels x
+ * for o < outs and p < pixels, summed in j order (with fused multiply-adds
+ * in the AVX2 and AVX-512 tiles, which GCC and clang contract by default;
+ * not in the baseline's), in register tiles of pixels x
  * strip outs (mmd_tile_strip). w (w[o][j] at o * row_step + j * column_step)
  * is first packed (mmd_pack_strips) into ceil(outs / strip) strips of k rows
  * of `strip` values, zero beyond outs.

@@ -244,6 +244,17 @@ void reorder_weight(const Call<T> &call, const T *src, T *dst, bool to_taps) {
             }
 }
 
+/* Whether the tile products (gemm.h) take a call's products: where they are
+ * as fast as a BLAS, and a group's out channels and columns each fill at
+ * least a quarter of a strip (a depthwise convolution's single out channel
+ * would leave 31 of 32 lanes idle: 63 ms against the BLAS's 45 for 64
+ * channels of 96x96, 3x3). */
+template <typename T> bool tiles_suit(const Call<T> &call) {
+    const int64_t strip = mmd_tile_strip((int64_t)sizeof(T));
+    return mmd_tiles_beat_blas() && 4 * call.group_outputs() >= strip &&
+           4 * call.group_columns() >= strip;
+}
+
 /* Forward on the tile products (gemm.h), where they are as fast as a BLAS:
  * each thread takes blocks of an image's output pixels and makes a block's
  * samples, its columns and their products with every strip of the packed
@@ -310,7 +321,7 @@ template <typename T> int forward(const Call<T> &call, const T *bias, T *output)
     const mmd_dcn_shape &d = call.d;
     const int64_t pixels = d.pixels(), chunk = call.chunk();
     if (d.batch * d.out_channels * pixels == 0) return MMD_OK;
-    if (mmd_tiles_beat_blas()) return forward_tiles(call, bias, output);
+    if (tiles_suit(call)) return forward_tiles(call, bias, output);
     Workspace<T> work(call, chunk, false);
     if (!work.ok()) return work.no_memory();
     reorder_weight(call, call.weight, work.weight.get(), true);
@@ -453,17 +464,21 @@ template <typename T> struct BackwardTiles {
     const Call<T> &call;
     Workspace<T> &work;
     bool on;
-    int64_t strip = 0, packed_group = 0, ranges = 0, per_range = 0, chunk = 0;
+    /* a strip packs `sub` pixels at a time, its scratch about kStripBytes */
+    static constexpr int64_t kStripBytes = int64_t(1) << 18;
+    int64_t strip = 0, sub = 0, packed_group = 0, ranges = 0, per_range = 0, chunk = 0;
     HeapArray<T> packed, transposed, scratch;
 
     BackwardTiles(const Call<T> &c, Workspace<T> &w, int64_t chunk_pixels)
-        : call(c), work(w), on(mmd_tiles_beat_blas() != 0), packed(0), transposed(0),
-          scratch(0) {
+        : call(c), work(w), on(tiles_suit(c)), packed(0), transposed(0), scratch(0) {
         if (!on) return;
         const mmd_dcn_shape &d = call.d;
         const int64_t outs = call.group_outputs(), k = call.group_columns();
         chunk = chunk_pixels;
         strip = mmd_tile_strip((int64_t)sizeof(T));
+        sub = kStripBytes / (strip * (int64_t)sizeof(T));
+        if (sub > chunk) sub = chunk;
+        if (sub < 1) sub = 1;
         packed_group = mmd_packed_size<T>(k, outs);
         const int64_t items = d.groups * ((k + strip - 1) / strip);
         const int64_t threads = mmd_max_threads();
@@ -472,13 +487,17 @@ template <typename T> struct BackwardTiles {
         ranges = ranges > 0 ? (items + per_range - 1) / per_range : 0;
         packed.reset(d.groups * packed_group);
         transposed.reset(chunk * d.out_channels);
-        scratch.reset(ranges * chunk * strip);
+        scratch.reset(ranges * sub * strip);
         if (!packed || !transposed || !scratch) return;
         for (int64_t g = 0; g < d.groups; ++g)   /* w'[j][o] = weight[o][j] */
             mmd_pack_strips(k, outs, (T)1, work.weight.get() + g * outs * k, 1, k,
                             packed.get() + g * packed_group);
     }
     bool ok() const { return !on || (packed && transposed && scratch); }
+    int64_t bytes() const {
+        return (int64_t)sizeof(T) * (call.d.groups * packed_group + chunk * call.d.out_channels +
+                                     ranges * sub * strip);
+    }
 
     void products(const T *grad_out, int64_t p0, int64_t count) {
         const mmd_dcn_shape &d = call.d;
@@ -489,15 +508,19 @@ template <typename T> struct BackwardTiles {
         const int64_t items = d.groups * strips;
         mmd_parallel_for(items, per_range, mmd_worth_threads(items, count * outs * k),
                          [&](int64_t begin, int64_t end) {
-            T *strip_values = scratch.get() + begin / per_range * chunk * strip;
+            T *strip_values = scratch.get() + begin / per_range * sub * strip;
             for (int64_t item = begin; item < end; ++item) {
                 const int64_t g = item / strips, j0 = item % strips * strip;
                 const int64_t n = k - j0 < strip ? k - j0 : strip;
-                /* w'[j][p] = columns[p][g * k + j0 + j] */
-                mmd_pack_strips(n, count, (T)1, columns + g * k + j0, 1, width, strip_values);
-                mmd_tile_product(n, outs, count, strip_values, grad_out + g * outs * pixels + p0,
-                                 pixels, (const T *)nullptr, 1, grad_weight + g * outs * k + j0,
-                                 1, k);
+                for (int64_t q0 = 0; q0 < count; q0 += sub) {   /* in pixel order */
+                    const int64_t m = count - q0 < sub ? count - q0 : sub;
+                    /* w'[j][q] = columns[q0 + q][g * k + j0 + j] */
+                    mmd_pack_strips(n, m, (T)1, columns + q0 * width + g * k + j0, 1, width,
+                                    strip_values);
+                    mmd_tile_product(n, outs, m, strip_values,
+                                     grad_out + g * outs * pixels + p0 + q0, pixels,
+                                     (const T *)nullptr, 1, grad_weight + g * outs * k + j0, 1, k);
+                }
             }
             return (int)MMD_OK;
         });
@@ -543,7 +566,9 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
     reorder_weight(call, call.weight, work.weight.get(), true);
     const int64_t outs = call.group_outputs(), k = call.group_columns();
     BackwardTiles<T> tiles(call, work, chunk);
-    if (!tiles.ok()) return work.no_memory();
+    if (!tiles.ok())
+        return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's columns",
+                         (long long)(work.bytes + tiles.bytes()));
     T *columns = work.columns.get();
     for (int64_t n = 0; n < d.batch; ++n) {
         const T *grad_out = grad_output + n * d.out_channels * pixels;

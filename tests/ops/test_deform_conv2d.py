@@ -303,21 +303,26 @@ def test_every_gradient_is_the_forwards_by_finite_differences(numeric_gradient, 
 ISAS = ["baseline", "avx2", "avx512"]
 
 
+GEOMETRY = dict(stride=(1, 2), pad=(1, 0), dilation=(2, 1))
+
+
 def product_cases():
-    """Shapes that leave partial register tiles (70 and 12 output pixels)
-    and partial strips of outs (37; 19 per group), channel runs that cross
-    offset groups, a bias, and a NaN offset."""
+    """Shapes whose groups have enough out channels and columns for the
+    tiles (at least 8 of each), leaving partial register tiles (45 and 12
+    output pixels an image) and partial strips of outs (37; 19 per group), channel
+    runs that cross offset groups, a bias, a NaN offset, and one case
+    without a mask (each case's geometry GEOMETRY)."""
     rng = np.random.default_rng(5)
     cases = []
-    for dtype, c_out, groups, offset_groups, hw in [(np.float64, 37, 1, 1, (9, 11)),
-                                                    (np.float32, 38, 2, 3, (9, 11)),
-                                                    (np.float64, 38, 2, 3, (5, 6))]:
-        x, offset, mask, weight, bias = random_case(rng, dtype, c_in=6, c_out=c_out, hw=hw,
+    for dtype, c_in, c_out, groups, offset_groups, hw, masked in [
+            (np.float64, 6, 37, 1, 1, (11, 11), True), (np.float32, 6, 38, 2, 3, (11, 11), True),
+            (np.float64, 12, 38, 2, 3, (6, 7), True), (np.float32, 8, 16, 1, 2, (11, 11), False)]:
+        x, offset, mask, weight, bias = random_case(rng, dtype, c_in=c_in, c_out=c_out, hw=hw,
                                                     kernel=(3, 2), groups=groups,
-                                                    offset_groups=offset_groups, pad=(1, 0))
-        offset[0, 1, 2, 3] = np.nan
+                                                    offset_groups=offset_groups, **GEOMETRY)
+        offset[0, 1, 2, 2] = np.nan
         grad = rng.standard_normal((2, c_out) + offset.shape[2:]).astype(dtype)
-        cases.append((x, offset, mask, weight, bias, grad))
+        cases.append((x, offset, mask if masked else None, weight, bias, grad))
     return cases
 
 
@@ -331,7 +336,8 @@ def test_every_tile_instruction_set_with_or_without_a_blas_gives_the_definition(
     gives the slow reference's values."""
     cases = product_cases()
     inputs = tmp_path / "inputs.npz"
-    np.savez(inputs, *[a for case in cases for a in case])
+    # a missing mask travels as an empty array
+    np.savez(inputs, *[np.empty(0) if a is None else a for case in cases for a in case])
     script = (
         "import numpy as np, sys\n"
         "from mmdispatch import _core\n"
@@ -340,8 +346,13 @@ def test_every_tile_instruction_set_with_or_without_a_blas_gives_the_definition(
         "    a = [d[f'arr_{i}'] for i in range(len(d.files))]\n"
         "out = []\n"
         "for x, off, m, w, b, g in zip(*[a[i::6] for i in range(6)]):\n"
-        "    out.append(deform_conv2d(x, off, w, b, 1, (1, 0), 1, m))\n"
-        "    out += deform_conv2d_backward(g, x, off, w, 1, (1, 0), 1, m)\n"
+        "    m = m if m.size else None\n"
+        f"    geometry = {GEOMETRY!r}\n"
+        "    out.append(deform_conv2d(x, off, w, b, geometry['stride'], geometry['pad'],\n"
+        "                             geometry['dilation'], m))\n"
+        "    grads = deform_conv2d_backward(g, x, off, w, geometry['stride'], geometry['pad'],\n"
+        "                                   geometry['dilation'], m)\n"
+        "    out += [np.empty(0) if a is None else a for a in grads]\n"
         "np.savez(sys.argv[2], *out)\n"
         "print(_core.gemm_provider(), _core.cpu_tiles(), sep='\\n')\n")
     path = tmp_path / "out.npz"
@@ -357,11 +368,13 @@ def test_every_tile_instruction_set_with_or_without_a_blas_gives_the_definition(
     with np.load(path) as data:
         got = [data[f"arr_{i}"] for i in range(len(data.files))]
     for (x, offset, mask, weight, bias, grad), i in zip(cases, range(0, len(got), 6)):
-        geometry = dict(pad=(1, 0))
-        expected = [ref_forward(x, offset, mask, weight, bias, **geometry)]
-        expected += ref_backward(grad, x, offset, mask, weight, **geometry)
+        expected = [ref_forward(x, offset, mask, weight, bias, **GEOMETRY)]
+        expected += ref_backward(grad, x, offset, mask, weight, **GEOMETRY)
         for name, g, e in zip(["out", "input", "offset", "mask", "weight", "bias"],
                               got[i:i + 6], expected):
+            if mask is None and name == "mask":   # the user function returns None
+                assert g.size == 0
+                continue
             assert g.dtype == x.dtype and g.shape == e.shape, name
             np.testing.assert_allclose(g, e, err_msg=f"{name}, {x.dtype}", **tolerance(x.dtype))
 
