@@ -1131,7 +1131,9 @@ def run(quick=False, repeat=None):
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version(), "numpy": np.__version__,
                     "cpu_status": next(d["status"] for d in mmdispatch.devices()
-                                       if d["device"] == "cpu")},
+                                       if d["device"] == "cpu"),
+                    "cpu_products": f"{mmdispatch._core.gemm_provider()}; register tiles "
+                                    f"{mmdispatch._core.cpu_tiles()}"},
         "torchvision": None if tv is None else tv[1].__version__,
         "cuda_skipped": cuda_skipped,
         "torch_skipped": torch_skipped,
@@ -1155,6 +1157,8 @@ def table(report):
     lines = [f"workload: {report['workload']}, median of {report['repeat']} runs; "
              f"torchvision: {report['torchvision'] or 'not installed'}",
              f"machine: {report['machine']['platform']}; CPU {report['machine']['cpu_status']}",
+             *([f"CPU matrix products: {report['machine']['cpu_products']}"]
+               if report["machine"].get("cpu_products") else []),
              *([f"CUDA benchmarks skipped: {report['cuda_skipped']}"]
                if report.get("cuda_skipped") else []),
              *([f"PyTorch benchmarks skipped: {report['torch_skipped']}"]

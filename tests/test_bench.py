@@ -94,11 +94,19 @@ def test_bandwidth_table_lists_gpu_rows_with_their_share_of_the_peak():
     row = bench.result_row("CUDA x", "s", 0.001, 0.002, traffic=3e9)
     row["peak_bandwidth"] = 6e12
     report = {"workload": "quick", "repeat": 1, "torchvision": "0", "cuda_skipped": None,
-              "machine": {"platform": "p", "cpu_status": "c"}, "results": [row],
-              "overhead": {"sweep": []}}
+              "machine": {"platform": "p", "cpu_status": "c", "cpu_products": "b; tiles t"},
+              "results": [row], "overhead": {"sweep": []}}
     text = bench.table(report)
     assert "device peak 6000 GB/s" in text
     assert "| CUDA x | 2861 MiB | 3000 GB/s | 50.0 % | 1500 GB/s | 25.0 % |" in text
+
+
+def test_table_header_names_the_cpu_matrix_products_the_run_used():
+    report = {"workload": "quick", "repeat": 1, "torchvision": None, "cuda_skipped": None,
+              "machine": {"platform": "p", "cpu_status": "c",
+                          "cpu_products": "some BLAS; register tiles avx2"},
+              "results": [], "overhead": {"sweep": []}}
+    assert "CPU matrix products: some BLAS; register tiles avx2" in bench.table(report)
 
 
 def test_rotated_case_compares_with_a_numpy_implementation_that_computes_the_same():
