@@ -11,9 +11,11 @@
  * pixel's row holds, per weight group and tap, the group's channels'
  * masked samples. Each weight group's output is then one product with its
  * weight, reordered once per call to (out, tap, channel). Where our tile
- * products (gemm.h) are as fast as a BLAS, the forward instead makes the
- * columns of a small block of pixels on each thread and multiplies them
- * there and then (forward_tiles).
+ * products (gemm.h) are as fast as a BLAS and the groups fill their strips
+ * (tiles_suit), the forward instead makes the columns of a small block of
+ * pixels on each thread and multiplies them there and then
+ * (forward_tiles), and the backward's two products run on the tiles
+ * (BackwardTiles).
  *
  * Backward recomputes the columns, adds grad_output x columns into
  * grad_weight, turns the columns into their gradient (grad_output^T x
