@@ -50,8 +50,7 @@ const char *mmd_gemm_provider(void);
  * which tests use to run each. mmd_tiles_beat_blas() says whether the
  * chosen one is as fast as a BLAS's gemm (AVX2 and up: 78 and 107 GFLOP/s
  * a core on a Zen 4 EPYC, against OpenBLAS's 91 on one thread). */
-int mmd_tile_isa(void);   /* 2 AVX-512, 1 AVX2+FMA, 0 baseline */
-const char *mmd_tile_isa_name(void);
+const char *mmd_tile_isa_name(void);   /* "avx512", "avx2" or "baseline" */
 int mmd_tiles_beat_blas(void);
 int64_t mmd_tile_strip(int64_t elem_size);   /* sizeof(float) or sizeof(double) */
 /* Pixels per call whose rows of k values stay in a core's cache while

@@ -187,14 +187,6 @@ template <typename T> struct Call {
     }
 };
 
-/* Image n channels-last into image ((plane + kOffMapRows) x channels), with
- * the off-map rows zeroed. */
-template <typename T> void load_channels_last(const Call<T> &call, int64_t n, T *image) {
-    const int64_t channels = call.d.in_channels, plane = call.plane();
-    transpose(call.input + n * channels * plane, channels, plane, plane, image, channels);
-    memset(image + plane * channels, 0, sizeof(T) * kOffMapRows * channels);
-}
-
 /* Scratch memory of a call: a chunk's columns and samples, the image
  * channels-last (and its gradient, for backward), the weight as (out, tap,
  * channel) (and its gradient) and the channel runs. */
@@ -223,11 +215,33 @@ template <typename T> struct Workspace {
     bool ok() const {
         return columns && table && image && grad_image && weight && grad_weight && segs;
     }
-    int no_memory() const {
+    /* `more`: the bytes of the caller's own buffers beside these */
+    int no_memory(int64_t more = 0) const {
         return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's columns",
-                         (long long)bytes);
+                         (long long)(bytes + more));
     }
-    void load_image(const Call<T> &call, int64_t n) { load_channels_last(call, n, image.get()); }
+    /* Image n channels-last, with the off-map rows zeroed. */
+    void load_image(const Call<T> &call, int64_t n) {
+        const int64_t channels = call.d.in_channels, plane = call.plane();
+        transpose(call.input + n * channels * plane, channels, plane, plane, image.get(),
+                  channels);
+        memset(image.get() + plane * channels, 0, sizeof(T) * kOffMapRows * channels);
+    }
+};
+
+/* The ranges a parallel loop over `items` hands out, at most `most` of them
+ * (at least one), each with a scratch slot of its own: mmd_parallel_for
+ * starts every range at a multiple of per_range. */
+struct Ranges {
+    int64_t per_range, slots;
+    Ranges(int64_t items, int64_t most) {
+        if (most > items) most = items;
+        if (most < 1) most = 1;
+        per_range = (items + most - 1) / most;
+        if (per_range < 1) per_range = 1;
+        slots = (items + per_range - 1) / per_range;
+    }
+    int64_t slot(int64_t begin) const { return begin / per_range; }
 };
 
 /* (out, channel, tap) <-> (out, tap, channel) per out channel, with the
@@ -270,44 +284,33 @@ template <typename T> int forward_tiles(const Call<T> &call, const T *bias, T *o
     const int64_t width = call.row(), per_pixel = call.samples();
     const int64_t block = mmd_tile_block(width, (int64_t)sizeof(T));
     const int64_t blocks = (pixels + block - 1) / block, threads = mmd_max_threads();
-    /* a scratch slot per range of blocks the loop hands out: two ranges a
-     * thread, or one where their columns would pass kColumnBytes */
-    const int64_t slot_bytes = block * width * (int64_t)sizeof(T);
-    int64_t ranges = 2 * threads * slot_bytes <= kColumnBytes ? 2 * threads : threads;
-    if (ranges > blocks) ranges = blocks;
-    const int64_t per_range = (blocks + ranges - 1) / ranges;
-    const int64_t slots = (blocks + per_range - 1) / per_range;
+    /* two ranges a thread, or one where their columns would pass kColumnBytes */
+    const Ranges ranges(blocks, 2 * threads * block * width * (int64_t)sizeof(T) <= kColumnBytes
+                                    ? 2 * threads
+                                    : threads);
+    /* the Workspace's columns and samples: a block's for each slot */
+    Workspace<T> work(call, ranges.slots * block, false);
     const int64_t packed_group = mmd_packed_size<T>(outs, k);
-    const int64_t image_size = (call.plane() + kOffMapRows) * d.in_channels;
-    HeapArray<T> weight(d.out_channels * k), packed(d.groups * packed_group), image(image_size),
-        columns(slots * block * width);
-    HeapArray<Sample<T>> table(slots * block * per_pixel);
-    HeapArray<Segment> segs(d.groups + d.offset_groups);
-    if (!weight || !packed || !image || !columns || !table || !segs)
-        return mmd_error(MMD_ERR_MEMORY,
-                         "cannot allocate %lld bytes for deform_conv2d's columns",
-                         (long long)((int64_t)sizeof(T) * (d.out_channels * k +
-                                                           d.groups * packed_group + image_size +
-                                                           slots * block * width) +
-                                     (int64_t)sizeof(Sample<T>) * slots * block * per_pixel));
-    const int64_t nsegs = call.segments(segs.get());
-    reorder_weight(call, call.weight, weight.get(), true);
+    HeapArray<T> packed(d.groups * packed_group);
+    if (!work.ok() || !packed) return work.no_memory((int64_t)sizeof(T) * d.groups * packed_group);
+    reorder_weight(call, call.weight, work.weight.get(), true);
     for (int64_t g = 0; g < d.groups; ++g)
-        mmd_pack_strips(outs, k, (T)1, weight.get() + g * outs * k, k, 1,
+        mmd_pack_strips(outs, k, (T)1, work.weight.get() + g * outs * k, k, 1,
                         packed.get() + g * packed_group);
     for (int64_t n = 0; n < d.batch; ++n) {
         T *out = output + n * d.out_channels * pixels;
-        load_channels_last(call, n, image.get());
-        mmd_parallel_for(blocks, per_range,
+        work.load_image(call, n);
+        mmd_parallel_for(blocks, ranges.per_range,
                          mmd_worth_threads(blocks, pixels * (width + 1) * d.out_channels),
                          [&](int64_t begin, int64_t end) {
-            const int64_t slot = begin / per_range;
-            T *cols = columns.get() + slot * block * width;
-            Sample<T> *samples = table.get() + slot * block * per_pixel;
+            const int64_t slot = ranges.slot(begin);
+            T *cols = work.columns.get() + slot * block * width;
+            Sample<T> *samples = work.table.get() + slot * block * per_pixel;
             for (int64_t b = begin; b < end; ++b) {
                 const int64_t p0 = b * block, count = pixels - p0 < block ? pixels - p0 : block;
                 call.locate_rows(n, p0, count, samples, 0, per_pixel);
-                call.im2col_rows(image.get(), samples, segs.get(), nsegs, cols, 0, count);
+                call.im2col_rows(work.image.get(), samples, work.segs.get(), work.nsegs, cols, 0,
+                                 count);
                 for (int64_t g = 0; g < d.groups; ++g)
                     mmd_tile_product(outs, count, k, packed.get() + g * packed_group,
                                      cols + g * k, width, bias ? bias + g * outs : nullptr, 0,
@@ -468,7 +471,8 @@ template <typename T> struct BackwardTiles {
     bool on;
     /* a strip packs `sub` pixels at a time, its scratch about kStripBytes */
     static constexpr int64_t kStripBytes = int64_t(1) << 18;
-    int64_t strip = 0, sub = 0, packed_group = 0, ranges = 0, per_range = 0, chunk = 0;
+    int64_t strip = 0, sub = 0, packed_group = 0, chunk = 0;
+    Ranges ranges{0, 1};
     HeapArray<T> packed, transposed, scratch;
 
     BackwardTiles(const Call<T> &c, Workspace<T> &w, int64_t chunk_pixels)
@@ -482,14 +486,10 @@ template <typename T> struct BackwardTiles {
         if (sub > chunk) sub = chunk;
         if (sub < 1) sub = 1;
         packed_group = mmd_packed_size<T>(k, outs);
-        const int64_t items = d.groups * ((k + strip - 1) / strip);
-        const int64_t threads = mmd_max_threads();
-        ranges = items < threads ? items : threads;
-        per_range = ranges > 0 ? (items + ranges - 1) / ranges : 1;
-        ranges = ranges > 0 ? (items + per_range - 1) / per_range : 0;
+        ranges = Ranges(d.groups * ((k + strip - 1) / strip), mmd_max_threads());
         packed.reset(d.groups * packed_group);
         transposed.reset(chunk * d.out_channels);
-        scratch.reset(ranges * sub * strip);
+        scratch.reset(ranges.slots * sub * strip);
         if (!packed || !transposed || !scratch) return;
         for (int64_t g = 0; g < d.groups; ++g)   /* w'[j][o] = weight[o][j] */
             mmd_pack_strips(k, outs, (T)1, work.weight.get() + g * outs * k, 1, k,
@@ -498,7 +498,7 @@ template <typename T> struct BackwardTiles {
     bool ok() const { return !on || (packed && transposed && scratch); }
     int64_t bytes() const {
         return (int64_t)sizeof(T) * (call.d.groups * packed_group + chunk * call.d.out_channels +
-                                     ranges * sub * strip);
+                                     ranges.slots * sub * strip);
     }
 
     void products(const T *grad_out, int64_t p0, int64_t count) {
@@ -508,9 +508,9 @@ template <typename T> struct BackwardTiles {
         T *columns = work.columns.get();
         T *grad_weight = work.grad_weight.get();
         const int64_t items = d.groups * strips;
-        mmd_parallel_for(items, per_range, mmd_worth_threads(items, count * outs * k),
+        mmd_parallel_for(items, ranges.per_range, mmd_worth_threads(items, count * outs * k),
                          [&](int64_t begin, int64_t end) {
-            T *strip_values = scratch.get() + begin / per_range * sub * strip;
+            T *strip_values = scratch.get() + ranges.slot(begin) * sub * strip;
             for (int64_t item = begin; item < end; ++item) {
                 const int64_t g = item / strips, j0 = item % strips * strip;
                 const int64_t n = k - j0 < strip ? k - j0 : strip;
@@ -568,9 +568,7 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, co
     reorder_weight(call, call.weight, work.weight.get(), true);
     const int64_t outs = call.group_outputs(), k = call.group_columns();
     BackwardTiles<T> tiles(call, work, chunk);
-    if (!tiles.ok())
-        return mmd_error(MMD_ERR_MEMORY, "cannot allocate %lld bytes for deform_conv2d's columns",
-                         (long long)(work.bytes + tiles.bytes()));
+    if (!tiles.ok()) return work.no_memory(tiles.bytes());
     T *columns = work.columns.get();
     for (int64_t n = 0; n < d.batch; ++n) {
         const T *grad_out = grad_output + n * d.out_channels * pixels;

@@ -335,8 +335,6 @@ extern "C" void mmd_dgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_
 
 extern "C" const char *mmd_gemm_provider(void) { return blas().name; }
 
-extern "C" int mmd_tile_isa(void) { return isa(); }
-
 extern "C" const char *mmd_tile_isa_name(void) {
     return isa() == 2 ? "avx512" : isa() == 1 ? "avx2" : "baseline";
 }
