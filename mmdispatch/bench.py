@@ -1,7 +1,7 @@
 """Benchmarks of the CPU kernels and of the per-call cost, on the
 standard workload (STANDARD below), side by side with torchvision when it is installed.
 
-    python -m mmdispatch bench [--quick] [--json PATH] [--plot PNG] [--repeat N]
+    python -m mmdispatch bench [--quick] [--gpu-only] [--json PATH] [--plot PNG] [--repeat N]
 
 Every figure is the median of `repeat` timed runs (after one warm-up run).
 Ratios are torchvision / mmdispatch measured in the same run; without
@@ -38,6 +38,11 @@ beside the same call without hooks (ratio below 1: the hooked call is
 slower). Where Dask is installed (extra 'dask'), mmdispatch.dask's
 workloads run on a LocalCluster of 1 and then 2 worker processes; their
 ratio column is the speed-up of 2 workers over 1.
+
+--gpu-only runs only the GPU rows (CuPy arrays and mmdispatch.torch on
+CUDA), for a borrowed GPU machine whose time is short: the CPU rows take
+minutes (their numpy and grid_sample references most of it) and measure
+nothing about the GPU.
 """
 import argparse
 import json
@@ -523,9 +528,10 @@ def torch_call_costs(device, tv, number=2000):
     return costs
 
 
-def run_torch(quick, repeat, tv):
-    """mmdispatch.torch's rows (CPU, and CUDA when torch sees a GPU and our
-    CUDA kernels run), or (None, reason) without torch."""
+def run_torch(quick, repeat, tv, gpu_only=False):
+    """mmdispatch.torch's rows (CPU unless gpu_only, and CUDA when torch
+    sees a GPU and our CUDA kernels run), or (None, reason) without torch
+    (or, with gpu_only, without CUDA)."""
     try:
         import torch
 
@@ -533,9 +539,11 @@ def run_torch(quick, repeat, tv):
     except ImportError as exc:
         return None, f"torch is not installed ({exc})"
     cfg = QUICK if quick else STANDARD
-    devices = ["cpu"]
+    devices = [] if gpu_only else ["cpu"]
     if torch.cuda.is_available() and cuda_runtime()[0] is not None:
         devices.append("cuda")
+    if not devices:
+        return None, "torch sees no GPU, or mmdispatch's CUDA kernels do not run here"
     rows = []
     for device in devices:
         prefix = f"torch {device}: "
@@ -679,9 +687,15 @@ def tail_latency(quick):
 
 
 def result_row(name, unit, ours, theirs=None, traffic=None):
-    return {"benchmark": name, "unit": unit, "mmdispatch": ours, "torchvision": theirs,
-            "ratio": (theirs / ours) if theirs is not None and ours else None,
-            "bytes": traffic}
+    """The row, also printed on stderr as it is made, so a run cut short (a
+    borrowed GPU's time running out) still shows what it measured."""
+    row = {"benchmark": name, "unit": unit, "mmdispatch": ours, "torchvision": theirs,
+           "ratio": (theirs / ours) if theirs is not None and ours else None,
+           "bytes": traffic}
+    progress(f"bench: = {name}: {format_value(ours, unit)}"
+             + (f", torchvision {format_value(theirs, unit)} ({row['ratio']:.2f}x)"
+                if row["ratio"] is not None else ""))
+    return row
 
 
 def timed_rows(cases, repeat, prefix=""):
@@ -1065,11 +1079,62 @@ def run_cuda(quick, repeat, tv):
     return rows, None
 
 
-def run(quick=False, repeat=None):
+def run(quick=False, repeat=None, gpu_only=False):
     cfg = QUICK if quick else STANDARD
     repeat = repeat or (3 if quick else 5)
     tv = torchvision_ops()
     rows = []
+    overhead_ns, sweep = None, []
+
+    def record(name, ours, theirs, unit):
+        rows.append(result_row(name, unit, ours, theirs))
+
+    if not gpu_only:
+        overhead_ns, sweep = run_cpu(cfg, quick, repeat, tv, rows)
+    progress("bench: import time ...")
+    ours_import, numpy_import = import_seconds(max(repeat, 5))
+    record("import mmdispatch (fresh interpreter)", ours_import, None, "s")
+    record("import numpy (fresh interpreter, reference point)", numpy_import, None, "s")
+    cuda_rows, cuda_skipped = run_cuda(quick, repeat, tv)
+    rows += cuda_rows or []
+    torch_rows, torch_skipped = run_torch(quick, repeat, tv, gpu_only)
+    rows += torch_rows or []
+    dask_skipped = "--gpu-only" if gpu_only else None
+    if not gpu_only:
+        dask_times, dask_skipped = dask_scaling(quick, repeat)
+        for name, by_workers in (dask_times or {}).items():
+            # the ratio column: 1 worker's time / 2 workers' time, the speed-up
+            record(f"{name}, 2 workers (vs 1)", by_workers[2], by_workers[1], "s")
+        progress("bench: peak memory of a forward call ...")
+        feature, rois = roi_workload(cfg)
+        out_bytes = rois.shape[0] * feature.shape[1] * cfg["output"] ** 2 * feature.itemsize
+        for sr in (2, 0):
+            extra = peak_extra_bytes(lambda: ops.roi_align(feature, rois, cfg["output"],
+                                                           cfg["spatial_scale"], sr), out_bytes)
+            record(f"roi_align sampling_ratio={sr} forward: peak memory beyond the output",
+                   extra, None, "bytes")
+    return {
+        "workload": ("quick" if quick else "standard") + (", GPU rows only" if gpu_only else ""),
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+        "repeat": repeat,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "python": platform.python_version(), "numpy": np.__version__,
+                    "cpu_status": next(d["status"] for d in mmdispatch.devices()
+                                       if d["device"] == "cpu"),
+                    "cpu_products": f"{mmdispatch._core.gemm_provider()}; register tiles "
+                                    f"{mmdispatch._core.cpu_tiles()}"},
+        "torchvision": None if tv is None else tv[1].__version__,
+        "cuda_skipped": cuda_skipped,
+        "torch_skipped": torch_skipped,
+        "dask_skipped": dask_skipped,
+        "results": rows,
+        "overhead": {"overhead_ns": overhead_ns, "sweep": sweep},
+    }
+
+
+def run_cpu(cfg, quick, repeat, tv, rows):
+    """Appends the CPU rows to `rows`; returns (dispatch overhead in ns, the
+    overhead-fraction sweep)."""
 
     def record(name, ours, theirs, unit):
         rows.append(result_row(name, unit, ours, theirs))
@@ -1104,43 +1169,7 @@ def run(quick=False, repeat=None):
     for when, (p50, p99) in tail_latency(quick).items():
         record(f"mid-size roi_align call p50, {when}", p50, None, "s/call")
         record(f"mid-size roi_align call p99, {when}", p99, None, "s/call")
-    progress("bench: import time ...")
-    ours_import, numpy_import = import_seconds(max(repeat, 5))
-    record("import mmdispatch (fresh interpreter)", ours_import, None, "s")
-    record("import numpy (fresh interpreter, reference point)", numpy_import, None, "s")
-    cuda_rows, cuda_skipped = run_cuda(quick, repeat, tv)
-    rows += cuda_rows or []
-    torch_rows, torch_skipped = run_torch(quick, repeat, tv)
-    rows += torch_rows or []
-    dask_times, dask_skipped = dask_scaling(quick, repeat)
-    for name, by_workers in (dask_times or {}).items():
-        # the ratio column: 1 worker's time / 2 workers' time, the speed-up
-        record(f"{name}, 2 workers (vs 1)", by_workers[2], by_workers[1], "s")
-    progress("bench: peak memory of a forward call ...")
-    feature, rois = roi_workload(cfg)
-    out_bytes = rois.shape[0] * feature.shape[1] * cfg["output"] ** 2 * feature.itemsize
-    for sr in (2, 0):
-        extra = peak_extra_bytes(lambda: ops.roi_align(feature, rois, cfg["output"],
-                                                       cfg["spatial_scale"], sr), out_bytes)
-        record(f"roi_align sampling_ratio={sr} forward: peak memory beyond the output", extra,
-               None, "bytes")
-    return {
-        "workload": "quick" if quick else "standard",
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-        "repeat": repeat,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version(), "numpy": np.__version__,
-                    "cpu_status": next(d["status"] for d in mmdispatch.devices()
-                                       if d["device"] == "cpu"),
-                    "cpu_products": f"{mmdispatch._core.gemm_provider()}; register tiles "
-                                    f"{mmdispatch._core.cpu_tiles()}"},
-        "torchvision": None if tv is None else tv[1].__version__,
-        "cuda_skipped": cuda_skipped,
-        "torch_skipped": torch_skipped,
-        "dask_skipped": dask_skipped,
-        "results": rows,
-        "overhead": {"overhead_ns": overhead_ns, "sweep": sweep},
-    }
+    return overhead_ns, sweep
 
 
 def format_value(value, unit):
@@ -1188,8 +1217,9 @@ def table(report):
                           f"{rate / peak * 100:.1f} %" if rate and peak else "-"]
             lines.append(f"| {row['benchmark']} | {row['bytes'] / 2**20:.0f} MiB | "
                          + " | ".join(cells) + " |")
-    lines += ["", "| roi_align_forward_impl call (N, C, H, W; rois; 7x7) | time | "
-              "dispatch overhead share |", "|---|---|---|"]
+    if report["overhead"]["sweep"]:
+        lines += ["", "| roi_align_forward_impl call (N, C, H, W; rois; 7x7) | time | "
+                  "dispatch overhead share |", "|---|---|---|"]
     for p in report["overhead"]["sweep"]:
         lines.append(f"| {tuple(p['shape'])}; {p['rois']} | "
                      f"{format_value(p['seconds'], 's/call')} | "
@@ -1202,12 +1232,16 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="small workload, for smoke tests (well under a minute)")
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="only the GPU rows (and import time): no CPU, Dask or memory rows")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per benchmark")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--plot", default=None,
                         help="write the overhead-fraction plot to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
-    report = run(quick=args.quick, repeat=args.repeat)
+    if args.gpu_only and args.plot:
+        parser.error("--plot draws the CPU overhead sweep, which --gpu-only leaves out")
+    report = run(quick=args.quick, repeat=args.repeat, gpu_only=args.gpu_only)
     print(table(report))
     if args.plot:
         if plot_overhead(report, args.plot):

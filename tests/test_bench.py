@@ -85,6 +85,25 @@ def test_cuda_part_says_why_it_is_skipped_where_it_cannot_run():
     assert "CUDA" in reason or "CuPy" in reason
 
 
+def test_gpu_only_run_leaves_out_every_cpu_row_and_says_why_gpu_rows_are_missing():
+    cupy, _ = bench.cuda_runtime()
+    if cupy is not None:
+        pytest.skip("CUDA kernels and CuPy are usable here: the GPU rows would run")
+    report = bench.run(quick=True, repeat=1, gpu_only=True)
+    names = [row["benchmark"] for row in report["results"]]
+    assert names == ["import mmdispatch (fresh interpreter)",
+                     "import numpy (fresh interpreter, reference point)"]
+    assert report["cuda_skipped"] and report["torch_skipped"]
+    assert report["workload"] == "quick, GPU rows only"
+    text = bench.table(report)
+    assert "CUDA benchmarks skipped" in text and "dispatch overhead share" not in text
+
+
+def test_gpu_only_refuses_the_cpu_overhead_plot():
+    with pytest.raises(SystemExit):
+        bench.main(["--gpu-only", "--plot", "x.png"])
+
+
 def test_import_time_is_measured_in_fresh_interpreters():
     ours, numpy_only = bench.import_seconds(1)
     assert ours > 0 and numpy_only > 0

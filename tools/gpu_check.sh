@@ -7,17 +7,34 @@
 #   tools/gpu_check.sh sanitize   build, then compute-sanitizer memcheck on the CUDA
 #                                 tests and racecheck on the deterministic backend
 #   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
+#   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
+#                                 call of at most 10): build once, the suite, the
+#                                 bench's GPU rows only (--gpu-only), then memcheck
+#                                 and racecheck, each cut to what is left of BUDGET
+#                                 seconds (default 540), in that order of priority
 #
 # Environment: OUT (logs; default ./gpu-logs), PYTHON (default python3),
 # MMDISPATCH_CUDA_ARCH_LIST (default 9.0: one arch builds in about a minute),
 # SKIP_BUILD=1 to use the mmdispatch already installed, JOBS (pytest -n,
-# default 12). The last lines of each log are printed at the end.
+# default 12), BUDGET (seconds, part all). The last lines of each log are
+# printed at the end; a step cut short by its time leaves its partial log.
 set -uo pipefail
-part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench}
+part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|all}
+case "$part" in
+tests|sanitize|bench|all) ;;
+*) echo "unknown part: $part (tests, sanitize, bench or all)" >&2; exit 2 ;;
+esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$PWD/gpu-logs}
 py=${PYTHON:-python3}
 mkdir -p "$out"
+began=$(date +%s)
+# seconds left of BUDGET, at most $1 (part all); $1 for the single parts
+left() {
+    if [ "$part" != all ]; then echo "$1"; return; fi
+    local rest=$(( ${BUDGET:-540} - ($(date +%s) - began) ))
+    [ "$rest" -lt "$1" ] && echo $(( rest > 1 ? rest : 1 )) || echo "$1"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
@@ -32,29 +49,30 @@ cd /tmp
 "$py" -c "import mmdispatch; print([d['device'] + ': ' + d['status'] for d in mmdispatch.devices()])"
 
 case "$part" in
-tests)
-    "$py" -m pytest "$repo/tests" -n "${JOBS:-12}" -q -ra -p no:cacheprovider \
-        > "$out/pytest.log" 2>&1
-    echo "pytest exit $?"; tail -25 "$out/pytest.log"
-    ;;
-sanitize)
+tests|all)
+    workers=()   # pytest-xdist is on the GPU machines, not in the test extra
+    "$py" -c "import xdist" 2> /dev/null && workers=(-n "${JOBS:-12}")
+    timeout "$(left 300)" "$py" -m pytest "$repo/tests" "${workers[@]}" -q -ra \
+        -p no:cacheprovider --durations 15 > "$out/pytest.log" 2>&1
+    echo "pytest exit $? ($(( $(date +%s) - began )) s in)"; tail -45 "$out/pytest.log"
+    ;;&
+bench|all)
+    flags=(--repeat 5 --json "$out/bench.json")
+    [ "$part" = all ] && flags+=(--gpu-only)
+    timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
+    echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
+    ;;&
+sanitize|all)
     # memcheck: every CUDA test of the ops and of deferred errors (bad data
     # made harmless must never read or write out of bounds)
-    timeout 420 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
+    timeout "$(left 420)" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
         "$py" -m pytest "$repo/tests/ops" "$repo/tests/test_deferred.py" -q -k cuda \
         -p no:cacheprovider > "$out/memcheck.log" 2>&1
     echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -5
-    timeout 150 compute-sanitizer --tool racecheck --error-exitcode 99 \
+    timeout "$(left 150)" compute-sanitizer --tool racecheck --error-exitcode 99 \
         "$py" -m pytest "$repo/tests/ops/test_roi_align.py" "$repo/tests/ops/test_roi_pool.py" \
         -q -k "cuda and deterministic" -p no:cacheprovider > "$out/racecheck.log" 2>&1
     echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" \
         "$out/racecheck.log" | tail -5
-    ;;
-bench)
-    "$py" -m mmdispatch bench --repeat 5 --json "$out/bench.json" > "$out/bench.txt" 2>&1
-    echo "bench exit $?"; tail -60 "$out/bench.txt"
-    ;;
-*)
-    echo "unknown part: $part (tests, sanitize or bench)" >&2; exit 2
     ;;
 esac
