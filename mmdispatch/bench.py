@@ -61,8 +61,9 @@ from mmdispatch import _benchkit, _core, ops
 # Standard workload: an FPN P2 level of an 800x1216 image, 512 rois per image.
 STANDARD = dict(batch=2, channels=256, height=200, width=304, rois_per_image=512,
                 image=(800, 1216), spatial_scale=0.25, output=7, nms_boxes=20000,
-                rotated_boxes=2000)
-QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000, rotated_boxes=500)
+                rotated_boxes=2000, soft_nms_boxes=5000)
+QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000, rotated_boxes=500,
+             soft_nms_boxes=1000)
 # R-FCN's position-sensitive head on ResNet-50 stage 3 (stride 16): 10 output
 # channels of 7x7 bins, 512 rois per image.
 PS_STANDARD = dict(batch=2, channels=490, height=50, width=76, rois_per_image=512,
@@ -693,7 +694,7 @@ def result_row(name, unit, ours, theirs=None, traffic=None):
            "ratio": (theirs / ours) if theirs is not None and ours else None,
            "bytes": traffic}
     progress(f"bench: = {name}: {format_value(ours, unit)}"
-             + (f", torchvision {format_value(theirs, unit)} ({row['ratio']:.2f}x)"
+             + (f", theirs {format_value(theirs, unit)} ({row['ratio']:.2f}x)"
                 if row["ratio"] is not None else ""))
     return row
 
@@ -1022,6 +1023,64 @@ def rotated_cases(cfg, to_device=None, sync=None):
            None if on_device else theirs, None)
 
 
+def numpy_soft_nms(boxes, scores, idxs, iou_threshold, sigma, min_score, method):
+    """batched soft_nms's definition with numpy, in the boxes' dtype: each
+    step selects the remaining box of highest score (the lowest index of
+    equal ones; no NaN scores), decays the remaining boxes of its class by
+    the method's weight of their IoU with it, and drops those below
+    min_score. Returns (dets, inds)."""
+    boxes = np.asarray(boxes)
+    t = boxes.dtype.type
+    x1, y1, x2, y2 = boxes.T
+    area = (x2 - x1) * (y2 - y1)
+    score = np.array(scores, copy=True)
+    remaining = np.arange(len(boxes))
+    inds = []
+    dets = []
+    while remaining.size:
+        k = int(np.argmax(score[remaining]))   # remaining is ascending: the first of ties
+        i = int(remaining[k])
+        inds.append(i)
+        dets.append((*boxes[i], score[i]))
+        remaining = np.delete(remaining, k)
+        same = remaining[idxs[remaining] == idxs[i]]
+        w = np.maximum(np.minimum(x2[i], x2[same]) - np.maximum(x1[i], x1[same]), t(0))
+        h = np.maximum(np.minimum(y2[i], y2[same]) - np.maximum(y1[i], y1[same]), t(0))
+        inter = w * h
+        union = area[i] + area[same] - inter
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iou = np.where(union > 0, inter / union, t(0))
+        if method == "gaussian":
+            score[same] *= np.exp(-(iou * iou) / t(sigma))
+        else:
+            hit = iou.astype(np.float64) >= iou_threshold   # compared as the kernels do
+            score[same[hit]] *= (t(1) - iou[hit]) if method == "linear" else t(0)
+        remaining = remaining[~(score[remaining].astype(np.float64) < min_score)]
+    return np.array(dets, boxes.dtype).reshape(-1, 5), np.array(inds, np.int64)
+
+
+def soft_nms_cases(cfg, to_device=None, sync=None):
+    """(name, ours, theirs, None): batched soft_nms (linear, IoU 0.5,
+    min_score 0.05, as detectors' test-time soft-NMS) of detections of 80
+    classes; on the CPU against numpy_soft_nms; with to_device (as
+    rotated_cases), ours alone."""
+    on_device = to_device is not None
+    move = to_device if on_device else (lambda a: a)
+    done = sync if on_device else (lambda: None)
+    n = cfg["soft_nms_boxes"]
+    boxes, scores = nms_workload(n, 3)
+    idxs = np.random.default_rng(4).integers(0, 80, n)
+    d_boxes, d_scores, d_idxs = move(boxes), move(scores), move(idxs)
+
+    def ours():
+        ops.batched_soft_nms(d_boxes, d_scores, d_idxs, 0.5, 0.5, 0.05, "linear")
+        done()
+    yield (f"batched soft_nms {n} boxes, 80 classes, linear" +
+           ("" if on_device else " (vs vectorised numpy)"), ours,
+           None if on_device else
+           lambda: numpy_soft_nms(boxes, scores, idxs, 0.5, 0.5, 0.05, "linear"), None)
+
+
 def run_cuda(quick, repeat, tv):
     """The GPU benchmarks, or (None, reason) when they cannot run here."""
     cupy, reason = cuda_runtime()
@@ -1051,6 +1110,7 @@ def run_cuda(quick, repeat, tv):
         return run_deterministic
 
     rows += timed_rows(rotated_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
+    rows += timed_rows(soft_nms_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
     rows += timed_rows([(f"{name}, deterministic backend", deterministic(fn), None, traffic)
                         for cases in (device_cases(cfg, cupy.asarray, sync),
                                       msda_cases(msda, cupy.asarray, sync))
@@ -1148,6 +1208,7 @@ def run_cpu(cfg, quick, repeat, tv, rows):
     rows += timed_rows(msda_cases(MSDA_QUICK if quick else MSDA_STANDARD, np.asarray,
                                   lambda: None, "cpu" if tv is not None else None, tv), repeat)
     rows += timed_rows(rotated_cases(cfg), repeat)
+    rows += timed_rows(soft_nms_cases(cfg), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):
         progress(f"bench: {name} ...")
         theirs = median_call(theirs_fn, max(repeat, 5)) if theirs_fn else None

@@ -262,11 +262,14 @@ class DerivedOp:
         specs = {k: (shape, dtype or first_dtype)
                  for (k, dtype, _), shape in self.output_specs(args)}
         results = []
+        sizes = {}   # one data-dependent size per length output (soft_nms: dets and keep)
         for k, length in self.returns:
             shape, dtype = specs[k]
             shape = list(shape)
             if length >= 0:
-                shape[0] = torch.library.get_ctx().new_dynamic_size()
+                if length not in sizes:
+                    sizes[length] = torch.library.get_ctx().new_dynamic_size()
+                shape[0] = sizes[length]
             results.append(torch.empty(shape, dtype=dtype, device=device))
         return results[0] if len(results) == 1 else tuple(results)
 

@@ -11,6 +11,7 @@ from torch import nn
 from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
 from mmdispatch.ops.multi_scale_deformable_attn import _im2col_step
 from mmdispatch.ops.roi_align import _POOL_MODES
+from mmdispatch.ops.soft_nms import METHODS as _SOFT_NMS_METHODS
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
 from mmdispatch.torch._vision import _int_pair, _nms, _pair, like_dtype, rois_of
@@ -25,6 +26,7 @@ _MSDA = DERIVED["multi_scale_deformable_attn_forward_impl"]
 _BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
 _NMS_ROTATED = DERIVED["nms_rotated_impl"]
 _ROI_ALIGN_ROTATED = DERIVED["roi_align_rotated_forward_impl"]
+_SOFT_NMS = DERIVED["soft_nms_impl"]
 
 
 def _choice(op, name, value, options):
@@ -72,18 +74,40 @@ def nms(boxes, scores, iou_threshold, offset=0, score_threshold=0, max_num=-1):
     return _detections(boxes, scores, None, iou_threshold, offset, score_threshold, max_num)
 
 
+def _soft_detections(op, boxes, scores, idxs, iou_threshold, sigma, min_score, method, offset):
+    code = _choice(op, "method", method, _SOFT_NMS_METHODS)
+    return _SOFT_NMS(boxes, like_dtype(scores, boxes), idxs, float(iou_threshold), float(sigma),
+                     float(min_score), code, int(offset))
+
+
+def soft_nms(boxes, scores, iou_threshold=0.3, sigma=0.5, min_score=1e-3, method="linear",
+             offset=0):
+    """mmcv.ops.soft_nms, on CPU and CUDA (MMCV's kernel is CPU-only):
+    returns (dets, inds), dets (k, 5) the kept boxes with their decayed
+    scores, inds their indices, in selection order (non-increasing score).
+    method "naive", "linear" or "gaussian"; mmdispatch.ops.soft_nms has the
+    exact definition."""
+    return _soft_detections("soft_nms", boxes, scores, None, iou_threshold, sigma, min_score,
+                            method, offset)
+
+
 _NMS_OPTIONS = ("iou_threshold", "offset", "score_threshold", "max_num")
+_SOFT_NMS_OPTIONS = ("iou_threshold", "sigma", "min_score", "method", "offset", "max_num")
 
 
 def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
     """mmcv.ops.batched_nms: nms within each class of idxs, configured by
-    nms_cfg (a dict: iou_threshold, and optionally type "nms", offset,
-    score_threshold, max_num, split_thr, class_agnostic). Returns (dets,
-    keep) by decreasing score, dets (k, 5) the kept boxes with their scores.
-    nms_cfg None sorts every box by score, without nms. The kernel keeps
-    classes apart itself, so split_thr (MMCV's switch from the coordinate
-    offset trick to a loop over classes) changes nothing; "soft_nms" and
-    other types are not supported."""
+    nms_cfg (a dict: type "nms" (the default) with iou_threshold and
+    optionally offset, score_threshold, max_num; or type "soft_nms" with
+    optionally iou_threshold, sigma, min_score, method, offset, max_num;
+    and split_thr, class_agnostic). Returns (dets, keep) by decreasing
+    score, dets (k, 5) the kept boxes with their scores (decayed, for
+    soft_nms). nms_cfg None sorts every box by score, without nms. The
+    kernels keep classes apart themselves, so split_thr (MMCV's switch from
+    the coordinate offset trick to a loop over classes) changes nothing,
+    except in one corner of soft_nms: min_score spares only the first box
+    selected overall, as MMCV's offset trick does, not the first of each
+    class, as its loop does."""
     op = "batched_nms"
     if nms_cfg is None:
         scores, inds = scores.sort(descending=True, stable=True)
@@ -91,15 +115,23 @@ def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
     cfg = dict(nms_cfg)
     class_agnostic = cfg.pop("class_agnostic", class_agnostic)
     nms_type = cfg.pop("type", "nms")
-    if nms_type != "nms":
-        raise ValueError(f"{op}: nms_cfg type must be 'nms', got {nms_type!r}")
+    if nms_type not in ("nms", "soft_nms"):
+        raise ValueError(f"{op}: nms_cfg type must be 'nms' or 'soft_nms', got {nms_type!r}")
     cfg.pop("split_thr", None)
-    if "iou_threshold" not in cfg:
+    if nms_type == "nms" and "iou_threshold" not in cfg:
         raise ValueError(f"{op}: nms_cfg must give iou_threshold, got {nms_cfg!r}")
-    unknown = sorted(set(cfg) - set(_NMS_OPTIONS))
+    options = _NMS_OPTIONS if nms_type == "nms" else _SOFT_NMS_OPTIONS
+    unknown = sorted(set(cfg) - set(options))
     if unknown:
-        raise TypeError(f"{op}: nms_cfg has unknown options {unknown}; known: type, "
-                        f"class_agnostic, split_thr, {', '.join(_NMS_OPTIONS)}")
+        raise TypeError(f"{op}: nms_cfg has unknown options {unknown} for type {nms_type!r}; "
+                        f"known: type, class_agnostic, split_thr, {', '.join(options)}")
+    if nms_type == "soft_nms":
+        dets, keep = _soft_detections(
+            op, boxes, scores, None if class_agnostic else idxs.to(torch.int64),
+            cfg.get("iou_threshold", 0.3), cfg.get("sigma", 0.5), cfg.get("min_score", 1e-3),
+            cfg.get("method", "linear"), cfg.get("offset", 0))
+        max_num = cfg.get("max_num", -1)
+        return (dets[:max_num], keep[:max_num]) if max_num > 0 else (dets, keep)
     return _detections(boxes, scores, None if class_agnostic else idxs, cfg["iou_threshold"],
                        cfg.get("offset", 0), cfg.get("score_threshold", 0),
                        cfg.get("max_num", -1))

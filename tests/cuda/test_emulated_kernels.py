@@ -213,7 +213,7 @@ def test_roi_align_bins_reading_more_cells_than_the_avg_kernels_list_match_the_c
 
 
 @pytest.mark.parametrize("op_name", ["roi_align_forward_impl", "roi_pool_forward_impl",
-                                     "bbox_overlaps_impl", "nms_impl"])
+                                     "bbox_overlaps_impl", "nms_impl", "soft_nms_impl"])
 def test_float16_kernels_match_the_float32_cpu_kernels(emu, op_name):
     """float16 arrays compute in float32 on CUDA: on values float16 holds
     exactly, the results are the float32 CPU results rounded once."""
@@ -234,6 +234,9 @@ def test_float16_kernels_match_the_float32_cpu_kernels(emu, op_name):
                                           np.zeros((60, 17), dt), 0, False, 0],
         "nms_impl": lambda dt: [boxes.astype(dt), scores.astype(dt), None, np.zeros(60, np.int64),
                                 np.zeros(1, np.int64), 0.3, 0],
+        "soft_nms_impl": lambda dt: [boxes.astype(dt), scores.astype(dt), None,
+                                     np.zeros((60, 5), dt), np.zeros(60, np.int64),
+                                     np.zeros(1, np.int64), 0.3, 0.5, 1e-3, 1, 0],
     }
     expected = calls[op_name](np.float32)
     getattr(mmdispatch, op_name)(*expected)
@@ -283,6 +286,32 @@ def test_nms_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu, n, threshold,
     expected = run(list)
     assert 0 < len(expected) < n
     np.testing.assert_array_equal(run(on_gpu), expected)
+
+
+@pytest.mark.parametrize("method", [0, 1, 2])
+@pytest.mark.parametrize("classes", [1, 7])
+def test_soft_nms_over_more_boxes_than_the_block_has_threads_equals_the_cpu(emu, classes,
+                                                                            method):
+    """1,300 boxes: each of the block's 512 threads holds two or three, and
+    every step's choice goes through all 16 warps' reduction."""
+    rng = np.random.default_rng(classes)
+    n = 1300
+    corners = rng.uniform(0, 300, (n, 2))
+    boxes = np.concatenate([corners, corners + rng.uniform(4, 60, (n, 2))], axis=1)
+    scores = rng.random(n)
+    scores[rng.random(n) < 0.2] = 0.5                         # ties
+    idxs = rng.integers(0, classes, n) if classes > 1 else None
+
+    def run(wrap):
+        dets, keep, count = np.zeros((n, 5)), np.zeros(n, np.int64), np.zeros(1, np.int64)
+        mmdispatch.soft_nms_impl(*wrap([boxes, scores, idxs, dets, keep, count]), 0.3, 0.5,
+                                 0.05, method, 0)
+        return dets[:count[0]], keep[:count[0]]
+
+    expected = run(list)
+    assert 0 < len(expected[1]) < n
+    for got, want in zip(run(on_gpu), expected):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_nms_rotated_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu):

@@ -2,7 +2,6 @@
 degenerate and NaN boxes, output properties, device consistency, bad input,
 and CPU/CUDA agreement."""
 import importlib
-import math
 import re
 
 import numpy as np
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 import mmdispatch
 from mmdispatch.ops import bbox_overlaps
 from properties import OpProperties, boxes_for, guarded, sentinel
+from references import ref_overlap
 
 bbox_overlaps_module = importlib.import_module("mmdispatch.ops.bbox_overlaps")
 
@@ -28,25 +28,6 @@ TOL = {np.float32: dict(rtol=1e-6, atol=1e-7), np.float64: dict(rtol=1e-14, atol
 
 
 # --- slow reference ----------------------------------------------------------------
-
-def ref_overlap(a, b, mode, offset, dtype):
-    """IoU / IoF of two boxes with numpy scalars of `dtype`: NaN when any
-    coordinate is NaN, 0 when the union (iou) or the area of a (iof) is <= 0."""
-    t = np.dtype(dtype).type
-    a = [t(v) for v in a]
-    b = [t(v) for v in b]
-    if any(math.isnan(float(v)) for v in a + b):
-        return t(np.nan)
-    off = t(offset)
-    with np.errstate(all="ignore"):
-        w = min(a[2], b[2]) - max(a[0], b[0]) + off
-        h = min(a[3], b[3]) - max(a[1], b[1]) + off
-        inter = (w if w > 0 else t(0)) * (h if h > 0 else t(0))
-        area_a = (a[2] - a[0] + off) * (a[3] - a[1] + off)
-        area_b = (b[2] - b[0] + off) * (b[3] - b[1] + off)
-        base = area_a if mode == "iof" else area_a + area_b - inter
-        return t(0) if base <= 0 else inter / base
-
 
 def ref_bbox_overlaps(b1, b2, mode="iou", aligned=False, offset=0):
     dtype = b1.dtype

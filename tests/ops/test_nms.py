@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import mmdispatch
 from mmdispatch.ops import batched_nms, nms
 from properties import OpProperties, boxes_for, float_arrays, guarded, sentinel
+from references import ref_iou, ref_order
 
 nms_module = importlib.import_module("mmdispatch.ops.nms")
 
@@ -25,35 +26,6 @@ INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uin
 
 
 # --- slow reference: greedy NMS, IoU computed in the boxes' dtype ------------
-
-def ref_iou(a, b, offset, dtype):
-    """IoU of boxes a and b with numpy scalars of `dtype`, in the kernels'
-    order of operations; NaN when a coordinate is NaN, 0 for a union <= 0."""
-    t = np.dtype(dtype).type
-    a = [t(v) for v in a]
-    b = [t(v) for v in b]
-    if any(math.isnan(float(v)) for v in a + b):
-        return t(np.nan)
-    off = t(offset)
-    with np.errstate(all="ignore"):
-        w = min(a[2], b[2]) - max(a[0], b[0]) + off
-        h = min(a[3], b[3]) - max(a[1], b[1]) + off
-        w = w if w > 0 else t(0)
-        h = h if h > 0 else t(0)
-        inter = w * h
-        area_a = (a[2] - a[0] + off) * (a[3] - a[1] + off)
-        area_b = (b[2] - b[0] + off) * (b[3] - b[1] + off)
-        union = area_a + area_b - inter
-        return t(0) if union <= 0 else inter / union
-
-
-def ref_order(scores):
-    """Descending score, NaN after everything (-inf included), ties by index."""
-    def key(i):
-        s = float(scores[i])
-        return (math.isnan(s), 0.0 if math.isnan(s) else -s, i)
-    return sorted(range(len(scores)), key=key)
-
 
 def ref_nms(boxes, scores, iou_threshold, offset=0, idxs=None):
     kept = []

@@ -110,13 +110,74 @@ def test_batched_nms_without_config_sorts_by_score_and_refuses_other_types():
     assert inds.tolist() == scores.argsort(descending=True, stable=True).tolist()
     torch.testing.assert_close(dets[:, 4], scores[inds])
     with pytest.raises(ValueError, match=re.escape(
-            "batched_nms: nms_cfg type must be 'nms', got 'soft_nms'")):
-        mmcv.batched_nms(boxes, scores, idxs, {"type": "soft_nms", "iou_threshold": 0.5})
+            "batched_nms: nms_cfg type must be 'nms' or 'soft_nms', got 'nms_match'")):
+        mmcv.batched_nms(boxes, scores, idxs, {"type": "nms_match", "iou_threshold": 0.5})
     with pytest.raises(ValueError, match="batched_nms: nms_cfg must give iou_threshold"):
         mmcv.batched_nms(boxes, scores, idxs, {"type": "nms"})
     with pytest.raises(TypeError, match=re.escape("batched_nms: nms_cfg has unknown options "
-                                                  "['min_score']")):
+                                                  "['min_score'] for type 'nms'")):
         mmcv.batched_nms(boxes, scores, idxs, {"iou_threshold": 0.5, "min_score": 0.1})
+    with pytest.raises(TypeError, match=re.escape("batched_nms: nms_cfg has unknown options "
+                                                  "['score_threshold'] for type 'soft_nms'")):
+        mmcv.batched_nms(boxes, scores, idxs, {"type": "soft_nms", "score_threshold": 0.1})
+    with pytest.raises(ValueError, match=re.escape("batched_nms: method must be one of")):
+        mmcv.batched_nms(boxes, scores, idxs, {"type": "soft_nms", "method": "hard"})
+
+
+# MMCV's published soft_nms values (tests/test_ops/test_nms.py there):
+# iou_threshold 0.3, sigma 0.5, min_score 0.01
+SOFT_BOXES = torch.tensor([[6, 3, 8, 7], [3, 6, 9, 11], [3, 7, 10, 12], [1, 4, 13, 7.]])
+SOFT_SCORES = torch.tensor([0.6, 0.9, 0.7, 0.2])
+SOFT_OUTPUT = {"linear": ([0.9, 0.6, 0.29024392, 0.2], [1, 0, 2, 3]),
+               "gaussian": ([0.9, 0.59630775, 0.35275510, 0.18650459], [1, 0, 2, 3]),
+               "naive": ([0.9, 0.6, 0.2], [1, 0, 3])}
+
+
+@pytest.mark.parametrize("method", ["linear", "gaussian", "naive"])
+def test_soft_nms_gives_mmcvs_published_values(method):
+    dets, inds = mmcv.soft_nms(SOFT_BOXES, SOFT_SCORES, 0.3, 0.5, 0.01, method)
+    scores, expected = SOFT_OUTPUT[method]
+    assert inds.dtype == torch.int64 and inds.tolist() == expected
+    assert torch.equal(dets[:, :4], SOFT_BOXES[expected])
+    torch.testing.assert_close(dets[:, 4], torch.tensor(scores), rtol=1e-6, atol=0)
+
+
+def test_soft_nms_takes_half_precision_on_the_cpu_and_matches_the_numpy_path():
+    boxes, scores, idxs = _random_detections(60, 4)
+    dets, inds = mmcv.soft_nms(boxes, scores, 0.4, 0.5, 0.05, "gaussian")
+    expected = mmdispatch.ops.soft_nms(boxes.numpy(), scores.numpy(), 0.4, 0.5, 0.05, "gaussian")
+    np.testing.assert_array_equal(dets.numpy(), expected[0])
+    np.testing.assert_array_equal(inds.numpy(), expected[1])
+    half, half_inds = mmcv.soft_nms(boxes.half(), scores.half(), 0.4, 0.5, 0.05, "gaussian")
+    assert half.dtype == torch.float16 and half_inds.dtype == torch.int64
+
+
+def test_batched_nms_with_soft_nms_decays_within_classes_and_applies_max_num():
+    boxes, scores, idxs = _random_detections(80, 3)
+    cfg = {"type": "soft_nms", "iou_threshold": 0.4, "min_score": 0.05, "method": "linear"}
+    dets, keep = mmcv.batched_nms(boxes, scores, idxs, cfg)
+    expected = mmdispatch.ops.batched_soft_nms(boxes.numpy(), scores.numpy(), idxs.numpy(), 0.4,
+                                               0.5, 0.05, "linear")
+    np.testing.assert_array_equal(keep.numpy(), expected[1])
+    np.testing.assert_array_equal(dets.numpy(), expected[0])
+    assert torch.all(dets[1:, 4] <= dets[:-1, 4])
+    top, top_keep = mmcv.batched_nms(boxes, scores, idxs, dict(cfg, max_num=5, split_thr=10))
+    assert top_keep.tolist() == keep[:5].tolist() and torch.equal(top, dets[:5])
+    agnostic = mmcv.batched_nms(boxes, scores, idxs, cfg, class_agnostic=True)[1]
+    assert agnostic.tolist() == mmcv.soft_nms(boxes, scores, 0.4, 0.5, 0.05)[1].tolist()
+
+
+def test_soft_nms_compiles_with_a_data_dependent_count():
+    boxes, scores, _ = _random_detections(30, 2)
+
+    def post_process(boxes, scores):
+        dets, inds = mmcv.soft_nms(boxes, scores, 0.3, 0.5, 0.05)
+        return dets[:, 4] * 2, inds + 1
+
+    compiled = torch.compile(post_process, fullgraph=True, dynamic=False)
+    got = compiled(boxes, scores)
+    expected = post_process(boxes, scores)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def test_bbox_overlaps_roi_pool_and_modules():
