@@ -1060,25 +1060,32 @@ def numpy_soft_nms(boxes, scores, idxs, iou_threshold, sigma, min_score, method)
 
 
 def soft_nms_cases(cfg, to_device=None, sync=None):
-    """(name, ours, theirs, None): batched soft_nms (linear, IoU 0.5,
-    min_score 0.05, as detectors' test-time soft-NMS) of detections of 80
-    classes; on the CPU against numpy_soft_nms; with to_device (as
-    rotated_cases), ours alone."""
+    """(name, ours, theirs, None): soft_nms (linear, IoU 0.5, min_score
+    0.05, as detectors' test-time soft-NMS) of detections of one class and,
+    batched, of 80 classes; on the CPU against numpy_soft_nms; with
+    to_device (as rotated_cases), ours alone."""
     on_device = to_device is not None
     move = to_device if on_device else (lambda a: a)
     done = sync if on_device else (lambda: None)
     n = cfg["soft_nms_boxes"]
     boxes, scores = nms_workload(n, 3)
-    idxs = np.random.default_rng(4).integers(0, 80, n)
-    d_boxes, d_scores, d_idxs = move(boxes), move(scores), move(idxs)
+    for classes in (1, 80):
+        idxs = np.random.default_rng(4).integers(0, classes, n)
+        d_boxes, d_scores, d_idxs = move(boxes), move(scores), move(idxs)
 
-    def ours():
-        ops.batched_soft_nms(d_boxes, d_scores, d_idxs, 0.5, 0.5, 0.05, "linear")
-        done()
-    yield (f"batched soft_nms {n} boxes, 80 classes, linear" +
-           ("" if on_device else " (vs vectorised numpy)"), ours,
-           None if on_device else
-           lambda: numpy_soft_nms(boxes, scores, idxs, 0.5, 0.5, 0.05, "linear"), None)
+        def ours(d_idxs=d_idxs, classes=classes):
+            if classes == 1:
+                ops.soft_nms(d_boxes, d_scores, 0.5, 0.5, 0.05, "linear")
+            else:
+                ops.batched_soft_nms(d_boxes, d_scores, d_idxs, 0.5, 0.5, 0.05, "linear")
+            done()
+
+        def theirs(idxs=idxs):
+            numpy_soft_nms(boxes, scores, idxs, 0.5, 0.5, 0.05, "linear")
+        name = "soft_nms" if classes == 1 else "batched soft_nms"
+        yield (f"{name} {n} boxes, {classes} class{'es' if classes > 1 else ''}, linear" +
+               ("" if on_device else " (vs vectorised numpy)"), ours,
+               None if on_device else theirs, None)
 
 
 def run_cuda(quick, repeat, tv):

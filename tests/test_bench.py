@@ -145,9 +145,11 @@ def test_soft_nms_case_compares_with_a_numpy_implementation_that_computes_the_sa
     else:
         np.testing.assert_array_equal(dets, expected[0])
     cases = list(bench.soft_nms_cases(dict(bench.QUICK, soft_nms_boxes=50)))
-    assert [name for name, *_ in cases] == ["batched soft_nms 50 boxes, 80 classes, linear "
-                                            "(vs vectorised numpy)"]
-    cases[0][1](), cases[0][2]()
+    assert [name for name, *_ in cases] == [
+        "soft_nms 50 boxes, 1 class, linear (vs vectorised numpy)",
+        "batched soft_nms 50 boxes, 80 classes, linear (vs vectorised numpy)"]
+    for _, ours, theirs, _ in cases:
+        ours(), theirs()
 
 
 def test_rotated_case_compares_with_a_numpy_implementation_that_computes_the_same():

@@ -76,12 +76,12 @@ def assert_same(got, expected):
     np.testing.assert_array_equal(dets, expected[0])   # NaN == NaN here
 
 
-def random_case(seed, dtype):
+def random_case(seed, dtype, sizes=(1, 40), classes=3):
     """Boxes on a half-integer grid (exact ties, IoUs on the threshold) or
     continuous, zero-size and duplicated boxes, tied scores, and a few NaN /
     infinite scores and NaN coordinates."""
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 40))
+    n = int(rng.integers(*sizes))
     if seed % 2:
         xy = rng.integers(-6, 12, (n, 2)) / 2.0
         wh = rng.integers(0, 12, (n, 2)) / 2.0
@@ -96,7 +96,7 @@ def random_case(seed, dtype):
         scores[rng.integers(0, n)] = np.nan
         scores[rng.integers(0, n)] = np.inf
         boxes[rng.integers(0, n), rng.integers(0, 4)] = np.nan
-    idxs = rng.integers(0, 3, n)
+    idxs = rng.integers(0, classes, n)
     return boxes.astype(dtype), scores.astype(dtype), idxs
 
 
@@ -147,6 +147,25 @@ def test_matches_the_definition_on_random_cases(seed, method, dtype):
                     ref_soft_nms(boxes, scores, thr, sigma, min_score, method, offset, idxs))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed", range(5))
+def test_large_classes_match_the_definition(seed, method, dtype):
+    """Classes of more than 64 boxes: the CPU kernel's grid path (smaller
+    ones read their classes whole)."""
+    boxes, scores, idxs = random_case(seed, dtype, sizes=(140, 200), classes=2)
+    rng = np.random.default_rng(seed + 2000)
+    thr = float(rng.choice([0.3, 0.5, 1 / 3, 1.0]))
+    min_score = float(rng.choice([0.0, 0.05, 0.3, -1.0]))
+    for offset in (0, 1):
+        for classes in (None, idxs):
+            got = (soft_nms(boxes, scores, thr, 0.5, min_score, method, offset) if classes is None
+                   else batched_soft_nms(boxes, scores, idxs, thr, 0.5, min_score, method,
+                                         offset))
+            assert_same(got, ref_soft_nms(boxes, scores, thr, 0.5, min_score, method, offset,
+                                          classes))
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("seed", range(4))
 def test_many_classes_and_negative_scores_match_the_definition(seed, method):
@@ -161,6 +180,25 @@ def test_many_classes_and_negative_scores_match_the_definition(seed, method):
     for min_score in (-0.5, 0.05, -math.inf):
         assert_same(batched_soft_nms(boxes, scores, idxs, 0.2, 0.3, min_score, method),
                     ref_soft_nms(boxes, scores, 0.2, 0.3, min_score, method, 0, idxs))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("classes", [1, 3])
+def test_big_infinite_empty_and_nan_boxes_among_many_match_the_definition(classes, method):
+    """The CPU kernel's grid: boxes spanning many cells (met on every step),
+    a box with infinite sides, empty and NaN boxes (in no cell: they meet
+    nothing), among 200 small ones; a selected big box meets all."""
+    rng = np.random.default_rng(classes)
+    corner = rng.uniform(0, 100, (200, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(1, 12, (200, 2))], axis=1)
+    special = [[-50, -50, 150, 150], [10, 0, 90, 100], [-np.inf, 20, np.inf, 30],
+               [40, 40, 40, 45], [60, 60, 55, 70], [np.nan, 0, 10, 10], [0, 0, 200, 5]]
+    boxes = np.concatenate([boxes, special])[rng.permutation(207)]
+    scores = rng.random(207)
+    idxs = rng.integers(0, classes, 207)
+    for thr, min_score in ((0.3, 0.05), (0.6, 0.0), (0.1, 0.3)):
+        assert_same(batched_soft_nms(boxes, scores, idxs, thr, 0.5, min_score, method),
+                    ref_soft_nms(boxes, scores, thr, 0.5, min_score, method, 0, idxs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
