@@ -314,6 +314,45 @@ def test_soft_nms_over_more_boxes_than_the_block_has_threads_equals_the_cpu(emu,
         np.testing.assert_array_equal(got, want)
 
 
+def test_batched_soft_nms_spares_only_the_first_box_of_all_from_min_score(emu):
+    """The definition's first step: every class but the first box's drops
+    its boxes below min_score before its own first selection."""
+    boxes = np.array([[0, 0, 1, 1], [5, 5, 6, 6], [9, 9, 10, 10], [20, 20, 21, 21]], np.float32)
+    scores = np.array([0.01, 0.02, 0.03, 0.5], np.float32)
+    for idxs, expected in ((np.array([0, 1, 1, 2]), [3]), (np.array([0, 0, 1, 0]), [3])):
+        for low_first in (False, True):
+            s = scores if not low_first else np.array([0.04, 0.02, 0.03, 0.01], np.float32)
+            want = [0] if low_first else expected
+            dets, keep, count = np.zeros((4, 5), np.float32), np.zeros(4, np.int64), \
+                np.zeros(1, np.int64)
+            mmdispatch.soft_nms_impl(*on_gpu([boxes, s, idxs, dets, keep, count]), 0.3, 0.5,
+                                     0.1, 1, 0)
+            np.testing.assert_array_equal(keep[:count[0]], want)
+
+
+@pytest.mark.parametrize("method", [0, 1, 2])
+def test_batched_soft_nms_whose_decays_raise_negative_scores_equals_the_cpu(emu, method):
+    """Negative scores: a decay (towards 0) can raise a score, so a class's
+    selections can be out of the output order; the call is then redone by
+    the one-block kernel."""
+    rng = np.random.default_rng(method)
+    n = 300
+    corners = rng.integers(0, 40, (n, 2)).astype(np.float64)
+    boxes = np.concatenate([corners, corners + rng.integers(2, 15, (n, 2))], axis=1)
+    scores = np.round(rng.uniform(-1, 1, n), 2)
+    idxs = rng.integers(0, 4, n)
+
+    def run(wrap, min_score):
+        dets, keep, count = np.zeros((n, 5)), np.zeros(n, np.int64), np.zeros(1, np.int64)
+        mmdispatch.soft_nms_impl(*wrap([boxes, scores, idxs, dets, keep, count]), 0.3, 0.5,
+                                 min_score, method, 0)
+        return dets[:count[0]], keep[:count[0]]
+
+    for min_score in (-np.inf, -0.5, 0.2):
+        for got, want in zip(run(on_gpu, min_score), run(list, min_score)):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_nms_rotated_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu):
     rng = np.random.default_rng(9)
     n = 300
