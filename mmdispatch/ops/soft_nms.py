@@ -12,7 +12,8 @@ soft_nms_impl, on CPU and CUDA.
   - "naive": 0 when IoU >= iou_threshold, else 1 (hard nms, with >=);
   - "linear": 1 - IoU when IoU >= iou_threshold, else 1;
   - "gaussian": exp(-IoU**2 / sigma), whatever the IoU (iou_threshold is
-    not used; sigma must be > 0).
+    not used; sigma must be > 0 in the boxes' compute type: float32 for
+    all but float64 boxes).
   A NaN IoU (a NaN coordinate) leaves the score as it is. Then every
   remaining box, of any class, whose score is below min_score is dropped.
   As in MMCV, the first box selected is kept even when its own score is
@@ -21,7 +22,8 @@ soft_nms_impl, on CPU and CUDA.
   CUDA), one selected box after another.
 - Returns (dets, inds): dets (k, 5) [x1, y1, x2, y2, score after decay] of
   the boxes' dtype, inds (k,) int64 indices into the input, in selection
-  order, which is by non-increasing final score. On CUDA they stay on the
+  order, which for scores >= 0 is by non-increasing final score (a decay
+  moves a negative score up, towards 0). On CUDA they stay on the
   device; only the count of kept boxes is read back.
 """
 from mmdispatch import _core

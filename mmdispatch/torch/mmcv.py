@@ -84,7 +84,8 @@ def soft_nms(boxes, scores, iou_threshold=0.3, sigma=0.5, min_score=1e-3, method
              offset=0):
     """mmcv.ops.soft_nms, on CPU and CUDA (MMCV's kernel is CPU-only):
     returns (dets, inds), dets (k, 5) the kept boxes with their decayed
-    scores, inds their indices, in selection order (non-increasing score).
+    scores, inds their indices, in selection order (by non-increasing score
+    when the scores are >= 0).
     method "naive", "linear" or "gaussian"; mmdispatch.ops.soft_nms has the
     exact definition."""
     return _soft_detections("soft_nms", boxes, scores, None, iou_threshold, sigma, min_score,

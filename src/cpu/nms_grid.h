@@ -86,8 +86,9 @@ template <typename S> GridLayout grid_layout(const S &s, Cells *cells) {
     const double span_x = hi_x - lo_x, span_y = hi_y - lo_y;
     double want_x = mean_w > 0 ? ceil(span_x / mean_w) : 1;
     double want_y = mean_h > 0 ? ceil(span_y / mean_h) : 1;
-    want_x = want_x < 1 ? 1 : (want_x > kMaxSide ? kMaxSide : want_x);
-    want_y = want_y < 1 ? 1 : (want_y > kMaxSide ? kMaxSide : want_y);
+    /* NaN (inf / inf: extents near the double range) counts as 1 */
+    want_x = want_x >= 1 ? (want_x > kMaxSide ? kMaxSide : want_x) : 1;
+    want_y = want_y >= 1 ? (want_y > kMaxSide ? kMaxSide : want_y) : 1;
     grid.cols = (int32_t)want_x;
     grid.rows = (int32_t)want_y;
     if (isfinite(span_x) && span_x > 0) grid.cell_w = span_x / grid.cols; else grid.cols = 1;

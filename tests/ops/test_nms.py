@@ -941,6 +941,21 @@ class TestProperties(OpProperties):
     }
 
 
+def test_nms_of_extents_near_the_double_range_equals_the_reference():
+    # the grid's span and summed widths overflow to inf there: its cell
+    # count was inf / inf, converted to an int (undefined behaviour, seen
+    # with -fsanitize=float-cast-overflow)
+    rng = np.random.default_rng(3)
+    corner = rng.uniform(0, 50, (100, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(1, 10, (100, 2))], axis=1)
+    boxes[0] = [-1.7e308, 0, 1.7e308, 10]
+    boxes[1] = [-1.6e308, 5, 1.6e308, 20]
+    scores = rng.random(100)
+    with mmdispatch.use_backend("cpu", "reference"):
+        expected = nms(boxes, scores, 0.3)
+    np.testing.assert_array_equal(nms(boxes, scores, 0.3), expected)
+
+
 @pytest.mark.parametrize("backend", ["default", "reference"])
 def test_nms_of_boxes_that_are_all_infinite_keeps_them_all(backend):
     # with no finite box the grid's cell lookup converted NaN (inf - inf) to

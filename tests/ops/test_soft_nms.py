@@ -218,8 +218,15 @@ def test_naive_method_keeps_what_hard_nms_keeps(seed, dtype):
     np.testing.assert_array_equal(dets[:, :4], boxes[inds])
 
 
+def test_negative_scores_can_rise_so_the_output_follows_the_selections():
+    boxes = np.array([[0, 0, 10, 10], [0, 0, 10, 10]], dtype=np.float64)
+    dets, inds = soft_nms(boxes, np.array([-0.5, -0.6]), 0.3, 0.5, -1.0, "linear")
+    np.testing.assert_array_equal(inds, [0, 1])
+    assert dets[0, 4] == -0.5 and dets[1, 4] == 0.0          # -0.6 * (1 - 1)
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_output_is_by_non_increasing_final_score(method):
+def test_output_is_by_non_increasing_final_score_for_scores_of_at_least_zero(method):
     rng = np.random.default_rng(3)
     n = 400
     xy = rng.uniform(0, 100, (n, 2))
@@ -291,7 +298,11 @@ def test_inputs_are_not_modified():
      "soft_nms: method must be one of 'naive', 'linear', 'gaussian', got 'hard'"),
     (dict(method=1), ValueError, "soft_nms: method must be one of"),
     (dict(method="gaussian", sigma=0.0), ValueError,
-     "soft_nms_impl: sigma must be > 0 for the gaussian method, got 0"),
+     "soft_nms_impl: sigma must be > 0 for the gaussian method (in the boxes' compute type, "
+     "float32), got 0"),
+    (dict(method="gaussian", sigma=1e-46), ValueError,        # 0 in float32
+     "soft_nms_impl: sigma must be > 0 for the gaussian method (in the boxes' compute type, "
+     "float32), got 1e-46"),
     (dict(method="gaussian", sigma=math.nan), ValueError, "soft_nms_impl: sigma must be > 0"),
     (dict(min_score=math.nan), ValueError, "soft_nms_impl: min_score must not be NaN"),
     (dict(iou_threshold=math.nan), ValueError, "soft_nms_impl: iou_threshold must not be NaN"),
@@ -300,6 +311,30 @@ def test_inputs_are_not_modified():
 def test_bad_parameters_are_refused_naming_them(kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
         soft_nms(MMCV_BOXES, MMCV_SCORES, **kwargs)
+
+
+def test_a_sigma_that_float32_holds_is_taken_with_float64_boxes():
+    boxes = MMCV_BOXES.astype(np.float64)
+    dets, inds = soft_nms(boxes, MMCV_SCORES.astype(np.float64), 0.3, 1e-46, 0.0, "gaussian")
+    np.testing.assert_array_equal(inds, [1, 0, 2, 3])
+    # every other box overlaps box 1: exp(-IoU^2 / 1e-46) is 0
+    np.testing.assert_array_equal(dets[:, 4], [np.float32(0.9), 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="float32"):
+        soft_nms(MMCV_BOXES, MMCV_SCORES, 0.3, 1e-46, 0.0, "gaussian")
+
+
+def test_one_large_class_among_many_tiny_ones_is_not_quadratic_and_matches():
+    """The CPU kernel chooses its path by its largest class, not the mean:
+    a large class among many one-box classes gives the same answer as on
+    its own (and takes the grid path, not one pass per step over it)."""
+    rng = np.random.default_rng(8)
+    corner = rng.uniform(0, 300, (400, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(5, 40, (400, 2))], axis=1)
+    scores = rng.random(400)
+    idxs = np.concatenate([np.zeros(80, np.int64), np.arange(1, 321)])
+    got = batched_soft_nms(boxes, scores, idxs, 0.3, 0.5, 0.0, "linear")
+    expected = ref_soft_nms(boxes, scores, 0.3, 0.5, 0.0, "linear", 0, idxs)
+    assert_same(got, expected)
 
 
 def test_sigma_is_not_checked_outside_the_gaussian_method():

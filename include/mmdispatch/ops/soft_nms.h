@@ -17,8 +17,9 @@
  *      min_score, as in MMCV.
  * Scores decay in the compute type (the boxes' dtype, float for 16-bit ones
  * on CUDA), in selection order. dets[k] = the k-th selected box's
- * coordinates and score, keep[k] its index, num_kept[0] the count; the
- * output order is by non-increasing final score. */
+ * coordinates and score, keep[k] its index, num_kept[0] the count. With
+ * scores >= 0 the output is by non-increasing final score (a decay moves a
+ * negative score up, towards 0). */
 #ifndef MMDISPATCH_OPS_SOFT_NMS_H
 #define MMDISPATCH_OPS_SOFT_NMS_H
 
@@ -38,9 +39,14 @@ inline int mmd_soft_nms_check(const mmd_tensor *boxes, const mmd_tensor *scores,
         return mmd_error(MMD_ERR_VALUE,
                          "method must be 0 (naive), 1 (linear) or 2 (gaussian), got %lld",
                          (long long)method);
-    if (method == MMD_SOFT_NMS_GAUSSIAN && !(sigma > 0))
-        return mmd_error(MMD_ERR_VALUE, "sigma must be > 0 for the gaussian method, got %g",
-                         sigma);
+    /* the kernels divide by sigma in the compute type: double for float64
+     * boxes, float for the others (1e-46 is 0 there) */
+    const double sigma_computed = boxes->dtype == MMD_FLOAT64 ? sigma : (double)(float)sigma;
+    if (method == MMD_SOFT_NMS_GAUSSIAN && !(sigma_computed > 0))
+        return mmd_error(MMD_ERR_VALUE,
+                         "sigma must be > 0 for the gaussian method (in the boxes' compute "
+                         "type, %s), got %g",
+                         boxes->dtype == MMD_FLOAT64 ? "float64" : "float32", sigma);
     if (offset != 0 && offset != 1)
         return mmd_error(MMD_ERR_VALUE, "offset must be 0 or 1, got %lld", (long long)offset);
     int s = mmd_nms_check_arrays(boxes, 4, scores, idxs, keep, num_kept, float_mask);
