@@ -70,6 +70,10 @@ MMD_INLINE int64_t best_column(const float *col_max, const int32_t *col_row, int
     return best_w;
 }
 
+/* The vectors of the column reduction: 32 bytes, one AVX2 register (the
+ * SSE clones split each in two). */
+constexpr int kPoolBytes = 32;
+
 /* The column reduction below (pool_plane) for the NV * lanes columns from
  * `start` over rows [h0, h1), with each column's maximum and row in vector
  * registers over the rows. Row has T's width, so the two vectors have the
@@ -77,10 +81,10 @@ MMD_INLINE int64_t best_column(const float *col_max, const int32_t *col_row, int
 template <int NV, typename T, typename Row>
 MMD_INLINE void max_columns(const T *plane, int64_t width, int64_t h0, int64_t h1,
                             int64_t start, T *col_max, Row *col_row) {
-    typedef typename Vec<T>::type V;
-    typedef typename Vec<Row>::type R;
-    constexpr int L = Vec<T>::lanes;
-    static_assert(Vec<Row>::lanes == L, "rows and values in the same lanes");
+    typedef typename Vec<T, kPoolBytes>::type V;
+    typedef typename Vec<Row, kPoolBytes>::type R;
+    constexpr int L = Vec<T, kPoolBytes>::lanes;
+    static_assert(Vec<Row, kPoolBytes>::lanes == L, "rows and values in the same lanes");
     V best[NV];
     R at[NV];
 #pragma GCC unroll 4
@@ -93,7 +97,7 @@ MMD_INLINE void max_columns(const T *plane, int64_t width, int64_t h0, int64_t h
         const R here = R{} + (Row)h;
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) {
-            const V v = Vec<T>::load(row + j * L);
+            const V v = Vec<T, kPoolBytes>::load(row + j * L);
             const auto take = v > best[j];
             best[j] = take ? v : best[j];
             at[j] = take ? here : at[j];
@@ -101,8 +105,8 @@ MMD_INLINE void max_columns(const T *plane, int64_t width, int64_t h0, int64_t h
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
-        Vec<T>::store(col_max + start + j * L, best[j]);
-        Vec<Row>::store(col_row + start + j * L, at[j]);
+        Vec<T, kPoolBytes>::store(col_max + start + j * L, best[j]);
+        Vec<Row, kPoolBytes>::store(col_row + start + j * L, at[j]);
     }
 }
 
@@ -137,7 +141,7 @@ template <typename T, typename Row>
 MMD_INLINE void column_maxima(const T *plane, int64_t width, int64_t h0, int64_t h1,
                               int64_t lo, int64_t hi, T *__restrict col_max,
                               Row *__restrict col_row) {
-    constexpr int L = Vec<T>::lanes, C = 4 * L;
+    constexpr int L = Vec<T, kPoolBytes>::lanes, C = 4 * L;
     if constexpr (sizeof(Row) != sizeof(T)) {
         column_by_column(plane, width, h0, h1, lo, hi, col_max, col_row);
     } else if (width < L) {

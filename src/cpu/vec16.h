@@ -5,12 +5,13 @@
 
 namespace {
 
-/* 16-byte vectors of T (GCC and clang vector extensions: SSE2 on x86-64,
- * or what MMD_X86_CLONES compiles for, and NEON on arm64), loaded and
- * stored anywhere. */
-template <typename T> struct Vec {
-    static constexpr int lanes = 16 / sizeof(T);
-    typedef T type __attribute__((vector_size(16)));
+/* Vectors of T, 16 bytes unless asked (GCC and clang vector extensions:
+ * SSE2 on x86-64, or what MMD_X86_CLONES compiles for, and NEON on arm64;
+ * a wider vector is split where the target has no registers that wide),
+ * loaded and stored anywhere. */
+template <typename T, int Bytes = 16> struct Vec {
+    static constexpr int lanes = Bytes / sizeof(T);
+    typedef T type __attribute__((vector_size(Bytes)));
     static type load(const T *p) {
         type v;
         __builtin_memcpy(&v, p, sizeof v);
