@@ -96,6 +96,34 @@ template <typename S> GridLayout grid_layout(const S &s, Cells *cells) {
     return grid;
 }
 
+/* The cells of every box with an extent (a box covering more than
+ * kBigCells is marked big and enters none); cell_start (num_cells + 1
+ * entries, zeroed) becomes each cell's first entry in a list of the other
+ * boxes' entries, cell by cell. Returns the entries in all. */
+template <typename S>
+int64_t place_in_cells(const S &s, const GridLayout &grid, Cells *cells, int64_t *cell_start) {
+    const int64_t num_cells = (int64_t)grid.cols * grid.rows;
+    int64_t total = 0;
+    for (int64_t i = 0; i < s.n; ++i) {
+        Cells *c = &cells[i];
+        if (c->c0 < 0) continue;
+        double ax, ay, bx, by;
+        s.extent(i, &ax, &ay, &bx, &by);
+        c->c0 = grid.cell_of(ax, grid.lo_x, grid.cell_w, grid.cols);
+        c->c1 = grid.cell_of(bx, grid.lo_x, grid.cell_w, grid.cols);
+        c->r0 = grid.cell_of(ay, grid.lo_y, grid.cell_h, grid.rows);
+        c->r1 = grid.cell_of(by, grid.lo_y, grid.cell_h, grid.rows);
+        const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
+        c->big = covered > kBigCells;
+        if (c->big) continue;
+        for (int32_t r = c->r0; r <= c->r1; ++r)
+            for (int32_t q = c->c0; q <= c->c1; ++q) ++cell_start[(int64_t)r * grid.cols + q + 1];
+        total += covered;
+    }
+    for (int64_t k = 0; k < num_cells; ++k) cell_start[k + 1] += cell_start[k];
+    return total;
+}
+
 /* Kept boxes entered in a uniform grid, for suppress_grid. */
 template <typename S> class KeptGrid {
   public:
@@ -103,7 +131,6 @@ template <typename S> class KeptGrid {
 
     /* Lays out the grid and its cell lists; false when out of memory. */
     bool build() {
-        const int64_t n = s_.n;
         if (!cells_ || !big_) return false;
         grid_ = grid_layout(s_, cells_.get());
         cols_ = grid_.cols;
@@ -114,25 +141,7 @@ template <typename S> class KeptGrid {
         cell_start_.reset(num_cells + 1, true);
         cell_fill_.reset(num_cells, true);
         if (!cell_start_ || !cell_fill_) return false;
-        int64_t total = 0;
-        for (int64_t i = 0; i < n; ++i) {
-            Cells *c = &cells_[i];
-            if (c->c0 < 0) continue;
-            double ax, ay, bx, by;
-            s_.extent(i, &ax, &ay, &bx, &by);
-            c->c0 = grid_.cell_of(ax, grid_.lo_x, grid_.cell_w, cols_);
-            c->c1 = grid_.cell_of(bx, grid_.lo_x, grid_.cell_w, cols_);
-            c->r0 = grid_.cell_of(ay, grid_.lo_y, grid_.cell_h, grid_.rows);
-            c->r1 = grid_.cell_of(by, grid_.lo_y, grid_.cell_h, grid_.rows);
-            const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
-            c->big = covered > kBigCells;
-            if (c->big) continue;
-            for (int32_t r = c->r0; r <= c->r1; ++r)
-                for (int32_t q = c->c0; q <= c->c1; ++q) ++cell_start_[(int64_t)r * cols_ + q + 1];
-            total += covered;
-        }
-        for (int64_t k = 0; k < num_cells; ++k) cell_start_[k + 1] += cell_start_[k];
-        entries_.reset(total);
+        entries_.reset(place_in_cells(s_, grid_, cells_.get(), cell_start_.get()));
         return (bool)entries_;
     }
 

@@ -352,32 +352,17 @@ int64_t soft_nms_grid(const T *b, const T *sc, const ClassIndex *sorted, int64_t
     const int64_t num_cells = (int64_t)grid.cols * grid.rows;
     HeapArray<int64_t> cell_start(num_cells + 1, true);
     if (!cell_start) return -1;
-    int64_t total = 0, num_big = 0;
+    HeapArray<int64_t> entries(place_in_cells(s, grid, cells.get(), cell_start.get()));
+    HeapArray<int64_t> fill(num_cells, true);
+    if (!entries || !fill) return -1;
+    int64_t num_big = 0;
     for (int64_t id = 0; id < n; ++id) {
-        Cells *c = &cells[id];
+        const Cells *c = &cells[id];
         if (c->c0 < 0) continue;
-        double ax, ay, bx, by;
-        s.extent(id, &ax, &ay, &bx, &by);
-        c->c0 = grid.cell_of(ax, grid.lo_x, grid.cell_w, grid.cols);
-        c->c1 = grid.cell_of(bx, grid.lo_x, grid.cell_w, grid.cols);
-        c->r0 = grid.cell_of(ay, grid.lo_y, grid.cell_h, grid.rows);
-        c->r1 = grid.cell_of(by, grid.lo_y, grid.cell_h, grid.rows);
-        const int64_t covered = (int64_t)(c->c1 - c->c0 + 1) * (c->r1 - c->r0 + 1);
-        c->big = covered > kBigCells;
         if (c->big) {
             big[num_big++] = id;
             continue;
         }
-        for (int32_t r = c->r0; r <= c->r1; ++r)
-            for (int32_t q = c->c0; q <= c->c1; ++q) ++cell_start[(int64_t)r * grid.cols + q + 1];
-        total += covered;
-    }
-    for (int64_t k = 0; k < num_cells; ++k) cell_start[k + 1] += cell_start[k];
-    HeapArray<int64_t> entries(total), fill(num_cells, true);
-    if (!entries || !fill) return -1;
-    for (int64_t id = 0; id < n; ++id) {
-        const Cells *c = &cells[id];
-        if (c->c0 < 0 || c->big) continue;
         for (int32_t r = c->r0; r <= c->r1; ++r)
             for (int32_t q = c->c0; q <= c->c1; ++q) {
                 const int64_t cell = (int64_t)r * grid.cols + q;

@@ -73,6 +73,28 @@ __device__ int64_t block_best(K key, int64_t id, K *shared_key, int64_t *shared_
     return *result;
 }
 
+/* A remaining box k (its box `box`) after the selected box a (area area_a)
+ * is chosen: decayed when it is of a's class, dropped below min_score, else
+ * offered for the next choice. */
+template <typename T, typename A, typename K>
+__device__ inline void decay_remaining(int64_t k, const T *box, bool same_class, const A *a,
+                                       A area_a, const MmdSoftNmsDecay<A> &decay,
+                                       double min_score, A *score, unsigned char *alive, K &key,
+                                       int64_t &best) {
+    A sk = score[k];
+    if (same_class) {
+        A b[4];
+        for (int c = 0; c < 4; ++c) b[c] = to_compute(box[c]);
+        sk = decay.decayed(sk, a, area_a, b, mmd_box_area(b, decay.offset));
+    }
+    if ((double)sk < min_score) {
+        alive[k] = 0;
+        return;
+    }
+    score[k] = sk;
+    offer(key, best, mmd_score_key(sk), k);
+}
+
 /* The whole call in one block (no idxs, or batched calls whose classes'
  * selections are out of order: run only when *redo is set, if redo is
  * given). */
@@ -110,21 +132,10 @@ __global__ void soft_nms_kernel(const T *boxes, const T *scores, const int64_t *
         }
         key = 0;
         index = -1;
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-            if (j == s || !alive[j]) continue;
-            A sj = score[j];
-            if ((idxs ? idxs[j] : 0) == cls_a) {
-                A b[4];
-                for (int c = 0; c < 4; ++c) b[c] = to_compute(boxes[4 * j + c]);
-                sj = decay.decayed(sj, a, area_a, b, mmd_box_area(b, decay.offset));
-            }
-            if ((double)sj < min_score) {
-                alive[j] = 0;
-                continue;
-            }
-            score[j] = sj;
-            offer(key, index, mmd_score_key(sj), j);
-        }
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+            if (j != s && alive[j])
+                decay_remaining(j, boxes + 4 * j, (idxs ? idxs[j] : 0) == cls_a, a, area_a,
+                                decay, min_score, score, alive, key, index);
         ++count;
     }
     if (threadIdx.x == 0) *num_kept = count;
@@ -222,18 +233,10 @@ __global__ void class_kernel(const T *boxes, const T *scores, const int64_t *idx
             }
             key = 0;
             best = -1;
-            for (int64_t k = start + threadIdx.x; k < end; k += blockDim.x) {
-                if (k == s || !alive[k]) continue;
-                A b[4];
-                for (int q = 0; q < 4; ++q) b[q] = to_compute(boxes[4 * order[k] + q]);
-                const A sk = decay.decayed(score[k], a, area_a, b, mmd_box_area(b, decay.offset));
-                if ((double)sk < min_score) {
-                    alive[k] = 0;
-                    continue;
-                }
-                score[k] = sk;
-                offer(key, best, mmd_score_key(sk), k);
-            }
+            for (int64_t k = start + threadIdx.x; k < end; k += blockDim.x)
+                if (k != s && alive[k])
+                    decay_remaining(k, boxes + 4 * order[k], true, a, area_a, decay, min_score,
+                                    score, alive, key, best);
             ++count;
         }
         /* selections out of (key descending, index ascending) order */
@@ -278,20 +281,6 @@ __global__ void write_kernel(const T *boxes, const int64_t *chosen, const A *cho
         dets[5 * i + 4] = from_compute<T>(chosen_score[k]);
         keep[i] = box;
     }
-}
-
-/* Sorts pairs with CUB into (keys_out, values_out), ascending or not;
- * with a null scratch, only sets *bytes to the scratch it needs. */
-template <typename K>
-cudaError_t sort_pairs(void *scratch, size_t *bytes, const K *keys_in, K *keys_out,
-                       const int64_t *values_in, int64_t *values_out, int64_t n, bool descending,
-                       cudaStream_t stream) {
-    if (descending)
-        return cub::DeviceRadixSort::SortPairsDescending(scratch, *bytes, keys_in, keys_out,
-                                                         values_in, values_out, (int)n, 0,
-                                                         (int)sizeof(K) * 8, stream);
-    return cub::DeviceRadixSort::SortPairs(scratch, *bytes, keys_in, keys_out, values_in,
-                                           values_out, (int)n, 0, (int)sizeof(K) * 8, stream);
 }
 
 /* The batched pipeline (see the top of the file) on `stream`. */

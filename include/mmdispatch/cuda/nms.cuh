@@ -110,6 +110,20 @@ static __global__ void reduce_kernel(const unsigned long long *mask, const int64
     if (threadIdx.x == 0) *num_kept = count;
 }
 
+/* Sorts pairs with CUB into (keys_out, values_out), ascending or not;
+ * with a null scratch, only sets *bytes to the scratch it needs. */
+template <typename K>
+cudaError_t sort_pairs(void *scratch, size_t *bytes, const K *keys_in, K *keys_out,
+                       const int64_t *values_in, int64_t *values_out, int64_t n, bool descending,
+                       cudaStream_t stream) {
+    if (descending)
+        return cub::DeviceRadixSort::SortPairsDescending(scratch, *bytes, keys_in, keys_out,
+                                                         values_in, values_out, (int)n, 0,
+                                                         (int)sizeof(K) * 8, stream);
+    return cub::DeviceRadixSort::SortPairs(scratch, *bytes, keys_in, keys_out, values_in,
+                                           values_out, (int)n, 0, (int)sizeof(K) * 8, stream);
+}
+
 inline int allocate(StreamBuffer &buffer, size_t bytes, const char *what, int64_t n) {
     cudaError_t err = buffer.allocate(bytes);
     if (err == cudaSuccess) return MMD_OK;
@@ -156,15 +170,13 @@ int nms_pipeline(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_te
     keys_kernel<T, K><<<blocks_for(n), kThreads, 0, stream>>>(
         (const T *)scores->data, n, keys_in.as<K>(), index_in.as<int64_t>());
     size_t scratch_bytes = 0;
-    cudaError_t err = cub::DeviceRadixSort::SortPairsDescending(
-        nullptr, scratch_bytes, keys_in.as<K>(), keys_out.as<K>(), index_in.as<int64_t>(),
-        order.as<int64_t>(), (int)n, 0, (int)sizeof(K) * 8, stream);
+    cudaError_t err = sort_pairs(nullptr, &scratch_bytes, keys_in.as<K>(), keys_out.as<K>(),
+                                 index_in.as<int64_t>(), order.as<int64_t>(), n, true, stream);
     if (err != cudaSuccess) return cuda_error(err, what);
     s = allocate(scratch, scratch_bytes, "sort scratch", n);
     if (s) return s;
-    err = cub::DeviceRadixSort::SortPairsDescending(
-        scratch.as<void>(), scratch_bytes, keys_in.as<K>(), keys_out.as<K>(),
-        index_in.as<int64_t>(), order.as<int64_t>(), (int)n, 0, (int)sizeof(K) * 8, stream);
+    err = sort_pairs(scratch.as<void>(), &scratch_bytes, keys_in.as<K>(), keys_out.as<K>(),
+                     index_in.as<int64_t>(), order.as<int64_t>(), n, true, stream);
     if (err != cudaSuccess) return cuda_error(err, what);
     gather_kernel<Width, T, A><<<blocks_for(n), kThreads, 0, stream>>>(
         (const T *)boxes->data, idxs ? (const int64_t *)idxs->data : nullptr,
