@@ -111,13 +111,17 @@ def test_import_time_is_measured_in_fresh_interpreters():
 
 def test_bandwidth_table_lists_gpu_rows_with_their_share_of_the_peak():
     row = bench.result_row("CUDA x", "s", 0.001, 0.002, traffic=3e9)
-    row["peak_bandwidth"] = 6e12
+    untrafficked = bench.result_row("CUDA soft_nms", "s", 0.02)   # no least traffic
+    for r in (row, untrafficked):
+        r["peak_bandwidth"] = 6e12
     report = {"workload": "quick", "repeat": 1, "torchvision": "0", "cuda_skipped": None,
               "machine": {"platform": "p", "cpu_status": "c", "cpu_products": "b; tiles t"},
-              "results": [row], "overhead": {"sweep": []}}
+              "results": [row, untrafficked], "overhead": {"sweep": []}}
     text = bench.table(report)
     assert "device peak 6000 GB/s" in text
     assert "| CUDA x | 2861 MiB | 3000 GB/s | 50.0 % | 1500 GB/s | 25.0 % |" in text
+    assert "| CUDA soft_nms | 20 ms | - | - |" in text   # in the timings, not the bandwidths
+    assert "| CUDA soft_nms |" not in text.split("CUDA achieved memory bandwidth")[1]
 
 
 def test_table_header_names_the_cpu_matrix_products_the_run_used():

@@ -64,12 +64,14 @@ bench|all)
     ;;&
 sanitize|all)
     # memcheck: every CUDA test of the ops and of deferred errors (bad data
-    # made harmless must never read or write out of bounds)
-    timeout "$(left 420)" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
+    # made harmless must never read or write out of bounds). --launch-timeout 0:
+    # CUDA starts lazily, after pytest's collection, which takes longer than
+    # the sanitizer's default 10 s wait for it (then it ran nothing, 2026-11-26)
+    timeout "$(left 420)" compute-sanitizer --tool memcheck --launch-timeout 0 --leak-check no --error-exitcode 99 \
         "$py" -m pytest "$repo/tests/ops" "$repo/tests/test_deferred.py" -q -k cuda \
         -p no:cacheprovider > "$out/memcheck.log" 2>&1
     echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -5
-    timeout "$(left 150)" compute-sanitizer --tool racecheck --error-exitcode 99 \
+    timeout "$(left 150)" compute-sanitizer --tool racecheck --launch-timeout 0 --error-exitcode 99 \
         "$py" -m pytest "$repo/tests/ops/test_roi_align.py" "$repo/tests/ops/test_roi_pool.py" \
         -q -k "cuda and deterministic" -p no:cacheprovider > "$out/racecheck.log" 2>&1
     echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" \

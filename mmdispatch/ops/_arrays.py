@@ -230,9 +230,13 @@ def shape_arg(op, name, value, ndim, layout):
 
 def index_array(op, name, x):
     """Integer array argument as int64 (copied only if it has another
-    integer dtype); anything else is a TypeError."""
+    integer dtype); anything else is a TypeError. Another library's device
+    array (a torch CUDA tensor, say: its dtype is not numpy's) goes to the
+    kernel as it is, whose check demands int64, naming the op and `name`."""
     x = contiguous(native(op, name, x))
     kind = getattr(getattr(x, "dtype", None), "kind", None)
+    if kind is None and getattr(type(x), "__dlpack_device__", None) is not None:
+        return x
     if kind not in ("i", "u"):
         raise TypeError(f"{op}: {name} must have an integer dtype, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")

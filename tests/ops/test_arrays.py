@@ -5,6 +5,12 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import pytest
+
+import mmdispatch
+from mmdispatch.ops import batched_nms
+
 FAKE_CUPY = '''
 """A stand-in CuPy: installed, but no GPU; records what the ops ask of it."""
 import types
@@ -113,3 +119,24 @@ def test_avg_mode_allocates_only_the_outputs_it_returns(monkeypatch):
     monkeypatch.setattr(_arrays, "allocate", counting)
     roi_align_backward(np.ones((1, 2, 2, 2)), rois, None, None, (1, 2, 4, 8))
     assert allocated == ["grad_input"]
+
+
+def test_another_librarys_index_array_goes_on_to_the_dispatchers_checks():
+    """A torch CUDA tensor's dtype is torch's, not numpy's (no .kind): an
+    index argument such as batched_nms's idxs is handed on as it is, and the
+    dispatcher's device (and the kernel's int64) checks name it."""
+    from stand_ins import FakeDeviceArray
+
+    class TorchLikeInt64:
+        def __str__(self):
+            return "torch.int64"
+
+    idxs = FakeDeviceArray()
+    idxs.shape, idxs.ndim, idxs.dtype = (3,), 1, TorchLikeInt64()
+    with pytest.raises(mmdispatch.DeviceMismatchError, match=r"\(idxs\), inconsistent device"):
+        batched_nms(np.zeros((3, 4), np.float32), np.zeros(3, np.float32), idxs, 0.5)
+    assert not idxs.exported
+    with pytest.raises(TypeError, match="^batched_nms: idxs must have an integer dtype, got "
+                                        "float32"):
+        batched_nms(np.zeros((3, 4), np.float32), np.zeros(3, np.float32),
+                    np.zeros(3, np.float32), 0.5)

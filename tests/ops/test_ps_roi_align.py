@@ -291,7 +291,7 @@ def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda):
 
 
 def test_cuda_bad_roi_raises_in_strict_mode_and_writes_nothing(cupy):
-    rois = cupy.asarray(np.array([[0, 1, 1, 3, 3], [0, 3, 1, 2, 4]]))
+    rois = cupy.asarray(np.array([[0, 1, 1, 3, 3], [0, 3, 1, 2, 4]], float))
     output = cupy.full((2, 1, 2, 2), 7.0)
     with mmdispatch.strict():
         with pytest.raises(ValueError, match=r"^ps_roi_align_forward_impl: rois\[1\]"):

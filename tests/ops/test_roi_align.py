@@ -525,7 +525,9 @@ def crowded_rois(rng, count, batch, height, width):
     elements in whatever order the threads come."""
     base = random_rois(rng, 4, batch, height, width, 1.0, outside=False)
     rois = base[rng.integers(0, 4, count)].copy()
-    rois[:, 1:] += rng.uniform(-0.5, 0.5, (count, 4))
+    shift = rng.uniform(-0.5, 0.5, (count, 2))
+    rois[:, 1:3] += shift   # corners move together and sizes only grow: x2 >= x1, y2 >= y1
+    rois[:, 3:5] += shift + rng.uniform(0, 0.5, (count, 2))
     return rois
 
 
