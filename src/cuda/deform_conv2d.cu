@@ -1,6 +1,6 @@
 /* deform_conv2d on CUDA (torchvision semantics, sampling math shared with
  * the CPU kernels through mmdispatch/ops/deform_conv2d.h): deformable
- * im2col + tiled matrix products, per image and per chunk of output pixels
+ * im2col + register-tiled matrix products, per image and per chunk of output pixels
  * whose column buffer holds at most kColumnBudget values.
  *
  * Forward: a thread per column value (channel, tap, pixel), then per weight
@@ -29,7 +29,6 @@ namespace {
 using namespace mmd_cuda;
 
 constexpr int64_t kColumnBudget = int64_t(1) << 24;   /* values in a column buffer */
-constexpr int kTile = 16;
 
 template <typename A> using Sample = mmd_bilinear_sample<A>;
 
@@ -100,29 +99,68 @@ template <typename E> struct View {
 };
 
 /* C (m x n, leading dimension ldc) = a x b + beta * C (+ bias[i] per row),
- * summed in Acc, a 16 x 16 tile per block, each element by one thread in a
- * fixed order. */
+ * summed in Acc. A block of 256 threads makes a kBM x kBN tile of C, each
+ * thread 4 x 4 neighbouring elements of it, from kBK-deep slices of a and b
+ * staged in shared memory (loaded along whichever of a's or b's dimensions
+ * is contiguous, so that the reads coalesce). Every element is one thread's
+ * chain of fused multiply-adds in the order of k: the same bits on every
+ * run. (The 16 x 16 tile of one element per thread it replaces took 2.3 ms
+ * of the forward's workload on an H100, where torchvision took 0.4 ms.) */
+constexpr int kBM = 64, kBN = 64, kBK = 16, kGemmThreads = 256;
+constexpr int kPad = 4;   /* keeps rows 16-byte aligned, spreads stores over banks */
+
+template <typename Acc>
+__device__ inline void four(const Acc *from, Acc *to) {
+    for (int i = 0; i < 4; ++i) to[i] = from[i];
+}
+
 template <typename Acc, typename EA, typename EB, typename EC>
-__global__ void gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
-                            int64_t ldc, Acc beta, const EC *bias) {
-    __shared__ Acc tile_a[kTile][kTile + 1], tile_b[kTile][kTile + 1];
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int64_t row = (int64_t)blockIdx.y * kTile + ty, col = (int64_t)blockIdx.x * kTile + tx;
-    Acc sum = 0;
-    for (int64_t p0 = 0; p0 < k; p0 += kTile) {
-        tile_a[ty][tx] = row < m && p0 + tx < k ? (Acc)to_compute(a.at(row, p0 + tx)) : (Acc)0;
-        tile_b[ty][tx] = p0 + ty < k && col < n ? (Acc)to_compute(b.at(p0 + ty, col)) : (Acc)0;
+__global__ void __launch_bounds__(kGemmThreads)
+gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c, int64_t ldc,
+            Acc beta, const EC *bias) {
+    alignas(16) __shared__ Acc tile_a[kBK][kBM + kPad];   /* a^T: [depth][row] */
+    alignas(16) __shared__ Acc tile_b[kBK][kBN + kPad];   /* b: [depth][column] */
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int64_t row0 = (int64_t)blockIdx.y * kBM, col0 = (int64_t)blockIdx.x * kBN;
+    const bool a_along_k = a.col == 1, b_along_n = b.col == 1;
+    Acc sum[4][4];
+    for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) sum[i][j] = 0;
+    for (int64_t p0 = 0; p0 < k; p0 += kBK) {
+        for (int e = tid; e < kBM * kBK; e += kGemmThreads) {
+            const int ii = a_along_k ? e / kBK : e % kBM, kk = a_along_k ? e % kBK : e / kBM;
+            const int64_t i = row0 + ii, q = p0 + kk;
+            tile_a[kk][ii] = i < m && q < k ? (Acc)to_compute(a.at(i, q)) : (Acc)0;
+        }
+        for (int e = tid; e < kBN * kBK; e += kGemmThreads) {
+            const int jj = b_along_n ? e % kBN : e / kBK, kk = b_along_n ? e / kBN : e % kBK;
+            const int64_t j = col0 + jj, q = p0 + kk;
+            tile_b[kk][jj] = q < k && j < n ? (Acc)to_compute(b.at(q, j)) : (Acc)0;
+        }
         __syncthreads();
-        const int depth = k - p0 < kTile ? (int)(k - p0) : kTile;
-        for (int q = 0; q < depth; ++q) sum += tile_a[ty][q] * tile_b[q][tx];
+        const int depth = k - p0 < kBK ? (int)(k - p0) : kBK;
+        for (int q = 0; q < depth; ++q) {
+            Acc av[4], bv[4];
+            four(&tile_a[q][ty * 4], av);
+            four(&tile_b[q][tx * 4], bv);
+            for (int i = 0; i < 4; ++i)
+                for (int j = 0; j < 4; ++j) sum[i][j] = fma(av[i], bv[j], sum[i][j]);
+        }
         __syncthreads();
     }
-    if (row < m && col < n) {
-        EC *out = c + row * ldc + col;
-        Acc value = sum;
-        if (beta != 0) value += beta * (Acc)to_compute(*out);
-        if (bias != nullptr) value += (Acc)to_compute(bias[row]);
-        *out = from_compute<EC>(value);
+    for (int i = 0; i < 4; ++i) {
+        const int64_t row = row0 + ty * 4 + i;
+        if (row >= m) break;
+        const Acc add = bias != nullptr ? (Acc)to_compute(bias[row]) : (Acc)0;
+        for (int j = 0; j < 4; ++j) {
+            const int64_t col = col0 + tx * 4 + j;
+            if (col >= n) break;
+            EC *out = c + row * ldc + col;
+            Acc value = sum[i][j];
+            if (beta != 0) value += beta * (Acc)to_compute(*out);
+            if (bias != nullptr) value += add;
+            *out = from_compute<EC>(value);
+        }
     }
 }
 
@@ -130,12 +168,12 @@ template <typename Acc, typename EA, typename EB, typename EC>
 int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
          int64_t ldc, Acc beta, const EC *bias) {
     /* rows in slabs: a grid has at most 65535 blocks along y */
-    const int64_t slab = int64_t(65535) * kTile;
+    const int64_t slab = int64_t(65535) * kBM;
     for (int64_t r0 = 0; r0 < m; r0 += slab) {
         const int64_t rows = m - r0 < slab ? m - r0 : slab;
-        const dim3 grid((unsigned)((n + kTile - 1) / kTile), (unsigned)((rows + kTile - 1) / kTile));
+        const dim3 grid((unsigned)((n + kBN - 1) / kBN), (unsigned)((rows + kBM - 1) / kBM));
         const View<EA> a_slab{a.data + r0 * a.row, a.row, a.col};
-        gemm_kernel<Acc><<<grid, dim3(kTile, kTile), 0, stream>>>(
+        gemm_kernel<Acc><<<grid, kGemmThreads, 0, stream>>>(
             rows, n, k, a_slab, b, c + r0 * ldc, ldc, beta, bias ? bias + r0 : nullptr);
         const int s = launch_status("deform_conv2d product launch");
         if (s) return s;

@@ -574,6 +574,39 @@ def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
         assert bool((a == b).all())
 
 
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(cuda_emulator,
+                                                                              backend, groups):
+    """The CUDA kernels' matrix products in 64 x 64 tiles, 16 deep: 70
+    output channels, 9 * 10 = 90 rows of columns per group (k not a multiple
+    of 16) and 11 x 12 = 132 pixels, each past one tile with a part tile
+    left; the weight read along k, its transpose along rows, the columns
+    along pixels and across them (grad_weight). Run by the emulator."""
+    from cuda_emu import DeviceView
+    rng = np.random.default_rng(21)
+    x, offset, mask, weight, bias = random_case(rng, np.float64, n=2, c_in=20, c_out=70,
+                                                hw=(11, 12), groups=groups, offset_groups=2)
+    geometry = (1, 1, 1, 1, 1, 1, groups, 2)
+    expected = np.zeros((2, 70, 11, 12))
+    mmdispatch.deform_conv2d_forward_impl(x, offset, mask, weight, bias, expected, *geometry)
+    grad = rng.standard_normal(expected.shape)
+    expected_grads = [np.zeros_like(a) for a in (x, offset, mask, weight, bias)]
+    mmdispatch.deform_conv2d_backward_impl(grad, x, offset, mask, weight, *expected_grads,
+                                           *geometry)
+    out = np.full_like(expected, 7.0)
+    grads = [np.full_like(a, 7.0) for a in expected_grads]
+    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend):
+        view = [DeviceView(a) for a in (x, offset, mask, weight, bias, grad)]
+        mmdispatch.deform_conv2d_forward_impl(*view[:5], DeviceView(out), *geometry)
+        mmdispatch.deform_conv2d_backward_impl(view[5], *view[:4], *map(DeviceView, grads),
+                                               *geometry)
+        cuda_emulator.synchronize()
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda):
     torch = torch_cuda
     x, offset, mask, weight, bias = random_case(np.random.default_rng(13), np.float32)
