@@ -44,9 +44,10 @@ def test_bench_quick_writes_a_result_for_every_benchmark(tmp_path):
     if report["cuda_skipped"]:   # no usable GPU or no CuPy: said so, and no CUDA rows
         assert not cuda_rows
         assert f"CUDA benchmarks skipped: {report['cuda_skipped']}" in result.stdout
-    else:   # a GPU: 7 device benchmarks, 3 with the deterministic backend, 2 host
-        # costs, the call behind a long kernel
-        assert len(cuda_rows) == 13, cuda_rows
+    else:   # a GPU: 7 roi_align/roi_pool/nms benchmarks, 4 ps_roi_*, 2 deform_conv2d,
+        # 2 multi_scale_deformable_attn, 2 rotated, 2 soft_nms, 3 with the deterministic
+        # backend, 2 host costs, the call behind a long kernel
+        assert len(cuda_rows) == 25, cuda_rows
         assert sum(name.endswith("deterministic backend") for name in cuda_rows) == 3
         assert "CUDA achieved memory bandwidth" in result.stdout
         assert any(name.endswith("returned before it finished: yes") for name in cuda_rows)

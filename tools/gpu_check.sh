@@ -7,22 +7,30 @@
 #   tools/gpu_check.sh sanitize   build, then compute-sanitizer memcheck on the CUDA
 #                                 tests and racecheck on the deterministic backend
 #   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
+#   tools/gpu_check.sh profile    build, then ncu's per-kernel summary of the bench's
+#                                 roi_align, roi_pool and deform_conv2d workloads,
+#                                 ours beside torchvision's, and where a tiny CuPy
+#                                 call's host time goes (tools/gpu_profile.py)
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
 #                                 call of at most 10): build once, the suite, the
-#                                 bench's GPU rows only (--gpu-only), then memcheck
-#                                 and racecheck, each cut to what is left of BUDGET
-#                                 seconds (default 540), in that order of priority
+#                                 bench's GPU rows only (--gpu-only), the profile,
+#                                 then memcheck and racecheck, each cut to what is
+#                                 left of BUDGET seconds (default 540), in that
+#                                 order of priority
 #
 # Environment: OUT (logs; default ./gpu-logs), PYTHON (default python3),
 # MMDISPATCH_CUDA_ARCH_LIST (default 9.0: one arch builds in about a minute),
-# SKIP_BUILD=1 to use the mmdispatch already installed, JOBS (pytest -n,
-# default 12), BUDGET (seconds, part all). The last lines of each log are
-# printed at the end; a step cut short by its time leaves its partial log.
+# SKIP_BUILD=1 to use the mmdispatch already installed, WHEEL=path to install
+# a wheel built elsewhere instead of building (about 90 s of device time saved:
+# build one for the machine's Python with MMDISPATCH_WITH_CUDA=1 and carry
+# it), JOBS (pytest -n, default 12), BUDGET (seconds, part all), MEMCHECK_K
+# (pytest -k of the memcheck run, default cuda). The last lines of each log
+# are printed at the end; a step cut short by its time leaves its partial log.
 set -uo pipefail
-part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|all}
+part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|profile|all}
 case "$part" in
-tests|sanitize|bench|all) ;;
-*) echo "unknown part: $part (tests, sanitize, bench or all)" >&2; exit 2 ;;
+tests|sanitize|bench|profile|all) ;;
+*) echo "unknown part: $part (tests, sanitize, bench, profile or all)" >&2; exit 2 ;;
 esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$PWD/gpu-logs}
@@ -37,7 +45,11 @@ left() {
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
+if [ -n "${WHEEL:-}" ]; then
+    "$py" -m pip install --no-deps --force-reinstall "$WHEEL" > "$out/build.log" 2>&1 || {
+        tail -20 "$out/build.log"; exit 1; }
+    echo "installed $WHEEL"
+elif [ "${SKIP_BUILD:-0}" != 1 ]; then
     start=$(date +%s)
     (cd "$repo" && MMDISPATCH_CUDA_ARCH_LIST=${MMDISPATCH_CUDA_ARCH_LIST:-9.0} \
         "$py" -m pip install --no-build-isolation --no-deps . > "$out/build.log" 2>&1) || {
@@ -62,13 +74,21 @@ bench|all)
     timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
     ;;&
+profile|all)
+    timeout "$(left 120)" ncu --section SpeedOfLight --print-summary per-kernel \
+        "$py" "$repo/tools/gpu_profile.py" "roi_align sampling_ratio=2" "roi_pool" \
+        "deform_conv2d" > "$out/profile.txt" 2>&1
+    echo "profile exit $? ($(( $(date +%s) - began )) s in)"
+    timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" --host > "$out/host.txt" 2>&1
+    echo "host profile exit $?"; grep "gpu_profile:" "$out/host.txt"
+    ;;&
 sanitize|all)
     # memcheck: every CUDA test of the ops and of deferred errors (bad data
     # made harmless must never read or write out of bounds). --launch-timeout 0:
     # CUDA starts lazily, after pytest's collection, which takes longer than
     # the sanitizer's default 10 s wait for it (then it ran nothing, 2026-11-26)
     timeout "$(left 420)" compute-sanitizer --tool memcheck --launch-timeout 0 --leak-check no --error-exitcode 99 \
-        "$py" -m pytest "$repo/tests/ops" "$repo/tests/test_deferred.py" -q -k cuda \
+        "$py" -m pytest "$repo/tests/ops" "$repo/tests/test_deferred.py" -q -k "${MEMCHECK_K:-cuda}" \
         -p no:cacheprovider > "$out/memcheck.log" 2>&1
     echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -5
     timeout "$(left 150)" compute-sanitizer --tool racecheck --launch-timeout 0 --error-exitcode 99 \

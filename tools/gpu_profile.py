@@ -1,0 +1,83 @@
+"""One call of each chosen GPU workload of the bench, ours then
+torchvision's, for a kernel profiler to time kernel by kernel, e.g.
+
+    ncu --section SpeedOfLight --print-summary per-kernel \
+        python tools/gpu_profile.py "roi_pool" "deform_conv2d forward ("
+
+shows each kernel's duration and its memory and compute throughput beside
+torchvision's kernels for the same work. Arguments keep the bench rows
+whose names contain one of them (all of roi_align, roi_pool, nms and
+deform_conv2d's rows without). Needs CuPy, a GPU, and torch with
+torchvision for their side.
+
+    python tools/gpu_profile.py --host
+
+instead breaks the host cost of the bench's tiny CuPy ops.roi_align call
+down: the call beside the entry point with preallocated outputs, a
+cupy.empty, and the array's __cuda_array_interface__, each per call, then
+cProfile's top functions over many calls."""
+import cProfile
+import pstats
+import sys
+import time
+
+import cupy
+
+from mmdispatch import bench
+
+
+def per_call(fn, number=20000):
+    fn()
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - start) / number
+
+
+def host():
+    import numpy as np
+
+    from mmdispatch import _core, ops
+    x = cupy.zeros((1, 1, 4, 4), cupy.float32)
+    rois = cupy.asarray(np.array([[0, 0, 0, 3, 3]], np.float32))
+    out = cupy.empty((1, 1, 1, 1), cupy.float32)
+    empty = cupy.empty((0,), cupy.float32)
+    parts = {
+        "ops.roi_align (tiny)": lambda: ops.roi_align(x, rois, 1, 1.0, 2),
+        "roi_align_forward_impl, outputs given": lambda: _core.roi_align_forward_impl(
+            x, rois, out, empty, empty, 1, 1, 1.0, 2, 1, True),
+        "cupy.empty((1, 1, 1, 1))": lambda: cupy.empty((1, 1, 1, 1), cupy.float32),
+        "x.__cuda_array_interface__": lambda: x.__cuda_array_interface__,
+        "cupy.cuda.get_current_stream()": cupy.cuda.get_current_stream,
+    }
+    for name, fn in parts.items():
+        print(f"gpu_profile: {name}: {per_call(fn) * 1e6:.2f} us", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(20000):
+        ops.roi_align(x, rois, 1, 1.0, 2)
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def main(wanted):
+    tv = bench.torchvision_ops()
+    theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
+
+    def sync():
+        cupy.cuda.Device().synchronize()
+
+    cases = [*bench.device_cases(bench.STANDARD, cupy.asarray, sync, theirs_device, tv),
+             *bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync, theirs_device, tv)]
+    for name, ours, theirs, _ in cases:
+        if wanted and not any(w in name for w in wanted):
+            continue
+        print(f"gpu_profile: {name}", flush=True)
+        ours()
+        if theirs is not None:
+            theirs()
+
+
+if __name__ == "__main__":
+    host() if sys.argv[1:] == ["--host"] else main(sys.argv[1:])
