@@ -1016,9 +1016,23 @@ def _in_library_of(original, result):
     return from_dlpack(result) if from_dlpack is not None else result
 
 
+# What _cupy_allocate knows of the CuPy module it last used (both forgotten
+# when another module is imported as cupy: a test's stand-in): the CUDA
+# devices it reported (0 until asked; asked again for a device id beyond
+# it, so a bad id is still an error), and shared (0,) outputs per (device,
+# dtype), as _numpy_unused. On an H100 host each cupy.empty costs 4.3 us,
+# getDeviceCount and a device switch about as much, so a tiny roi_align
+# call (three outputs, two of them (0,)) paid 27 us.
+cdef object _cupy_module = None
+cdef int _cupy_device_count = 0
+cdef dict _cupy_unused = {}
+
+
 cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple shape,
                            int code, bint zeros):
-    """An output on src's CUDA device, with CuPy (imported if need be)."""
+    """An output on src's CUDA device, with CuPy (imported if need be): a
+    shared one for a (0,) shape, which has no element to write."""
+    global _cupy_module, _cupy_device_count
     if src.device_type != MMD_DEVICE_CUDA:
         raise TypeError(f"{op.name}: cannot allocate {name} on "
                         f"{device_name(src.device_type, src.device_id)}: the entry points "
@@ -1032,13 +1046,30 @@ cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple
     if typenum < 0:
         raise TypeError(f"{op.name}: cannot allocate {name} with CuPy: it has no "
                         f"{mmd_dtype_name(code).decode()} dtype")
-    count = cupy.cuda.runtime.getDeviceCount()
-    if not 0 <= src.device_id < count:
-        raise ValueError(f"{op.name}: the arrays are on cuda:{src.device_id}, which does not "
-                         f"exist: this machine has {count} CUDA device(s)")
-    dtype = _numpy_dtypes[code]
-    with cupy.cuda.Device(src.device_id):
-        return (cupy.zeros if zeros else cupy.empty)(shape, dtype=dtype)
+    cdef int device = src.device_id
+    if cupy is not _cupy_module:
+        _cupy_module, _cupy_device_count = cupy, 0
+        _cupy_unused.clear()
+    if not 0 <= device < _cupy_device_count:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device < count:
+            raise ValueError(f"{op.name}: the arrays are on cuda:{device}, which does not "
+                             f"exist: this machine has {count} CUDA device(s)")
+        _cupy_device_count = count
+    unused = shape == (0,)
+    if unused:
+        array = _cupy_unused.get((device, code))
+        if array is not None:
+            return array
+    make = cupy.zeros if zeros else cupy.empty
+    if cupy.cuda.runtime.getDevice() == device:   # no switch and back
+        array = make(shape, dtype=_numpy_dtypes[code])
+    else:
+        with cupy.cuda.Device(device):
+            array = make(shape, dtype=_numpy_dtypes[code])
+    if unused:
+        _cupy_unused[(device, code)] = array
+    return array
 
 
 include "_layers.pxi"

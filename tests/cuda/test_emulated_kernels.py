@@ -402,3 +402,71 @@ def test_box_iou_rotated_tables_of_many_64_box_tiles_equal_the_cpu(emu, dtype, r
         expected = run(list, dtype)
     assert not (expected == 7).any()
     np.testing.assert_array_equal(run(on_gpu, dtype), expected)
+
+
+def test_cupy_outputs_cost_one_allocation_per_call_and_no_device_queries(emu, monkeypatch):
+    """Outputs the dispatcher allocates like a CUDA array are CuPy's (here a
+    stand-in CuPy that records what it is asked, its arrays emulator memory):
+    a tiny avg-mode roi_align allocates its output alone, the (0,) argmax
+    pair being one shared array per device and dtype, asks the device count
+    once per process, and switches device only when another is current. A
+    device id beyond the count is asked about again, and is still an error."""
+    import importlib.util
+    import sys
+    import types
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: its real allocations are the bench's host-cost rows")
+    asked = []
+
+    def record(name, result=None):
+        def call(*args, **kwargs):
+            asked.append(name)
+            return result() if callable(result) else result
+        return call
+
+    class Switch:
+        def __init__(self, device):
+            asked.append(f"switch to {device}")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class StandInArray:   # what the dispatcher reads of a CuPy array
+        def __init__(self, shape, dtype):
+            self.array = np.full(shape, 7, dtype)
+            self.dtype, self.shape, self.strides = self.array.dtype, shape, self.array.strides
+            self.data = types.SimpleNamespace(ptr=self.array.ctypes.data, device_id=0)
+
+    def empty(shape, dtype):
+        asked.append(f"empty {shape}")
+        return StandInArray(shape, dtype)
+
+    cupy = types.SimpleNamespace(
+        ndarray=type("StandInNdarray", (), {}), empty=empty, zeros=empty,
+        cuda=types.SimpleNamespace(
+            Device=Switch, get_current_stream=record("stream"),
+            runtime=types.SimpleNamespace(getDeviceCount=record("count", 1),
+                                          getDevice=record("current", 0))))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    (x, rois, _, _, _), _ = roi_case()
+    x, rois = OnGpu(x), OnGpu(rois)
+    first = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
+    emu.synchronize()
+    del asked[:]
+    again = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
+    emu.synchronize()
+    assert asked == ["current", "empty (2, 3, 2, 2)"]   # the output; no count, no switch
+    assert again[1] is again[2] is first[1] and again[1].shape == (0,)
+    expected = mmdispatch.roi_align_forward_impl(x.array, rois.array, None, None, None, 2, 2,
+                                                 1.0, 2, 1, True)[0]
+    np.testing.assert_allclose(again[0].array, expected, rtol=1e-6)
+    # another device current: the output is made on the arrays' device, and
+    # the current one restored
+    cupy.cuda.runtime.getDevice = record("current", 1)
+    del asked[:]
+    mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
+    emu.synchronize()
+    assert asked == ["current", "switch to 0", "empty (2, 3, 2, 2)"]
