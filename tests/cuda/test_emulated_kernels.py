@@ -104,6 +104,27 @@ def test_a_bad_roi_is_deferred_to_the_next_call_and_its_bins_are_nan(emu):
     assert emu.synchronize() == (0, "")   # taken once
 
 
+def test_roi_pools_bad_roi_is_deferred_and_its_bins_are_nan_with_no_argmax(emu):
+    """roi_pool's forward (a thread per output element): every bin of a bad
+    roi, in every channel, is NaN with argmax -1, the good roi's are the
+    CPU's, and the roi is reported once, as a deferred error."""
+    x = np.random.default_rng(3).random((2, 3, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [7, 2, 1, 8, 6.5], [1, 1, 2, 8, 8]], np.float32)
+    expected, expected_argmax = (np.zeros((3, 3, 2, 3), np.float32),
+                                 np.zeros((3, 3, 2, 3), np.int64))
+    good = rois[[0, 2, 2]]
+    mmdispatch.roi_pool_forward_impl(x, good, expected, expected_argmax, 2, 3, 1.0)
+    output, argmax = np.zeros_like(expected), np.zeros_like(expected_argmax)
+    with mmdispatch.strict(False):
+        mmdispatch.roi_pool_forward_impl(*on_gpu([x, rois, output, argmax]), 2, 3, 1.0)
+    assert np.isnan(output[1]).all() and (argmax[1] == -1).all()
+    np.testing.assert_array_equal(output[[0, 2]], expected[[0, 2]])
+    np.testing.assert_array_equal(argmax[[0, 2]], expected_argmax[[0, 2]])
+    status, message = emu.synchronize()
+    assert status != 0 and message.startswith("roi_pool_forward_impl: rois[1, 0] (batch index)")
+    assert emu.synchronize() == (0, "")   # taken once
+
+
 def test_synchronize_raises_the_deferred_error_of_the_last_call(emu):
     arrays, _ = roi_case(batch_index=-1)
     with mmdispatch.strict(False):
