@@ -1,10 +1,12 @@
 /* deform_conv2d on CUDA (torchvision semantics, sampling math shared with
  * the CPU kernels through mmdispatch/ops/deform_conv2d.h): deformable
- * im2col + register-tiled matrix products, per image and per chunk of output pixels
- * whose column buffer holds at most kColumnBudget values.
+ * im2col + register-tiled matrix products (k split in slices where the
+ * product has few tiles), per image and per chunk of output pixels whose
+ * column buffer holds at most kColumnBudget values.
  *
- * Forward: a thread per column value (channel, tap, pixel), then per weight
- * group one product with the weight, the bias added as it is written.
+ * Forward: a thread per (channel, pixel) writes its taps' column values,
+ * then per weight group one product with the weight, the bias added as it
+ * is written.
  * Backward: the columns again; grad_weight += grad_output x columns^T; the
  * columns' gradient weight^T x grad_output; a thread per (offset group,
  * tap, pixel) sums grad_offset and grad_mask over the group's channels;
@@ -75,19 +77,40 @@ __device__ inline void column(const T *offset, const T *mask, const mmd_dcn_shap
     *m = mask_at(mask, d, n, g, t, p0 + q);
 }
 
-/* columns[(c * K + t) * count + q] = mask * sample of channel c, pixel p0 + q. */
+/* columns[(c * K + t) * count + q] = mask * sample of channel c, pixel
+ * p0 + q, tap t: a thread per (channel, pixel), pixels fastest, through
+ * the K taps (the index split once, not per tap: a thread per column value
+ * took 199 us per image on the bench's workload, twice torchvision's per
+ * image, ncu on an H100, 2026-11-26). */
 template <typename T>
 __global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mmd_dcn_shape d,
                               int64_t n, int64_t p0, int64_t count,
                               typename Compute<T>::type *columns) {
     typedef typename Compute<T>::type A;
-    MMD_GRID_STRIDE_LOOP(i, d.in_channels * d.taps() * count) {
-        int64_t c;
-        Sample<A> s;
-        A m, v[4];
-        column(offset, mask, d, n, p0, count, i, &c, &s, &m);
-        mmd_bilinear_corners(s, input + (n * d.in_channels + c) * d.height * d.width, v);
-        columns[i] = m * mmd_bilinear_value(s, v);
+    const int64_t taps = d.taps(), pixels = d.pixels(), plane = d.height * d.width;
+    MMD_GRID_STRIDE_LOOP(i, d.in_channels * count) {
+        const int64_t q = i % count, c = i / count, p = p0 + q;
+        const int64_t g = c / d.channels_per_offset_group(), oy = p / d.out_w;
+        const int64_t ox = p - oy * d.out_w, pair = n * d.offset_groups + g;
+        const T *dy = offset + pair * 2 * taps * pixels + p;
+        const T *m = mask ? mask + pair * taps * pixels + p : nullptr;
+        const T *x = input + (n * d.in_channels + c) * plane;
+        A *out = columns + c * taps * count + q;
+        int64_t t = 0;
+        for (int64_t ki = 0; ki < d.kernel_h; ++ki)
+            for (int64_t kj = 0; kj < d.kernel_w; ++kj, ++t) {
+                Sample<A> s;
+                A v[4];
+                mmd_bilinear_locate(
+                    mmd_dcn_base<A>(oy, ki, d.stride_h, d.pad_h, d.dilation_h) +
+                        to_compute(dy[2 * t * pixels]),
+                    mmd_dcn_base<A>(ox, kj, d.stride_w, d.pad_w, d.dilation_w) +
+                        to_compute(dy[(2 * t + 1) * pixels]),
+                    d.height, d.width, &s);
+                mmd_bilinear_corners(s, x, v);
+                const A weight = m ? to_compute(m[t * pixels]) : (A)1;
+                out[t * count] = weight * mmd_bilinear_value(s, v);
+            }
     }
 }
 
@@ -117,7 +140,11 @@ __device__ inline void four(const Acc *from, Acc *to) {
 template <typename Acc, typename EA, typename EB, typename EC>
 __global__ void __launch_bounds__(kGemmThreads)
 gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c, int64_t ldc,
-            Acc beta, const EC *bias) {
+            Acc beta, const EC *bias, int64_t span, int64_t slice_stride) {
+    /* split k: block z sums k in [z * span, (z + 1) * span) into slice z of c */
+    const int64_t k_begin = (int64_t)blockIdx.z * span;
+    k = k - k_begin < span ? k : k_begin + span;
+    c += (int64_t)blockIdx.z * slice_stride;
     alignas(16) __shared__ Acc tile_a[kBK][kBM + kPad];   /* a^T: [depth][row] */
     alignas(16) __shared__ Acc tile_b[kBK][kBN + kPad];   /* b: [depth][column] */
     const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
@@ -126,7 +153,7 @@ gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c, int6
     Acc sum[4][4];
     for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) sum[i][j] = 0;
-    for (int64_t p0 = 0; p0 < k; p0 += kBK) {
+    for (int64_t p0 = k_begin; p0 < k; p0 += kBK) {
         for (int e = tid; e < kBM * kBK; e += kGemmThreads) {
             const int ii = a_along_k ? e / kBK : e % kBM, kk = a_along_k ? e % kBK : e / kBM;
             const int64_t i = row0 + ii, q = p0 + kk;
@@ -164,6 +191,28 @@ gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c, int6
     }
 }
 
+/* c = beta * c + the sum of the `slices` partial products in part (each
+ * m x n, in slice order: the same bits on every run) (+ bias[i] per row). */
+template <typename Acc, typename EC>
+__global__ void sum_slices_kernel(const Acc *part, int slices, int64_t m, int64_t n, EC *c,
+                                  int64_t ldc, Acc beta, const EC *bias) {
+    MMD_GRID_STRIDE_LOOP(e, m * n) {
+        const int64_t i = e / n;
+        Acc value = 0;
+        for (int z = 0; z < slices; ++z) value += part[z * m * n + e];
+        EC *out = c + i * ldc + (e - i * n);
+        if (beta != 0) value += beta * (Acc)to_compute(*out);
+        if (bias != nullptr) value += (Acc)to_compute(bias[i]);
+        *out = from_compute<EC>(value);
+    }
+}
+
+/* Products with fewer tiles than keep the GPU busy (grad_weight's: 256 x
+ * 2304 over 4096 pixels is 144 tiles, which took 665 us on an H100 at a
+ * third of its compute throughput) split k into up to kMaxSlices slices of
+ * at least kMinSpan, summed by sum_slices_kernel. */
+constexpr int64_t kTargetBlocks = 512, kMinSpan = 256, kMaxSlices = 16;
+
 template <typename Acc, typename EA, typename EB, typename EC>
 int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
          int64_t ldc, Acc beta, const EC *bias) {
@@ -171,10 +220,32 @@ int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<
     const int64_t slab = int64_t(65535) * kBM;
     for (int64_t r0 = 0; r0 < m; r0 += slab) {
         const int64_t rows = m - r0 < slab ? m - r0 : slab;
-        const dim3 grid((unsigned)((n + kBN - 1) / kBN), (unsigned)((rows + kBM - 1) / kBM));
+        const int64_t tiles = ((n + kBN - 1) / kBN) * ((rows + kBM - 1) / kBM);
+        int64_t slices = tiles > 0 ? (kTargetBlocks + tiles - 1) / tiles : 1;
+        if (slices > k / kMinSpan) slices = k / kMinSpan;   /* k = 0 too: one slice */
+        if (slices > kMaxSlices) slices = kMaxSlices;
+        if (slices < 1) slices = 1;
+        const int64_t span = (k + slices - 1) / slices;
+        if (slices > 1) slices = (k + span - 1) / span;   /* no empty slice */
+        const dim3 grid((unsigned)((n + kBN - 1) / kBN), (unsigned)((rows + kBM - 1) / kBM),
+                        (unsigned)slices);
         const View<EA> a_slab{a.data + r0 * a.row, a.row, a.col};
-        gemm_kernel<Acc><<<grid, kGemmThreads, 0, stream>>>(
-            rows, n, k, a_slab, b, c + r0 * ldc, ldc, beta, bias ? bias + r0 : nullptr);
+        const EC *bias_slab = bias ? bias + r0 : nullptr;
+        if (slices == 1) {
+            gemm_kernel<Acc><<<grid, kGemmThreads, 0, stream>>>(
+                rows, n, k, a_slab, b, c + r0 * ldc, ldc, beta, bias_slab, k, (int64_t)0);
+        } else {
+            StreamBuffer part(stream);
+            const cudaError_t err = part.allocate(sizeof(Acc) * slices * rows * n);
+            if (err != cudaSuccess) return cuda_error(err, "deform_conv2d product slices");
+            gemm_kernel<Acc><<<grid, kGemmThreads, 0, stream>>>(
+                rows, n, k, a_slab, b, part.as<Acc>(), n, (Acc)0, (const Acc *)nullptr, span,
+                rows * n);
+            int s = launch_status("deform_conv2d product launch");
+            if (s) return s;
+            sum_slices_kernel<<<blocks_for(rows * n), kThreads, 0, stream>>>(
+                part.as<Acc>(), (int)slices, rows, n, c + r0 * ldc, ldc, beta, bias_slab);
+        }
         const int s = launch_status("deform_conv2d product launch");
         if (s) return s;
     }
@@ -299,7 +370,7 @@ int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *ma
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
             if (rows > 0) {
-                im2col_kernel<T><<<blocks_for(rows * count), kThreads, 0, stream>>>(
+                im2col_kernel<T><<<blocks_for(d.in_channels * count), kThreads, 0, stream>>>(
                     input, offset, mask, d, n, p0, count, columns.as<A>());
                 int s = launch_status("deform_conv2d im2col launch");
                 if (s) return s;
@@ -390,7 +461,7 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
     for (int64_t n = 0; n < d.batch; ++n)
         for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
             const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            im2col_kernel<T><<<blocks_for(rows * count), kThreads, 0, stream>>>(
+            im2col_kernel<T><<<blocks_for(d.in_channels * count), kThreads, 0, stream>>>(
                 input, offset, mask, d, n, p0, count, columns.as<A>());
             s = launch_status("deform_conv2d im2col launch");
             for (int64_t g = 0; g < d.groups && !s; ++g) {

@@ -576,19 +576,23 @@ def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
 
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
 @pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("hw", [(11, 12), (24, 25)])
 def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(cuda_emulator,
-                                                                              backend, groups):
+                                                                              backend, groups,
+                                                                              hw):
     """The CUDA kernels' matrix products in 64 x 64 tiles, 16 deep: 70
     output channels, 9 * 10 = 90 rows of columns per group (k not a multiple
     of 16) and 11 x 12 = 132 pixels, each past one tile with a part tile
     left; the weight read along k, its transpose along rows, the columns
-    along pixels and across them (grad_weight). Run by the emulator."""
+    along pixels and across them (grad_weight). With 24 x 25 = 600 pixels,
+    grad_weight's few tiles split its k (the pixels) in two slices of 300,
+    summed in order. Run by the emulator."""
     from cuda_emu import DeviceView
     rng = np.random.default_rng(21)
     x, offset, mask, weight, bias = random_case(rng, np.float64, n=2, c_in=20, c_out=70,
-                                                hw=(11, 12), groups=groups, offset_groups=2)
+                                                hw=hw, groups=groups, offset_groups=2)
     geometry = (1, 1, 1, 1, 1, 1, groups, 2)
-    expected = np.zeros((2, 70, 11, 12))
+    expected = np.zeros((2, 70) + hw)
     mmdispatch.deform_conv2d_forward_impl(x, offset, mask, weight, bias, expected, *geometry)
     grad = rng.standard_normal(expected.shape)
     expected_grads = [np.zeros_like(a) for a in (x, offset, mask, weight, bias)]
