@@ -122,66 +122,78 @@ template <typename E> struct View {
 };
 
 /* C (m x n, leading dimension ldc) = a x b + beta * C (+ bias[i] per row),
- * summed in Acc. A block of 256 threads makes a kBM x kBN tile of C, each
- * thread 4 x 4 neighbouring elements of it, from kBK-deep slices of a and b
- * staged in shared memory (loaded along whichever of a's or b's dimensions
- * is contiguous, so that the reads coalesce). Every element is one thread's
- * chain of fused multiply-adds in the order of k: the same bits on every
- * run. (The 16 x 16 tile of one element per thread it replaces took 2.3 ms
- * of the forward's workload on an H100, where torchvision took 0.4 ms.) */
-constexpr int kBM = 64, kBN = 64, kBK = 16, kGemmThreads = 256;
+ * summed in Acc. A block of 256 threads makes a BM x BN tile of C, each
+ * thread TM x TN elements of it (in runs of 4 neighbours, BM / (TM / 4)
+ * rows and BN / (TN / 4) columns apart, so that a warp's vector reads of
+ * shared memory and its stores are contiguous), from kBK-deep slices of a
+ * and b staged in shared memory (loaded along whichever of a's or b's
+ * dimensions is contiguous, so that the reads coalesce). Every element is
+ * one thread's chain of fused multiply-adds in the order of k: the same bits
+ * on every run. Two shapes: 128 x 128 of 8 x 8 (four times the work per
+ * shared-memory read) for float products of 128 rows and columns or more,
+ * 64 x 64 of 4 x 4 otherwise (and for double, whose 8 x 8 sums would not
+ * fit in registers). On an H100 the 64 x 64 shape ran the forward's
+ * products at about a quarter of the FP32 peak (ncu, 2026-11-26); the
+ * 16 x 16 tile of one element per thread before it took 2.3 ms of the
+ * forward's workload, where torchvision took 0.4 ms. */
+template <int BM_, int BN_, int TM_, int TN_> struct TileShape {
+    static constexpr int BM = BM_, BN = BN_, TM = TM_, TN = TN_;
+    static constexpr int kColumnsOfThreads = BN / TN;
+    static_assert((BM / TM) * (BN / TN) == 256 && TM % 4 == 0 && TN % 4 == 0, "tile shape");
+};
+typedef TileShape<64, 64, 4, 4> SmallTile;
+typedef TileShape<128, 128, 8, 8> LargeTile;
+constexpr int kBK = 16, kGemmThreads = 256;
 constexpr int kPad = 4;   /* keeps rows 16-byte aligned, spreads stores over banks */
 
-template <typename Acc>
-__device__ inline void four(const Acc *from, Acc *to) {
-    for (int i = 0; i < 4; ++i) to[i] = from[i];
-}
-
-template <typename Acc, typename EA, typename EB, typename EC>
+template <typename Tile, typename Acc, typename EA, typename EB, typename EC>
 __global__ void __launch_bounds__(kGemmThreads)
 gemm_kernel(int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c, int64_t ldc,
             Acc beta, const EC *bias, int64_t span, int64_t slice_stride) {
+    constexpr int BM = Tile::BM, BN = Tile::BN, TM = Tile::TM, TN = Tile::TN;
+    constexpr int RUN_M = BM / (TM / 4), RUN_N = BN / (TN / 4);   /* between runs of 4 */
     /* split k: block z sums k in [z * span, (z + 1) * span) into slice z of c */
     const int64_t k_begin = (int64_t)blockIdx.z * span;
     k = k - k_begin < span ? k : k_begin + span;
     c += (int64_t)blockIdx.z * slice_stride;
-    alignas(16) __shared__ Acc tile_a[kBK][kBM + kPad];   /* a^T: [depth][row] */
-    alignas(16) __shared__ Acc tile_b[kBK][kBN + kPad];   /* b: [depth][column] */
-    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    const int64_t row0 = (int64_t)blockIdx.y * kBM, col0 = (int64_t)blockIdx.x * kBN;
+    alignas(16) __shared__ Acc tile_a[kBK][BM + kPad];   /* a^T: [depth][row] */
+    alignas(16) __shared__ Acc tile_b[kBK][BN + kPad];   /* b: [depth][column] */
+    const int tid = threadIdx.x, tx = tid % Tile::kColumnsOfThreads;
+    const int ty = tid / Tile::kColumnsOfThreads;
+    const int64_t row0 = (int64_t)blockIdx.y * BM, col0 = (int64_t)blockIdx.x * BN;
     const bool a_along_k = a.col == 1, b_along_n = b.col == 1;
-    Acc sum[4][4];
-    for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) sum[i][j] = 0;
+    Acc sum[TM][TN];
+    for (int i = 0; i < TM; ++i)
+        for (int j = 0; j < TN; ++j) sum[i][j] = 0;
     for (int64_t p0 = k_begin; p0 < k; p0 += kBK) {
-        for (int e = tid; e < kBM * kBK; e += kGemmThreads) {
-            const int ii = a_along_k ? e / kBK : e % kBM, kk = a_along_k ? e % kBK : e / kBM;
+        for (int e = tid; e < BM * kBK; e += kGemmThreads) {
+            const int ii = a_along_k ? e / kBK : e % BM, kk = a_along_k ? e % kBK : e / BM;
             const int64_t i = row0 + ii, q = p0 + kk;
             tile_a[kk][ii] = i < m && q < k ? (Acc)to_compute(a.at(i, q)) : (Acc)0;
         }
-        for (int e = tid; e < kBN * kBK; e += kGemmThreads) {
-            const int jj = b_along_n ? e % kBN : e / kBK, kk = b_along_n ? e / kBN : e % kBK;
+        for (int e = tid; e < BN * kBK; e += kGemmThreads) {
+            const int jj = b_along_n ? e % BN : e / kBK, kk = b_along_n ? e / BN : e % kBK;
             const int64_t j = col0 + jj, q = p0 + kk;
             tile_b[kk][jj] = q < k && j < n ? (Acc)to_compute(b.at(q, j)) : (Acc)0;
         }
         __syncthreads();
         const int depth = k - p0 < kBK ? (int)(k - p0) : kBK;
         for (int q = 0; q < depth; ++q) {
-            Acc av[4], bv[4];
-            four(&tile_a[q][ty * 4], av);
-            four(&tile_b[q][tx * 4], bv);
-            for (int i = 0; i < 4; ++i)
-                for (int j = 0; j < 4; ++j) sum[i][j] = fma(av[i], bv[j], sum[i][j]);
+            Acc av[TM], bv[TN];
+            for (int i = 0; i < TM; ++i) av[i] = tile_a[q][(i / 4) * RUN_M + ty * 4 + i % 4];
+            for (int j = 0; j < TN; ++j) bv[j] = tile_b[q][(j / 4) * RUN_N + tx * 4 + j % 4];
+            for (int i = 0; i < TM; ++i)
+                for (int j = 0; j < TN; ++j) sum[i][j] = fma(av[i], bv[j], sum[i][j]);
         }
         __syncthreads();
     }
-    for (int i = 0; i < 4; ++i) {
-        const int64_t row = row0 + ty * 4 + i;
-        if (row >= m) break;
+    for (int i = 0; i < TM; ++i) {
+        const int64_t row = row0 + (i / 4) * RUN_M + ty * 4 + i % 4;
+        if (row >= m) continue;
         const Acc add = bias != nullptr ? (Acc)to_compute(bias[row]) : (Acc)0;
-        for (int j = 0; j < 4; ++j) {
-            const int64_t col = col0 + tx * 4 + j;
-            if (col >= n) break;
+        for (int j = 0; j < TN; ++j) {
+            const int64_t col = col0 + (j / 4) * RUN_N + tx * 4 + j % 4;
+            if (col >= n) continue;
             EC *out = c + row * ldc + col;
             Acc value = sum[i][j];
             if (beta != 0) value += beta * (Acc)to_compute(*out);
@@ -213,32 +225,33 @@ __global__ void sum_slices_kernel(const Acc *part, int slices, int64_t m, int64_
  * at least kMinSpan, summed by sum_slices_kernel. */
 constexpr int64_t kTargetBlocks = 512, kMinSpan = 256, kMaxSlices = 16;
 
-template <typename Acc, typename EA, typename EB, typename EC>
-int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
-         int64_t ldc, Acc beta, const EC *bias) {
+template <typename Tile, typename Acc, typename EA, typename EB, typename EC>
+int gemm_in(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b,
+            EC *c, int64_t ldc, Acc beta, const EC *bias) {
+    constexpr int BM = Tile::BM, BN = Tile::BN;
     /* rows in slabs: a grid has at most 65535 blocks along y */
-    const int64_t slab = int64_t(65535) * kBM;
+    const int64_t slab = int64_t(65535) * BM;
     for (int64_t r0 = 0; r0 < m; r0 += slab) {
         const int64_t rows = m - r0 < slab ? m - r0 : slab;
-        const int64_t tiles = ((n + kBN - 1) / kBN) * ((rows + kBM - 1) / kBM);
+        const int64_t tiles = ((n + BN - 1) / BN) * ((rows + BM - 1) / BM);
         int64_t slices = tiles > 0 ? (kTargetBlocks + tiles - 1) / tiles : 1;
         if (slices > k / kMinSpan) slices = k / kMinSpan;   /* k = 0 too: one slice */
         if (slices > kMaxSlices) slices = kMaxSlices;
         if (slices < 1) slices = 1;
         const int64_t span = (k + slices - 1) / slices;
         if (slices > 1) slices = (k + span - 1) / span;   /* no empty slice */
-        const dim3 grid((unsigned)((n + kBN - 1) / kBN), (unsigned)((rows + kBM - 1) / kBM),
+        const dim3 grid((unsigned)((n + BN - 1) / BN), (unsigned)((rows + BM - 1) / BM),
                         (unsigned)slices);
         const View<EA> a_slab{a.data + r0 * a.row, a.row, a.col};
         const EC *bias_slab = bias ? bias + r0 : nullptr;
         if (slices == 1) {
-            gemm_kernel<Acc><<<grid, kGemmThreads, 0, stream>>>(
+            gemm_kernel<Tile, Acc><<<grid, kGemmThreads, 0, stream>>>(
                 rows, n, k, a_slab, b, c + r0 * ldc, ldc, beta, bias_slab, k, (int64_t)0);
         } else {
             StreamBuffer part(stream);
             const cudaError_t err = part.allocate(sizeof(Acc) * slices * rows * n);
             if (err != cudaSuccess) return cuda_error(err, "deform_conv2d product slices");
-            gemm_kernel<Acc><<<grid, kGemmThreads, 0, stream>>>(
+            gemm_kernel<Tile, Acc><<<grid, kGemmThreads, 0, stream>>>(
                 rows, n, k, a_slab, b, part.as<Acc>(), n, (Acc)0, (const Acc *)nullptr, span,
                 rows * n);
             int s = launch_status("deform_conv2d product launch");
@@ -250,6 +263,16 @@ int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<
         if (s) return s;
     }
     return MMD_OK;
+}
+
+template <typename Acc, typename EA, typename EB, typename EC>
+int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
+         int64_t ldc, Acc beta, const EC *bias) {
+    if constexpr (sizeof(Acc) == 4) {
+        if (m >= LargeTile::BM && n >= LargeTile::BN)
+            return gemm_in<LargeTile>(stream, m, n, k, a, b, c, ldc, beta, bias);
+    }
+    return gemm_in<SmallTile>(stream, m, n, k, a, b, c, ldc, beta, bias);
 }
 
 /* grad_offset and grad_mask of pixels [p0, p0 + count): a thread per

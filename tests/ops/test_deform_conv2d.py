@@ -577,24 +577,25 @@ def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("hw", [(11, 12), (24, 25)])
-def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(cuda_emulator,
-                                                                              backend, groups,
-                                                                              hw):
-    """The CUDA kernels' matrix products in 64 x 64 tiles, 16 deep: 70
-    output channels, 9 * 10 = 90 rows of columns per group (k not a multiple
-    of 16) and 11 x 12 = 132 pixels, each past one tile with a part tile
-    left; the weight read along k, its transpose along rows, the columns
-    along pixels and across them (grad_weight). With 24 x 25 = 600 pixels,
-    grad_weight's few tiles split its k (the pixels) in two slices of 300,
-    summed in order. Run by the emulator."""
+@pytest.mark.parametrize("dtype, c_out, tol", [(np.float64, 70, 1e-12), (np.float32, 130, 2e-4)])
+def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
+        cuda_emulator, backend, groups, hw, dtype, c_out, tol):
+    """The CUDA kernels' matrix products, 16 deep, in tiles of 64 x 64
+    (double; float products under 128 rows or columns) or 128 x 128 (float):
+    70 or 130 output channels, 9 * 10 = 90 rows of columns per group (k not
+    a multiple of 16) and 11 x 12 = 132 pixels, each past one tile with a
+    part tile left; the weight read along k, its transpose along rows, the
+    columns along pixels and across them (grad_weight). With 24 x 25 = 600
+    pixels, grad_weight's few tiles split its k (the pixels) in two slices of
+    300, summed in order. Run by the emulator."""
     from cuda_emu import DeviceView
     rng = np.random.default_rng(21)
-    x, offset, mask, weight, bias = random_case(rng, np.float64, n=2, c_in=20, c_out=70,
+    x, offset, mask, weight, bias = random_case(rng, dtype, n=2, c_in=20, c_out=c_out,
                                                 hw=hw, groups=groups, offset_groups=2)
     geometry = (1, 1, 1, 1, 1, 1, groups, 2)
-    expected = np.zeros((2, 70) + hw)
+    expected = np.zeros((2, c_out) + hw, dtype)
     mmdispatch.deform_conv2d_forward_impl(x, offset, mask, weight, bias, expected, *geometry)
-    grad = rng.standard_normal(expected.shape)
+    grad = rng.standard_normal(expected.shape).astype(dtype)
     expected_grads = [np.zeros_like(a) for a in (x, offset, mask, weight, bias)]
     mmdispatch.deform_conv2d_backward_impl(grad, x, offset, mask, weight, *expected_grads,
                                            *geometry)
@@ -606,9 +607,9 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(cud
         mmdispatch.deform_conv2d_backward_impl(view[5], *view[:4], *map(DeviceView, grads),
                                                *geometry)
         cuda_emulator.synchronize()
-    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
     for got, want in zip(grads, expected_grads):
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda):
