@@ -7,8 +7,9 @@
 #   tools/gpu_check.sh sanitize   build, then compute-sanitizer memcheck on the CUDA
 #                                 tests and racecheck on the deterministic backend
 #   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
-#   tools/gpu_check.sh profile    build, then ncu's per-kernel summary of the bench's
-#                                 roi_align, roi_pool and deform_conv2d workloads,
+#   tools/gpu_check.sh profile    build, then ncu's per-kernel summary (throughput,
+#                                 warp stalls) of the bench's roi_align, roi_pool,
+#                                 deform_conv2d and msda forward+backward workloads,
 #                                 ours beside torchvision's, and where a tiny CuPy
 #                                 call's host time goes (tools/gpu_profile.py)
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
@@ -75,9 +76,10 @@ bench|all)
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
     ;;&
 profile|all)
-    timeout "$(left 120)" ncu --section SpeedOfLight --print-summary per-kernel \
-        "$py" "$repo/tools/gpu_profile.py" "roi_align sampling_ratio=2" "roi_pool" \
-        "deform_conv2d" > "$out/profile.txt" 2>&1
+    timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats \
+        --print-summary per-kernel "$py" "$repo/tools/gpu_profile.py" \
+        "roi_align sampling_ratio=2" "roi_pool" "deform_conv2d" \
+        "multi_scale_deformable_attn forward+backward" > "$out/profile.txt" 2>&1
     echo "profile exit $? ($(( $(date +%s) - began )) s in)"
     timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" --host > "$out/host.txt" 2>&1
     echo "host profile exit $?"; grep "gpu_profile:" "$out/host.txt"

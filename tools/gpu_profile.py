@@ -6,8 +6,8 @@ torchvision's, for a kernel profiler to time kernel by kernel, e.g.
 
 shows each kernel's duration and its memory and compute throughput beside
 torchvision's kernels for the same work. Arguments keep the bench rows
-whose names contain one of them (all of roi_align, roi_pool, nms and
-deform_conv2d's rows without). Needs CuPy, a GPU, and torch with
+whose names contain one of them (all of roi_align, roi_pool, nms,
+deform_conv2d's and multi_scale_deformable_attn's rows without). Needs CuPy, a GPU, and torch with
 torchvision for their side.
 
     python tools/gpu_profile.py --host
@@ -69,7 +69,8 @@ def main(wanted):
         cupy.cuda.Device().synchronize()
 
     cases = [*bench.device_cases(bench.STANDARD, cupy.asarray, sync, theirs_device, tv),
-             *bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync, theirs_device, tv)]
+             *bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync, theirs_device, tv),
+             *bench.msda_cases(bench.MSDA_STANDARD, cupy.asarray, sync, theirs_device, tv)]
     for name, ours, theirs, _ in cases:
         if wanted and not any(w in name for w in wanted):
             continue

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds, on this CPU machine, the wheel a borrowed GPU machine installs
+# instead of building there (tools/gpu_check.sh's WHEEL=; about 90 s of its
+# device time saved): CUDA kernels for one architecture, for the GPU
+# machine's Python (3.12 there in 2026-11), from a clean clone of HEAD so
+# that the in-tree build/ of another Python is left alone. Writes .whl/ in
+# the repository (ignore it: echo /.whl/ >> .git/info/exclude), which a
+# device run carries: carry [".whl"], then
+#   OUT=$OUT WHEEL=$(ls .whl/*.whl) bash tools/gpu_check.sh all
+#
+# Environment: PYTHON (an interpreter of the GPU machine's minor version;
+# default pyenv's 3.12 where it exists, else python3.12),
+# MMDISPATCH_CUDA_ARCH_LIST (default 9.0: the H100 and H200).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$(ls -d /root/.pyenv/versions/3.12.*/bin/python 2>/dev/null | tail -1)}
+py=${py:-python3.12}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$py" -m venv "$work/venv"
+"$work/venv/bin/pip" install -q setuptools Cython 'numpy>=2.0,<2.1' wheel
+git clone -q "$repo" "$work/src"
+(cd "$work/src" && MMDISPATCH_WITH_CUDA=1 \
+    MMDISPATCH_CUDA_ARCH_LIST=${MMDISPATCH_CUDA_ARCH_LIST:-9.0} \
+    "$work/venv/bin/pip" wheel -q --no-build-isolation --no-deps -w "$work/out" .)
+rm -rf "$repo/.whl" && mkdir -p "$repo/.whl" && cp "$work"/out/*.whl "$repo/.whl/"
+ls "$repo/.whl"
