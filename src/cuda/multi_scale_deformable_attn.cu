@@ -6,7 +6,8 @@
  *   so a warp reads a cell's channels together.
  * - Backward: one warp per (image, query, head); its lanes share the
  *   channels, and the sums over channels for the location and attention
- *   gradients are warp reductions in a fixed order. grad_value is added
+ *   gradients are warp reductions in a fixed order (four at once,
+ *   warp_sum4). grad_value is added
  *   with atomics (default backend), or (deterministic backend) by a second
  *   kernel with one warp per (image, head, channel) plane that takes every
  *   sample 32 at a time in order, adding with warp_ordered_add: the same
@@ -99,10 +100,31 @@ __global__ void forward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, T 
 
 constexpr int kWarp = 32;
 
-template <typename A> __device__ inline A warp_sum(A v) {
-    for (int delta = kWarp / 2; delta > 0; delta /= 2) v += __shfl_xor_sync(0xffffffffu, v, delta);
-    return v;
+/* Each of v[0..3] summed over the warp, into every lane, in a fixed order:
+ * halves of the lanes trade the values they will not keep (lanes 16 apart
+ * trade two, then lanes 8 apart one), so that lane L sums value
+ * 2 * (L & 16 ? 1 : 0) + (L & 8 ? 1 : 0) over the rest of the butterfly, and
+ * the four totals are read back from lanes 0, 8, 16 and 24: 10 shuffles
+ * where four warp-wide sums take 20. */
+template <typename A> __device__ inline void warp_sum4(A v[4]) {
+    constexpr unsigned kAll = 0xffffffffu;
+    const int lane = threadIdx.x % kWarp;
+    const bool upper = lane & 16, odd = lane & 8;
+    A keep0 = upper ? v[2] : v[0], keep1 = upper ? v[3] : v[1];
+    keep0 += __shfl_xor_sync(kAll, upper ? v[0] : v[2], 16);
+    keep1 += __shfl_xor_sync(kAll, upper ? v[1] : v[3], 16);
+    A keep = odd ? keep1 : keep0;
+    keep += __shfl_xor_sync(kAll, odd ? keep0 : keep1, 8);
+    for (int delta = 4; delta > 0; delta /= 2) keep += __shfl_xor_sync(kAll, keep, delta);
+    for (int c = 0; c < 4; ++c) v[c] = __shfl_sync(kAll, keep, 8 * c);
 }
+
+/* Lanes keep grad_output's channels lane, lane + 32, ... in registers for
+ * up to kHeld of them (Deformable DETR's 32 dims per head take one), not
+ * read again for every sample. More would cost registers: 4 took the
+ * double kernel from 118 to 144 (half the warps per SM); 1 keeps every
+ * variant's occupancy. */
+constexpr int kHeld = 1;
 
 template <typename T> struct Grads {
     const T *output;   /* grad_output */
@@ -124,6 +146,12 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
         const int64_t m = w % d.heads, n = w / (d.heads * d.queries);
         const int64_t first = w * d.levels * d.points, stride = d.heads * d.dims;
         const T *grad = g.output + w * d.dims;
+        A held[kHeld];
+#pragma unroll
+        for (int r = 0; r < kHeld; ++r) {
+            const int64_t k = lane + r * kWarp;
+            held[r] = k < d.dims ? to_compute(grad[k]) : (A)0;
+        }
         for (int64_t l = 0; l < d.levels; ++l) {
             const Level level(levels, l);
             const int64_t offset = ((n * d.keys + (level.inside ? level.start : 0)) * d.heads + m) *
@@ -144,16 +172,20 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
                 /* grad's dot products with the four corners, from which those with
                  * the sample and its derivatives follow (as on the CPU) */
                 A dots[4] = {0, 0, 0, 0};
-                for (int64_t k = lane; k < d.dims; k += kWarp) {
-                    const A gk = to_compute(grad[k]);
+                auto channel = [&](int64_t k, A gk) {
                     for (int c = 0; c < 4; ++c) {
                         if (s.index[c] < 0) continue;
                         T *cell = g.value + offset + s.index[c] * stride + k;
                         dots[c] += gk * to_compute(in.value[offset + s.index[c] * stride + k]);
                         if (atomics) atomicAdd(cell, from_compute<T>(attn * s.weight[c] * gk));
                     }
-                }
-                for (int c = 0; c < 4; ++c) dots[c] = warp_sum(dots[c]);
+                };
+#pragma unroll
+                for (int r = 0; r < kHeld; ++r)
+                    if (lane + r * kWarp < d.dims) channel(lane + r * kWarp, held[r]);
+                for (int64_t k = lane + kHeld * kWarp; k < d.dims; k += kWarp)
+                    channel(k, to_compute(grad[k]));
+                warp_sum4(dots);
                 const A sum_value = mmd_bilinear_value(s, dots);
                 const A sum_dy = mmd_bilinear_dvalue_dy(s, dots);
                 const A sum_dx = mmd_bilinear_dvalue_dx(s, dots);

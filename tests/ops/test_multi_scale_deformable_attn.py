@@ -419,6 +419,29 @@ def test_cuda_matches_cpu(cupy, dtype):
             np.testing.assert_allclose(cupy.asnumpy(g), e, **tol)
 
 
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("d", [1, 32, 70])
+def test_emulated_cuda_backward_over_one_warp_of_channels_and_more_equals_the_cpu(
+        cuda_emulator, backend, d):
+    """The CUDA backward's warp per (image, query, head): 1 channel (31
+    lanes idle), 32 (one per lane, held in registers), 70 (a lane's first
+    channel held, the rest read as they come); the four sums over the
+    channels (warp_sum4) equal the CPU's. Run by the emulator."""
+    from cuda_emu import DeviceView
+    rng = np.random.default_rng(d)
+    args = random_case(rng, np.float64, n=2, q=3, m=2, d=d, p=3)
+    grad = rng.standard_normal((2, 3, 2 * d))
+    expected = multi_scale_deformable_attn_backward(*args, grad)
+    got = [np.zeros_like(expected[0])] + [np.full_like(e, 7.0) for e in expected[1:]]
+    # (grad_value is added into: Tensor+)
+    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend):
+        mmdispatch.multi_scale_deformable_attn_backward_impl(
+            *[DeviceView(a) for a in args], DeviceView(grad), *[DeviceView(g) for g in got])
+        cuda_emulator.synchronize()
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
+
+
 def test_cuda_deterministic_backward_is_bit_identical_across_runs(cupy):
     rng = np.random.default_rng(12)
     # many queries sampling the same few cells: the atomic sums' order varies
