@@ -7,11 +7,11 @@
  * - Backward: one warp per (image, query, head); its lanes share the
  *   channels, and the sums over channels for the location and attention
  *   gradients are warp reductions in a fixed order (four at once,
- *   warp_sum4). grad_value is added
- *   with atomics (default backend), or (deterministic backend) by a second
- *   kernel with one warp per (image, head, channel) plane that takes every
- *   sample 32 at a time in order, adding with warp_ordered_add: the same
- *   sums in the same order on every run.
+ *   warp_sum4). grad_value is added with atomics (default backend), or
+ *   (deterministic backend) by a second kernel with one warp per (image,
+ *   head, channel) plane that takes every sample 32 at a time in order,
+ *   adding with warp_ordered_add: the same sums in the same order on every
+ *   run.
  * - The levels (spatial_shapes, level_start_index) are on the device. By
  *   default the first thread of the op's kernel checks them and reports a
  *   fault as a deferred error, and every thread reads only a level that

@@ -1,9 +1,9 @@
 /* roi_pool on CUDA (math shared with the CPU kernels through
  * mmdispatch/ops/roi_pool.h). Forward: a thread per output element.
  * Backward (`default`): one thread per grad_output element, adding into
- * grad_input with atomics; (`deterministic`): a warp per (image, channel) plane of
- * grad_input, adding the rois in order, so the sums are the same on every
- * run. float16 and bfloat16 compute in float32 (rois, maxima and
+ * grad_input with atomics; (`deterministic`): a warp per (image, channel)
+ * plane of grad_input, adding the rois in order, so the sums are the same
+ * on every run. float16 and bfloat16 compute in float32 (rois, maxima and
  * gradients are read as float; the backward adds in the storage type, as
  * torchvision's does). Launches on ctx->stream, on ctx->device_id.
  *
