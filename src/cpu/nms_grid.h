@@ -124,6 +124,19 @@ int64_t place_in_cells(const S &s, const GridLayout &grid, Cells *cells, int64_t
     return total;
 }
 
+/* Enters id in the list of each of c's cells (a box place_in_cells gave
+ * cells, not a big one): at cell_start[cell] + fill[cell], fill counting
+ * what each list holds so far. */
+template <typename F, typename E>
+inline void enter_in_cells(const Cells &c, int32_t cols, const int64_t *cell_start, F *fill,
+                           E *entries, E id) {
+    for (int32_t r = c.r0; r <= c.r1; ++r)
+        for (int32_t q = c.c0; q <= c.c1; ++q) {
+            const int64_t cell = (int64_t)r * cols + q;
+            entries[cell_start[cell] + fill[cell]++] = id;
+        }
+}
+
 /* Kept boxes entered in a uniform grid, for suppress_grid. */
 template <typename S> class KeptGrid {
   public:
@@ -175,11 +188,7 @@ template <typename S> class KeptGrid {
             big_[num_big_++] = j;
             return;
         }
-        for (int32_t r = c->r0; r <= c->r1; ++r)
-            for (int32_t q = c->c0; q <= c->c1; ++q) {
-                const int64_t cell = (int64_t)r * cols_ + q;
-                entries_[cell_start_[cell] + cell_fill_[cell]++] = (int32_t)j;
-            }
+        enter_in_cells(*c, cols_, cell_start_.get(), cell_fill_.get(), entries_.get(), (int32_t)j);
     }
 
   private:

@@ -363,11 +363,7 @@ int64_t soft_nms_grid(const T *b, const T *sc, const ClassIndex *sorted, int64_t
             big[num_big++] = id;
             continue;
         }
-        for (int32_t r = c->r0; r <= c->r1; ++r)
-            for (int32_t q = c->c0; q <= c->c1; ++q) {
-                const int64_t cell = (int64_t)r * grid.cols + q;
-                entries[cell_start[cell] + fill[cell]++] = id;
-            }
+        enter_in_cells(*c, grid.cols, cell_start.get(), fill.get(), entries.get(), id);
     }
 
     int64_t kept = 0;

@@ -41,18 +41,24 @@ int64_t chunk_of(const mmd_dcn_shape &d) {
     return pixels < d.pixels() ? pixels : d.pixels();
 }
 
+/* Where tap (ki, kj) of output pixel (oy, ox) samples; dy points at the
+ * tap's y offset for the pixel, its x offset `pixels` further. */
+template <typename T, typename A>
+__device__ inline void locate_at(const T *dy, const mmd_dcn_shape &d, int64_t oy, int64_t ox,
+                                 int64_t ki, int64_t kj, Sample<A> *s) {
+    const A y = mmd_dcn_base<A>(oy, ki, d.stride_h, d.pad_h, d.dilation_h) + to_compute(dy[0]);
+    const A x = mmd_dcn_base<A>(ox, kj, d.stride_w, d.pad_w, d.dilation_w) +
+                to_compute(dy[d.pixels()]);
+    mmd_bilinear_locate(y, x, d.height, d.width, s);
+}
+
 /* Where tap t of pixel p (of image n, offset group g) samples. */
 template <typename T, typename A>
 __device__ inline void locate(const T *offset, const mmd_dcn_shape &d, int64_t n, int64_t g,
                               int64_t t, int64_t p, Sample<A> *s) {
-    const int64_t taps = d.taps(), pixels = d.pixels();
-    const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels;
-    const int64_t oy = p / d.out_w, ox = p % d.out_w;
-    const A y = mmd_dcn_base<A>(oy, t / d.kernel_w, d.stride_h, d.pad_h, d.dilation_h) +
-                to_compute(dy[p]);
-    const A x = mmd_dcn_base<A>(ox, t % d.kernel_w, d.stride_w, d.pad_w, d.dilation_w) +
-                to_compute(dy[pixels + p]);
-    mmd_bilinear_locate(y, x, d.height, d.width, s);
+    const int64_t pixels = d.pixels();
+    const T *dy = offset + ((n * d.offset_groups + g) * 2 * d.taps() + 2 * t) * pixels + p;
+    locate_at(dy, d, p / d.out_w, p % d.out_w, t / d.kernel_w, t % d.kernel_w, s);
 }
 
 template <typename T>
@@ -101,12 +107,7 @@ __global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mm
             for (int64_t kj = 0; kj < d.kernel_w; ++kj, ++t) {
                 Sample<A> s;
                 A v[4];
-                mmd_bilinear_locate(
-                    mmd_dcn_base<A>(oy, ki, d.stride_h, d.pad_h, d.dilation_h) +
-                        to_compute(dy[2 * t * pixels]),
-                    mmd_dcn_base<A>(ox, kj, d.stride_w, d.pad_w, d.dilation_w) +
-                        to_compute(dy[(2 * t + 1) * pixels]),
-                    d.height, d.width, &s);
+                locate_at(dy + 2 * t * pixels, d, oy, ox, ki, kj, &s);
                 mmd_bilinear_corners(s, x, v);
                 const A weight = m ? to_compute(m[t * pixels]) : (A)1;
                 out[t * count] = weight * mmd_bilinear_value(s, v);
