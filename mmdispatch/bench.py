@@ -1125,8 +1125,7 @@ def run_cuda(quick, repeat, tv):
                         if name.endswith("backward")], repeat, "CUDA ")
     peak = peak_bandwidth(cupy)
     for row in rows:
-        if row["bytes"]:   # a row without a least traffic (soft_nms, ...) has no bandwidth
-            row["peak_bandwidth"] = peak
+        row["peak_bandwidth"] = peak
     progress("bench: CUDA host-side cost per call ...")
     theirs = None
     if theirs_device is not None:
@@ -1272,6 +1271,7 @@ def table(report):
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
         lines.append(f"| {row['benchmark']} | {format_value(row['mmdispatch'], row['unit'])} | "
                      f"{format_value(row['torchvision'], row['unit'])} | {ratio} |")
+    # a GPU row without a least traffic (soft_nms, ...) has no bandwidth
     gpu = [row for row in report["results"] if "peak_bandwidth" in row and row["bytes"]]
     if gpu:
         peak = gpu[0]["peak_bandwidth"]

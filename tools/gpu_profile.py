@@ -7,32 +7,23 @@ torchvision's, for a kernel profiler to time kernel by kernel, e.g.
 shows each kernel's duration and its memory and compute throughput beside
 torchvision's kernels for the same work. Arguments keep the bench rows
 whose names contain one of them (all of roi_align, roi_pool, nms,
-deform_conv2d's and multi_scale_deformable_attn's rows without). Needs CuPy, a GPU, and torch with
-torchvision for their side.
+deform_conv2d's and multi_scale_deformable_attn's rows without). Needs
+CuPy, a GPU, and torch with torchvision for their side.
 
     python tools/gpu_profile.py --host
 
 instead breaks the host cost of the bench's tiny CuPy ops.roi_align call
 down: the call beside the entry point with preallocated outputs, a
-cupy.empty, and the array's __cuda_array_interface__, each per call, then
+cupy.empty, and the array's __cuda_array_interface__, each the bench's
+median per call (host time: kernels are queued, not waited for), then
 cProfile's top functions over many calls."""
 import cProfile
 import pstats
 import sys
-import time
 
 import cupy
 
 from mmdispatch import bench
-
-
-def per_call(fn, number=20000):
-    fn()
-    start = time.perf_counter()
-    for _ in range(number):
-        fn()
-    cupy.cuda.Device().synchronize()
-    return (time.perf_counter() - start) / number
 
 
 def host():
@@ -52,7 +43,8 @@ def host():
         "cupy.cuda.get_current_stream()": cupy.cuda.get_current_stream,
     }
     for name, fn in parts.items():
-        print(f"gpu_profile: {name}: {per_call(fn) * 1e6:.2f} us", flush=True)
+        print(f"gpu_profile: {name}: {bench.median_call(fn, 5, 20000) * 1e6:.2f} us",
+              flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(20000):
