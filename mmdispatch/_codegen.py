@@ -621,24 +621,38 @@ def _size_py(value):
     return value if value > 0 else 0
 
 
+# what the code of shape_lines calls
+SHAPE_SCOPE = {"_dim": _dim_py, "_floordiv": _floordiv_py, "_size": _size_py}
+
+
+def shape_lines(op: Op, names, target="s", indent="    "):
+    """Python statements `<target><k> = <shape>`, one per allocation line
+    of op, in their order: the same sizes the generated C computes, for
+    callers that allocate themselves (the PyTorch layer). `names` maps
+    parameter `name` to an expression: its value (a scalar) or its shape
+    (an array). A later line reads an earlier output's shape as
+    <target><k>. The code calls the functions of SHAPE_SCOPE."""
+    names = dict(names)
+    lines = []
+    for k, alloc in enumerate(op.allocations):
+        lines.append(f"{indent}{target}{k} = {_py_shape(alloc.shape, names)}  # {alloc.text}")
+        names[alloc.name] = f"{target}{k}"   # what later lines read of this output: its shape
+    return lines
+
+
 def shape_function(op: Op, position):
-    """The shapes of op's allocation lines, in their order, as one Python
-    function of the caller's argument tuple, where parameter `name` is
-    `args[position[name]]` (arrays with .shape, ints, bools): the same
-    sizes the generated C computes, for callers that allocate themselves
-    (the PyTorch layer, whose arrays may be FakeTensors with symbolic
-    sizes). Compiled once; a call costs about as much as the expressions."""
+    """The shapes of op's allocation lines (shape_lines), in their order, as
+    one Python function of the caller's argument tuple, where parameter
+    `name` is `args[position[name]]` (arrays with .shape, ints, bools); the
+    arrays may be FakeTensors with symbolic sizes. Compiled once; a call
+    costs about as much as the expressions."""
     names = {}
     for p in op.params:
         if p.name in position:
             names[p.name] = f"a[{position[p.name]}]" + (".shape" if p.is_array else "")
-    lines = ["def shapes(a):"]
-    for k, alloc in enumerate(op.allocations):
-        lines.append(f"    s{k} = {_py_shape(alloc.shape, names)}  # {alloc.text}")
-        names[alloc.name] = f"s{k}"   # what later lines read of this output: its shape
-    lines.append(f"    return ({''.join(f's{k}, ' for k in range(len(op.allocations)))})")
-    scope = {"_dim": _dim_py, "_floordiv": _floordiv_py, "_size": _size_py,
-             "__builtins__": {"tuple": tuple, "bool": bool}}
+    lines = ["def shapes(a):", *shape_lines(op, names),
+             f"    return ({''.join(f's{k}, ' for k in range(len(op.allocations)))})"]
+    scope = dict(SHAPE_SCOPE, __builtins__={"tuple": tuple, "bool": bool})
     exec(compile("\n".join(lines), f"<allocation lines of {op.name}>", "exec"), scope)
     return scope["shapes"]
 

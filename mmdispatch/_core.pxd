@@ -114,6 +114,22 @@ cdef struct DLManagedTensorVersioned:
     uint64_t flags
     DLTensor dl_tensor
 
+# DLPack 1.3's C exchange API (a library's `__dlpack_c_exchange_api__`
+# capsule, "dlpack_exchange_api"): the two functions read here, called with
+# the GIL held; each returns 0, or -1 with a Python error set.
+cdef struct DLPackExchangeAPIHeader:
+    DLPackVersion version
+    DLPackExchangeAPIHeader *prev_api
+
+cdef struct DLPackExchangeAPI:
+    DLPackExchangeAPIHeader header
+    void *managed_tensor_allocator
+    void *managed_tensor_from_py_object_no_sync
+    void *managed_tensor_to_py_object_no_sync
+    # a view (non-owning: valid while the object lives) filled in place
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out) noexcept
+    int (*current_work_stream)(int device_type, int32_t device_id, void **out) noexcept
+
 cdef enum:
     DLPACK_FLAG_READ_ONLY = 1    # DLPACK_FLAG_BITMASK_READ_ONLY
     DLPACK_FLAG_IS_COPIED = 2    # DLPACK_FLAG_BITMASK_IS_COPIED

@@ -425,7 +425,9 @@ cdef class OpRegistry:
         return f"{self.name}: at param {self.array_positions[i]} ({self.array_names[i]})"
 
     cdef int classify(self, int i, object obj, CallState *st) except -1:
-        """Kind and device of array argument i, without touching its data."""
+        """Kind and device of array argument i, without touching its data;
+        1 where the view came with them (a torch tensor through torch's
+        DLPack C exchange API: st.tensors[i], lo and hi are set), else 0."""
         cdef mmd_tensor *t = &st.tensors[i]
         if cnp.PyArray_Check(obj):
             st.kinds[i] = KIND_NUMPY
@@ -442,9 +444,14 @@ cdef class OpRegistry:
             t.device_type = MMD_DEVICE_CUDA
             t.device_id = obj.data.device_id
             return 0
-        if _is_torch_tensor(obj) and _torch_device(obj, t):
-            st.kinds[i] = KIND_TORCH
-            return 0
+        if _is_torch_tensor(obj):
+            if _torch_dlpack_api != NULL and _torch_view(obj, t):
+                st.kinds[i] = KIND_TORCH
+                _byte_extent(t, &st.lo[i], &st.hi[i])
+                return 1   # viewed already
+            if _torch_device(obj, t):
+                st.kinds[i] = KIND_TORCH
+                return 0
         dlpack_device = getattr(type(obj), "__dlpack_device__", None)
         if dlpack_device is not None:
             st.kinds[i] = KIND_DLPACK
@@ -488,10 +495,8 @@ cdef class OpRegistry:
                 t.device_id = 0
                 if not mmd_view_contiguous_numpy(st.objects[i], t, &st.lo[i], &st.hi[i]):
                     pending |= 1u << i  # viewed (or rejected) after the lookup
-            else:
-                self.classify(i, <object>st.objects[i], st)
-                if st.kinds[i] != KIND_NONE:
-                    pending |= 1u << i
+            elif not self.classify(i, <object>st.objects[i], st) and st.kinds[i] != KIND_NONE:
+                pending |= 1u << i   # viewed after the lookup
             if st.kinds[i] == KIND_NONE:
                 st.args[i] = NULL
                 st.lo[i] = st.hi[i] = 0   # meets no output
@@ -573,8 +578,9 @@ cdef class OpRegistry:
             t.device_id = 0
         elif _is_torch_tensor(array):
             st.kinds[i] = KIND_TORCH
-            _torch_device(array, t)
-            _intake_torch(self, i, array, t)
+            if _torch_dlpack_api == NULL or not _torch_view(array, t):
+                _torch_device(array, t)
+                _intake_torch(self, i, array, t)
         else:
             st.kinds[i] = KIND_CUPY
             t.device_type = MMD_DEVICE_CUDA

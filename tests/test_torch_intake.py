@@ -1,7 +1,9 @@
 """The dispatcher's view of torch tensors (mmdispatch/_intake.pxi,
-KIND_TORCH): read through torch's own accessors, without DLPack exports or
-copies, on the CPU and on CUDA devices (on torch's current stream); other
-devices and tensor subclasses take the DLPack path."""
+KIND_TORCH): read through torch's DLPack C exchange API where torch has one
+(2.10 and later) and through its own accessors otherwise, without DLPack
+exports or copies, on the CPU and on CUDA devices (on torch's current
+stream); other devices and tensor subclasses take the DLPack path. Every
+test runs on both paths."""
 import re
 
 import numpy as np
@@ -12,6 +14,27 @@ import mmdispatch
 torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
 
 FWD = mmdispatch.roi_align_forward_impl
+HAS_EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+
+
+@pytest.fixture(autouse=True, params=["exchange-api", "accessors"])
+def intake(request):
+    """The torch intake path of the test: torch's DLPack C exchange API,
+    or the tensors' accessors (as with a torch older than 2.10)."""
+    from mmdispatch import _core
+    on = request.param == "exchange-api"
+    if on and not HAS_EXCHANGE_API:
+        pytest.skip(f"torch {torch.__version__} has no __dlpack_c_exchange_api__")
+    assert _core._use_torch_dlpack_api(on) == on
+    yield request.param
+    _core._use_torch_dlpack_api(True)
+
+
+def test_torch_with_the_exchange_api_is_viewed_through_it():
+    """The C exchange API is found wherever torch offers it (torch 2.10 and
+    later; CI installs such a torch)."""
+    from mmdispatch import _core
+    assert _core._use_torch_dlpack_api(True) == HAS_EXCHANGE_API
 
 
 def forward_args(make=torch.tensor, dtype=torch.float64):
@@ -112,3 +135,27 @@ def test_cuda_tensors_run_on_torchs_current_stream(torch_cuda):
         FWD(x, rois, out, empty, empty, 7, 7, 1.0, 0, 1, True)
     stream.synchronize()   # only that stream: the kernel ran on it
     np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_views_with_an_offset_and_empty_tensors_are_read_where_they_lie():
+    """A contiguous view into a larger tensor (its own data pointer), a
+    tensor with no rows, and dtypes of every width reach the kernel as
+    they are."""
+    args = forward_args()
+    base = torch.zeros(5, 3, 6, 6, dtype=torch.float64)
+    base[3:] = args[0]
+    args[0] = base[3:]
+    out = torch.zeros(2, 3, 2, 2, dtype=torch.float64)
+    args[2] = out
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    expected = mmdispatch.ops.roi_align(args[0].numpy(), args[1].numpy(), 2, 1.0, 2)
+    np.testing.assert_array_equal(out.numpy(), expected)
+    args = forward_args()
+    args[1] = torch.zeros(0, 5, dtype=torch.float64)
+    args[2] = torch.zeros(0, 3, 2, 2, dtype=torch.float64)
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    overlaps = torch.full((2, 3), -1.0, dtype=torch.float32)
+    boxes = torch.tensor([[0, 0, 2, 2], [1, 1, 3, 3]], dtype=torch.float32)
+    mmdispatch.bbox_overlaps_impl(boxes, boxes[:1].expand(3, 4).contiguous(), overlaps, 0,
+                                  False, 0)
+    np.testing.assert_allclose(overlaps.numpy(), [[1, 1, 1], [1 / 7] * 3], rtol=1e-6)
