@@ -155,16 +155,20 @@ class DerivedOp:
     def __call__(self, *args):
         """The op; in eager code on plain tensors (no tracing, no subclass,
         no dispatch mode) its implementation straight away, through
-        _EagerAutograd when a gradient is needed: torch.library's machinery,
+        _EagerAutograd when a gradient is needed (through torch.library for
+        an op without one, so that a backward through it is refused as
+        torch.library refuses it): torch.library's machinery,
         and even more its autograd wrapper (which rebuilds the argument list
         per argument), costs several times what a tiny call's work does
         (the bench's torch rows measure it)."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
             return self.op(*args)
-        if needs_grad and self.gradient is not None:
+        if needs_grad:
+            if self.gradient is None:   # torch.library's outputs refuse a backward
+                return self.op(*args)
             return _EagerAutograd.apply(self, *args)
-        return self.run(*args, eager=not needs_grad)
+        return self.run(*args, eager=True)
 
     def output_specs(self, args):
         """((parameter index, dtype or None for the first array's, zeros),
@@ -346,7 +350,6 @@ class DerivedOp:
 # the autocast kernels (DerivedOp.autocast), in a library of their own
 _AUTOCAST_LIBRARY = torch.library.Library(NAMESPACE, "IMPL")
 _AUTOCAST_KEYS = (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"))
-_SAVED = object()
 _EMPTY_SHAPE = (0,)
 _Tensor = torch.Tensor
 # private torch functions (present in every torch we support); without them
@@ -388,8 +391,7 @@ class _EagerAutograd(torch.autograd.Function):
         ctx.gradient = op.gradient
         op.gradient.setup_context(ctx, args, output)
         outputs = output if isinstance(output, tuple) else (output,)
-        ctx.mark_non_differentiable(*[o for i, o in enumerate(outputs)
-                                      if i not in op.gradient.grads_of])
+        ctx.mark_non_differentiable(*[outputs[r] for r in op.gradient.non_differentiable])
         return output
 
     @staticmethod
@@ -464,19 +466,23 @@ class Gradient:
         self.wrts = sorted(wrt for call in self.calls for wrt in call.results)
         self.grads_of = {call.grad_of for call in self.calls}
         sources = [source for call in self.calls for source in call.sources]
-        self.saved_inputs = sorted({i for kind, i in sources if kind == "input"})
+        saved_inputs = {i for kind, i in sources if kind == "input"}
+        # saved as tensors (an absent optional one as None), and as they are
+        self.saved_tensors = sorted(saved_inputs & set(forward.tensor_args))
+        self.saved_scalars = sorted(saved_inputs - set(forward.tensor_args))
         self.saved_outputs = sorted({i for kind, i in sources if kind == "output"})
+        self.non_differentiable = [r for r in range(len(forward.returns))
+                                   if r not in self.grads_of]
         forward.op.register_autograd(self.backward_fn, setup_context=self.setup_context)
         forward.gradient = self
 
     def setup_context(self, ctx, inputs, output):
         outputs = output if isinstance(output, tuple) else (output,)
         ctx.wrt_specs = {i: (tuple(inputs[i].shape), inputs[i].dtype) for i in self.wrts
-                         if isinstance(inputs[i], torch.Tensor)}
-        values = [inputs[i] for i in self.saved_inputs] + [outputs[i] for i in self.saved_outputs]
-        ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
-        # the rest (scalars, absent optional tensors) as they are; _SAVED marks a saved tensor
-        ctx.others = [_SAVED if isinstance(v, torch.Tensor) else v for v in values]
+                         if inputs[i] is not None}
+        ctx.save_for_backward(*[inputs[i] for i in self.saved_tensors],
+                              *[outputs[i] for i in self.saved_outputs])
+        ctx.scalars = [inputs[i] for i in self.saved_scalars]
 
     def backward_fn(self, ctx, *grads):
         return self.gradients(ctx, ctx.needs_input_grad, grads)
@@ -490,10 +496,10 @@ class Gradient:
             if grad is None or not any(needed[wrt] for wrt in call.results):
                 continue
             if values is None:
-                saved = iter(ctx.saved_tensors)
-                values = [next(saved) if other is _SAVED else other for other in ctx.others]
-                inputs = dict(zip(self.saved_inputs, values))
-                outputs = dict(zip(self.saved_outputs, values[len(self.saved_inputs):]))
+                values = ctx.saved_tensors
+                inputs = dict(zip(self.saved_tensors, values))
+                inputs.update(zip(self.saved_scalars, ctx.scalars))
+                outputs = dict(zip(self.saved_outputs, values[len(self.saved_tensors):]))
             args = []
             for kind, i in call.sources:
                 if kind == "grad":
@@ -503,7 +509,11 @@ class Gradient:
                     args.append(ctx.wrt_specs[wrt][1 if is_dtype else 0])
                 else:
                     args.append(inputs[i] if kind == "input" else outputs[i])
-            returned = call.backward.op(*args)
+            # the backward op as the forward was called: straight to its
+            # implementation in eager code, through torch.library when a
+            # graph of the backward is recorded (create_graph=True), traced
+            # or on tensor subclasses (DerivedOp.__call__ decides)
+            returned = call.backward(*args)
             returned = returned if isinstance(returned, tuple) else (returned,)
             for wrt, position in call.results.items():
                 if needed[wrt]:

@@ -182,3 +182,20 @@ def test_mmdispatch_works_without_torch_and_its_torch_layer_says_what_it_needs(t
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]'")
+
+
+@pytest.mark.parametrize("forward", [DERIVED["roi_align_forward_impl"], OPS.roi_align_forward],
+                         ids=["eager", "torch.library"])
+def test_a_second_backward_through_a_backward_op_is_refused_as_torch_library_refuses_it(forward):
+    """Eager backward calls take the implementation straight away, but
+    with create_graph=True the backward op goes through torch.library: its
+    result needs a gradient, and a backward through it is torch.library's
+    error, not a silent zero."""
+    args = roi_args(requires_grad=True)
+    out = forward(*args)[0]
+    (grad,) = torch.autograd.grad((out * out).sum(), args[0], create_graph=True)
+    assert grad.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        grad.sum().backward()
+    (plain,) = torch.autograd.grad(forward(*args)[0].sum(), args[0])
+    assert not plain.requires_grad
