@@ -106,28 +106,35 @@ int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
 }
 
 /* A thread per output element, bins fastest (a warp reads neighbouring
- * bins of one channel plane), its index split in I: int32_t where the
- * output has fewer than 2^31 elements (64-bit divisions cost tens of
- * instructions each). A thread per bin and 8 channels, the bin's cells
- * found once for the 8, took 2.72 ms on the bench's workload where
- * torchvision's thread per element took 1.13 ms (ncu, H100, 2026-11-26):
- * it kept an eighth as many loads in flight. */
+ * bins of one channel plane), then rois, then channels: channel-major, as
+ * roi_align's avg forward (common.cuh, locate_bin_group), so that the
+ * planes being read stay in L2 while all rois read them. Its index is
+ * split in I: int32_t where the output has fewer than 2^31 elements
+ * (64-bit divisions cost tens of instructions each). A thread per bin
+ * and 8 channels, the bin's cells found once for the 8, took 2.72 ms on
+ * the bench's workload where torchvision's thread per element took
+ * 1.13 ms (ncu, H100, 2026-11-26): it kept an eighth as many loads in
+ * flight. torchvision's order (rois outermost) moved about 2.6 GB from
+ * DRAM there, 15 times the map and output. */
 template <typename T, typename I>
 __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t *argmax,
-                               int64_t total, int64_t channels, int64_t height, int64_t width,
-                               int64_t pooled_h, int64_t pooled_w, int64_t batch,
-                               typename Compute<T>::type scale, ErrorSink sink) {
+                               int64_t total, int64_t num_rois, int64_t channels,
+                               int64_t height, int64_t width, int64_t pooled_h,
+                               int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
+                               ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const I bins_w = (I)pooled_w, bins_h = (I)pooled_h, planes = (I)channels;
+    const I count = (I)num_rois;
     MMD_GRID_STRIDE_LOOP(index, total) {
         const I i = (I)index, pw = i % bins_w, rest = i / bins_w;
-        const I ph = rest % bins_h, c = (rest / bins_h) % planes, k = rest / bins_h / planes;
+        const I ph = rest % bins_h, k = (rest / bins_h) % count, c = rest / bins_h / count;
+        const int64_t at_out = (((int64_t)k * planes + c) * bins_h + ph) * bins_w + pw;
         Geometry<T> g;
         const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
         if (code != MMD_ROI_OK) {
             if (c == 0 && ph == 0 && pw == 0) sink.report(k, code);
-            output[index] = from_compute<T>((A)NAN);
-            argmax[index] = -1;
+            output[at_out] = from_compute<T>((A)NAN);
+            argmax[at_out] = -1;
             continue;
         }
         int64_t h0, h1, w0, w1;
@@ -148,8 +155,8 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
                     best_index = at;
                 }
             }
-        output[index] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
-        argmax[index] = best_index;
+        output[at_out] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
+        argmax[at_out] = best_index;
     }
 }
 
@@ -242,8 +249,8 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                                              : forward_kernel<T, int64_t>;
             kernel<<<blocks_for(total), kThreads, 0, stream>>>(
                 (const T *)input->data, (const T *)rois->data, (T *)output->data,
-                (int64_t *)argmax->data, total, input->shape[1], input->shape[2],
-                input->shape[3], pooled_height, pooled_width, batch,
+                (int64_t *)argmax->data, total, rois->shape[0], input->shape[1],
+                input->shape[2], input->shape[3], pooled_height, pooled_width, batch,
                 (typename Compute<T>::type)spatial_scale, sink);
             return launch_status("roi_pool forward launch");
         });
