@@ -368,22 +368,28 @@ __global__ void max_backward_kernel(const T *grad_output, const T *rois, const T
     }
 }
 
-/* The deterministic backward. Block b owns plane b = (n, c) of grad_input:
- * it visits every roi in order and adds the roi's gradient for channel c
- * into the plane when the roi is on image n, each element by one thread,
- * with a barrier between rois, so every element is a sum in a fixed order
- * and no atomics are needed.
+/* The deterministic backward. Every element of grad_input is a sum in a
+ * fixed order, rois in order, without atomics.
  *
- * avg: MMCV's bilinear weights are products of a row weight and a column
- * weight, so roi k's gradient at (y, x) is
+ * avg: block b owns a band of rows of plane (n, c) of grad_input, held in
+ * shared memory from start to end (loaded once, written back once; the
+ * rois' adds read and write shared memory, where a block per whole plane
+ * read and wrote the plane in global memory once per roi). The block visits
+ * the rois in order, their geometry computed a chunk at a time, a roi per
+ * thread, into shared memory (not by every thread for every roi), and adds
+ * the gradient of each roi on image n whose window meets the band. MMCV's
+ * bilinear weights are products of a row weight and a column weight, so
+ * roi k's gradient at (y, x) is
  *     sum_ph Wy[ph][y] * sum_pw G[ph][pw] * Wx[pw][x]
  * with G the bin gradients over the sample count, Wy[ph][y] the sum of the
  * weights bin row ph's samples give row y (Wx likewise): a thread per bin
  * row (column) sums its samples in order, then T = G Wx, then a thread per
- * element of the roi's window. Its cost does not grow with the samples per
- * bin. Where a bin gradient is not finite the product would spread 0 * inf
- * = NaN over the whole window, so such a roi is added sample by sample
- * instead (one thread, in order), as the atomic kernel adds it. */
+ * element of the roi's window in the band. Its cost does not grow with the
+ * samples per bin. Where a bin gradient is not finite the product would
+ * spread 0 * inf = NaN over the whole window, so such a roi is added sample
+ * by sample instead (one thread, in order), as the atomic kernel adds it.
+ * Each element sees the same additions in the same order, rounded to T
+ * after each roi, whatever the bands: the CPU kernel's sums. */
 struct Window {
     int64_t y0, y1, x0, x1;   /* rows and columns the roi's samples can touch */
 };
@@ -417,93 +423,140 @@ __device__ inline bool roi_in_plane(const T *rois, int64_t k, int64_t n, int64_t
     return g->batch == n;
 }
 
+/* Rows of a band: at most MMD_CUDA_BAND_BYTES of grad_input's storage
+ * (64 KB: with the weights and geometry about 100 KB of shared memory a
+ * block for the bench's 200 x 304 map, two blocks to an H100 SM); the
+ * emulated tests set it small, so that their maps take several bands. */
+#ifndef MMD_CUDA_BAND_BYTES
+#define MMD_CUDA_BAND_BYTES (64 * 1024)
+#endif
+
+/* Byte offset of the geometry array in the avg kernel's shared memory,
+ * after the weight arrays (A), aligned for its int64_t fields. */
+inline size_t geometry_offset(size_t weight_bytes) { return (weight_bytes + 15) / 16 * 16; }
+
 template <typename T>
 __global__ void deterministic_avg_backward_kernel(
     const T *grad_output, const T *rois, T *grad_input, int64_t num_rois, int64_t channels,
     int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
-    typename Compute<T>::type scale, int64_t sampling_ratio, int aligned, ErrorSink sink) {
+    typename Compute<T>::type scale, int64_t sampling_ratio, int aligned, int64_t band_rows,
+    int64_t bands, size_t geo_offset, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     extern __shared__ unsigned char shared_bytes[];
     A *grad = (A *)shared_bytes;              /* pooled_h * pooled_w */
     A *wy = grad + pooled_h * pooled_w;       /* pooled_h * height */
     A *wx = wy + pooled_h * height;           /* pooled_w * width */
     A *t = wx + pooled_w * width;             /* pooled_h * width */
-    const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
+    Geometry<A> *geo = (Geometry<A> *)(shared_bytes + geo_offset);   /* blockDim.x */
+    T *acc = (T *)(geo + blockDim.x);         /* the band: band_rows * width */
+    const int64_t plane_index = blockIdx.x / bands, band = blockIdx.x % bands;
+    const int64_t n = plane_index / channels, c = plane_index % channels;
+    const int64_t top = band * band_rows;
+    const int64_t bottom = top + band_rows < height ? top + band_rows : height;   /* exclusive */
     const int tid = threadIdx.x, threads = blockDim.x;
     const int64_t bins = pooled_h * pooled_w;
-    T *plane = grad_input + (int64_t)blockIdx.x * height * width;
-    for (int64_t k = 0; k < num_rois; ++k) {
-        Geometry<A> g;
-        if (!roi_in_plane(rois, k, n, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
-                          sink, &g))
-            continue;
-        Window w;
-        w.y0 = window_edge(g.start_h, g.bin_h * (A)pooled_h, height, &w.y1);
-        w.x0 = window_edge(g.start_w, g.bin_w * (A)pooled_w, width, &w.x1);
-        if (w.y1 < w.y0 || w.x1 < w.x0) continue;
-        const int64_t rows = w.y1 - w.y0 + 1, cols = w.x1 - w.x0 + 1;
-        const int64_t count = g.grid_h * g.grid_w;
-        const A divisor = (A)(count > 1 ? count : 1);
-        const T *g_out = grad_output + (k * channels + c) * bins;
-        int nonfinite = 0;
-        for (int64_t i = tid; i < bins; i += threads) {
-            grad[i] = to_compute(g_out[i]) / divisor;
-            nonfinite |= !isfinite(grad[i]);
-        }
-        for (int64_t i = tid; i < pooled_h * rows; i += threads)
-            wy[(i / rows) * height + w.y0 + i % rows] = 0;
-        for (int64_t i = tid; i < pooled_w * cols; i += threads)
-            wx[(i / cols) * width + w.x0 + i % cols] = 0;
-        if (__syncthreads_or(nonfinite)) {
-            if (tid == 0)   /* sample by sample, in the atomic kernel's order */
-                for (int64_t b = 0; b < bins; ++b) {
-                    for_each_sample(height, width, g, b / pooled_w, b % pooled_w,
-                                    [&](const Axis<A> &ay, const Axis<A> &ax) {
-                        const int64_t at[4] = {ay.low * width + ax.low, ay.low * width + ax.high,
-                                               ay.high * width + ax.low,
-                                               ay.high * width + ax.high};
-                        const A weight[4] = {ay.w_low * ax.w_low, ay.w_low * ax.w_high,
-                                             ay.w_high * ax.w_low, ay.w_high * ax.w_high};
-                        for (int q = 0; q < 4; ++q)
-                            plane[at[q]] =
-                                from_compute<T>(to_compute(plane[at[q]]) + grad[b] * weight[q]);
-                    });
-                }
-            __syncthreads();
-            continue;
-        }
-        /* row weights: a thread per bin row, its samples in order (then columns) */
-        for (int64_t r = tid; r < pooled_h + pooled_w; r += threads) {
-            const bool is_row = r < pooled_h;
-            const int64_t bin = is_row ? r : r - pooled_h;
-            const int64_t grid = is_row ? g.grid_h : g.grid_w;
-            A *weights = is_row ? wy + bin * height : wx + bin * width;
-            for (int64_t i = 0; i < grid; ++i) {
-                Axis<A> a;
-                mmd_interp(is_row ? mmd_roi_align_sample(g.start_h, g.bin_h, bin, i, grid)
-                                 : mmd_roi_align_sample(g.start_w, g.bin_w, bin, i, grid),
-                          is_row ? height : width, &a);
-                if (!a.valid) continue;
-                weights[a.low] += a.w_low;
-                weights[a.high] += a.w_high;
+    T *rows_of_band = grad_input + (plane_index * height + top) * width;
+    const int64_t band_size = (bottom - top) * width;
+    for (int64_t i = tid; i < band_size; i += threads) acc[i] = rows_of_band[i];
+    for (int64_t first = 0; first < num_rois; first += threads) {
+        __syncthreads();   /* the band is loaded, and the last chunk's geometry read */
+        if (first + tid < num_rois) {
+            A roi[5];
+            load_roi(rois, first + tid, roi);
+            Geometry<A> g;
+            const int code = mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w,
+                                                    sampling_ratio, aligned, &g);
+            if (code != MMD_ROI_OK) {
+                if (blockIdx.x == 0) sink.report(first + tid, code);
+                g.batch = -1;   /* on no image: adds nothing */
             }
+            geo[tid] = g;
         }
         __syncthreads();
-        for (int64_t i = tid; i < pooled_h * cols; i += threads) {
-            const int64_t ph = i / cols, x = w.x0 + i % cols;
-            A sum = 0;
-            for (int64_t pw = 0; pw < pooled_w; ++pw) sum += grad[ph * pooled_w + pw] * wx[pw * width + x];
-            t[ph * width + x] = sum;
+        const int64_t chunk = num_rois - first < threads ? num_rois - first : threads;
+        for (int64_t j = 0; j < chunk; ++j) {
+            const Geometry<A> g = geo[j];   /* the same roi and answers in every thread */
+            if (g.batch != n) continue;
+            const int64_t k = first + j;
+            Window w;
+            w.y0 = window_edge(g.start_h, g.bin_h * (A)pooled_h, height, &w.y1);
+            w.x0 = window_edge(g.start_w, g.bin_w * (A)pooled_w, width, &w.x1);
+            const int64_t y_lo = w.y0 > top ? w.y0 : top;
+            const int64_t y_hi = w.y1 < bottom - 1 ? w.y1 : bottom - 1;
+            if (y_hi < y_lo || w.x1 < w.x0) continue;
+            const int64_t rows = w.y1 - w.y0 + 1, cols = w.x1 - w.x0 + 1;
+            const int64_t count = g.grid_h * g.grid_w;
+            const A divisor = (A)(count > 1 ? count : 1);
+            const T *g_out = grad_output + (k * channels + c) * bins;
+            int nonfinite = 0;
+            for (int64_t i = tid; i < bins; i += threads) {
+                grad[i] = to_compute(g_out[i]) / divisor;
+                nonfinite |= !isfinite(grad[i]);
+            }
+            for (int64_t i = tid; i < pooled_h * rows; i += threads)
+                wy[(i / rows) * height + w.y0 + i % rows] = 0;
+            for (int64_t i = tid; i < pooled_w * cols; i += threads)
+                wx[(i / cols) * width + w.x0 + i % cols] = 0;
+            if (__syncthreads_or(nonfinite)) {
+                if (tid == 0)   /* sample by sample, in the atomic kernel's order */
+                    for (int64_t b = 0; b < bins; ++b) {
+                        for_each_sample(height, width, g, b / pooled_w, b % pooled_w,
+                                        [&](const Axis<A> &ay, const Axis<A> &ax) {
+                            const int64_t y[4] = {ay.low, ay.low, ay.high, ay.high};
+                            const int64_t x[4] = {ax.low, ax.high, ax.low, ax.high};
+                            const A weight[4] = {ay.w_low * ax.w_low, ay.w_low * ax.w_high,
+                                                 ay.w_high * ax.w_low, ay.w_high * ax.w_high};
+                            for (int q = 0; q < 4; ++q) {
+                                if (y[q] < top || y[q] >= bottom) continue;
+                                T *cell = acc + (y[q] - top) * width + x[q];
+                                *cell = from_compute<T>(to_compute(*cell) + grad[b] * weight[q]);
+                            }
+                        });
+                    }
+                __syncthreads();
+                continue;
+            }
+            /* row weights: a thread per bin row, its samples in order (then columns) */
+            for (int64_t r = tid; r < pooled_h + pooled_w; r += threads) {
+                const bool is_row = r < pooled_h;
+                const int64_t bin = is_row ? r : r - pooled_h;
+                const int64_t grid = is_row ? g.grid_h : g.grid_w;
+                A *weights = is_row ? wy + bin * height : wx + bin * width;
+                for (int64_t i = 0; i < grid; ++i) {
+                    Axis<A> a;
+                    mmd_interp(is_row ? mmd_roi_align_sample(g.start_h, g.bin_h, bin, i, grid)
+                                     : mmd_roi_align_sample(g.start_w, g.bin_w, bin, i, grid),
+                              is_row ? height : width, &a);
+                    if (!a.valid) continue;
+                    weights[a.low] += a.w_low;
+                    weights[a.high] += a.w_high;
+                }
+            }
+            __syncthreads();
+            for (int64_t i = tid; i < pooled_h * cols; i += threads) {
+                const int64_t ph = i / cols, x = w.x0 + i % cols;
+                A sum = 0;
+                for (int64_t pw = 0; pw < pooled_w; ++pw)
+                    sum += grad[ph * pooled_w + pw] * wx[pw * width + x];
+                t[ph * width + x] = sum;
+            }
+            __syncthreads();
+            const int64_t band_cells = (y_hi - y_lo + 1) * cols;
+            for (int64_t i = tid; i < band_cells; i += threads) {
+                const int64_t y = y_lo + i / cols, x = w.x0 + i % cols;
+                A sum = 0;
+                for (int64_t ph = 0; ph < pooled_h; ++ph)
+                    sum += wy[ph * height + y] * t[ph * width + x];
+                if (sum != 0) {
+                    T *cell = acc + (y - top) * width + x;
+                    *cell = from_compute<T>(to_compute(*cell) + sum);
+                }
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        for (int64_t i = tid; i < rows * cols; i += threads) {
-            const int64_t y = w.y0 + i / cols, x = w.x0 + i % cols;
-            A sum = 0;
-            for (int64_t ph = 0; ph < pooled_h; ++ph) sum += wy[ph * height + y] * t[ph * width + x];
-            if (sum != 0) plane[y * width + x] = from_compute<T>(to_compute(plane[y * width + x]) + sum);
-        }
-        __syncthreads();
     }
+    __syncthreads();
+    for (int64_t i = tid; i < band_size; i += threads) rows_of_band[i] = acc[i];
 }
 
 /* max: a warp per plane; each roi's bins, 32 at a time, add their gradient
@@ -607,25 +660,39 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
                 sampling_ratio, aligned, sink);
             return launch_status("roi_align deterministic backward launch");
         }
-        const size_t shared = sizeof(A) * (size_t)(pooled_h * pooled_w + pooled_h * height +
-                                                   pooled_w * width + pooled_h * width);
+        const size_t geo_offset = geometry_offset(
+            sizeof(A) * (size_t)(pooled_h * pooled_w + pooled_h * height + pooled_w * width +
+                                 pooled_h * width));
+        const size_t fixed = geo_offset + sizeof(Geometry<A>) * kThreads;
+        const size_t row = sizeof(T) * (size_t)width;
         int limit = 0;
         cudaError_t err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                  ctx->device_id);
         if (err != cudaSuccess) return cuda_error(err, "cudaDeviceGetAttribute");
-        if (shared > (size_t)limit)
+        if (fixed + row > (size_t)limit)
             return mmd_error(MMD_ERR_VALUE,
                              "the deterministic backend needs %zu bytes of shared memory for a "
                              "%lld x %lld map and %lld x %lld bins; this GPU has %d",
-                             shared, (long long)height, (long long)width, (long long)pooled_h,
+                             fixed + row, (long long)height, (long long)width, (long long)pooled_h,
                              (long long)pooled_w, limit);
+        int64_t band_rows = (int64_t)(MMD_CUDA_BAND_BYTES / row);
+        const int64_t room = (int64_t)(((size_t)limit - fixed) / row);
+        band_rows = band_rows < room ? band_rows : room;
+        band_rows = band_rows < 1 ? 1 : (band_rows > height ? height : band_rows);
+        const int64_t bands = (height + band_rows - 1) / band_rows;
+        if (planes > INT32_MAX / bands)
+            return mmd_error(MMD_ERR_VALUE, "the deterministic backend takes at most %d "
+                             "blocks of (image, channel, band of %lld rows), got %lld x %lld",
+                             INT32_MAX, (long long)band_rows, (long long)planes, (long long)bands);
+        const size_t shared = fixed + row * (size_t)band_rows;
         err = cudaFuncSetAttribute(deterministic_avg_backward_kernel<T>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared);
         if (err != cudaSuccess) return cuda_error(err, "cudaFuncSetAttribute");
-        deterministic_avg_backward_kernel<T><<<(unsigned)planes, kThreads, shared, stream>>>(
+        deterministic_avg_backward_kernel<T><<<(unsigned)(planes * bands), kThreads, shared,
+                                               stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
             rois->shape[0], grad_input->shape[1], height, width, pooled_h, pooled_w, batch,
-            (A)spatial_scale, sampling_ratio, aligned, sink);
+            (A)spatial_scale, sampling_ratio, aligned, band_rows, bands, geo_offset, sink);
         return launch_status("roi_align deterministic backward launch");
     }
     const int64_t channels = grad_input->shape[1];

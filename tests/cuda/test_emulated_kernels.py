@@ -189,6 +189,34 @@ def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
         assert_same(backward(on_gpu, *got[1:]), backward(list, *expected[1:]))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_deterministic_roi_align_backward_in_bands_matches_the_cpu_with_nonfinite_gradients(
+        emu, dtype):
+    """The deterministic avg backward holds a band of rows of a plane per
+    block (the emulator's bands are a few rows, the last one partial): rois
+    across band edges, and bins whose gradient is inf or NaN (their rois
+    added sample by sample) give the CPU's bits."""
+    rng = np.random.default_rng(7)
+    x, rois = roi_workload(rng, dtype, channels=3)
+    shape = (len(rois), 3, 7, 7)
+    grad_output = rng.standard_normal(shape).astype(dtype)
+    grad_output[2, 1, 3, 4] = np.inf
+    grad_output[5, 0, 0, 0] = np.nan
+    grad_output[7, 2, 6, 6] = -np.inf
+    unused = np.empty(0, dtype)
+
+    def run(wrap):
+        grad = np.zeros_like(x)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
+                                           7, 7, 0.5, 2, 1, True)
+        return grad
+
+    expected = run(list)
+    assert np.isnan(expected).any() and np.isfinite(expected).any()
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        assert_same(run(on_gpu), expected)
+
+
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
 def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backend):
     """11 channels: the forward's groups of 8 channels, one of them partial."""

@@ -45,9 +45,11 @@ CORE_SOURCES = ("errors.c", "deferred.c", "rois.c")
 SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-pointer"] \
     if os.environ.get("CUDA_EMU_SANITIZE") else []
 # MMD_CUDA_MAX_GRID_Y (mmdispatch/cuda/common.cuh): kernels that loop over
-# the rows their grid's height does not cover run those loops on small inputs
+# the rows their grid's height does not cover run those loops on small
+# inputs; MMD_CUDA_BAND_BYTES (roi_align.cu): the deterministic backward
+# splits small maps into bands of rows, a partial one last
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_MAX_GRID_Y=2",
-            *SANITIZE]
+            "-DMMD_CUDA_BAND_BYTES=600", *SANITIZE]
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
 _LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
