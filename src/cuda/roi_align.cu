@@ -132,16 +132,15 @@ template <typename A> struct AxisCells {
 };
 
 /* A thread of the avg kernels: a bin of roi k for a group of channels
- * (common.cuh: channel-major for the forward, which reads the map; the
- * backward's atomics stay roi-major); false for a bad roi, which the roi's
- * first thread reports. */
+ * (common.cuh: channel-major); false for a bad roi, which the roi's first
+ * thread reports. */
 template <typename T, typename A>
 __device__ inline bool locate_avg_work(int64_t index, const T *rois, int64_t num_rois,
                                        int64_t channels, int64_t pooled_h, int64_t pooled_w,
-                                       bool channel_major, int64_t batch, A scale,
-                                       int64_t sampling_ratio, int aligned,
-                                       const ErrorSink &sink, BinGroup *w, Geometry<A> *g) {
-    *w = locate_bin_group(index, num_rois, channels, pooled_h, pooled_w, channel_major);
+                                       int64_t batch, A scale, int64_t sampling_ratio,
+                                       int aligned, const ErrorSink &sink, BinGroup *w,
+                                       Geometry<A> *g) {
+    *w = locate_bin_group(index, num_rois, channels, pooled_h, pooled_w);
     A roi[5];
     load_roi(rois, w->k, roi);
     const int code =
@@ -192,8 +191,8 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
         BinGroup w;
         Geometry<A> g;
         const bool good = locate_avg_work<T, A>(index, rois, num_rois, channels, pooled_h,
-                                                pooled_w, true, batch, scale, sampling_ratio,
-                                                aligned, sink, &w, &g);
+                                                pooled_w, batch, scale, sampling_ratio, aligned,
+                                                sink, &w, &g);
         T *out = output + ((w.k * channels + w.c0) * pooled_h + w.ph) * pooled_w + w.pw;
         if (!good) {
             for (int64_t c = 0; c < w.count; ++c) out[c * bins] = from_compute<T>((A)NAN);
@@ -306,16 +305,17 @@ __device__ inline void scatter_samples(T *plane, int64_t height, int64_t width,
  * 0 * inf gives NaN where the definition gives it. */
 template <typename T>
 __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad_input,
-                                    int64_t total, int64_t channels, int64_t height,
-                                    int64_t width, int64_t pooled_h, int64_t pooled_w,
-                                    int64_t batch, typename Compute<T>::type scale,
+                                    int64_t total, int64_t num_rois, int64_t channels,
+                                    int64_t height, int64_t width, int64_t pooled_h,
+                                    int64_t pooled_w, int64_t batch,
+                                    typename Compute<T>::type scale,
                                     int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
     MMD_GRID_STRIDE_LOOP(index, total) {
         BinGroup w;
         Geometry<A> g;
-        if (!locate_avg_work<T, A>(index, rois, 0, channels, pooled_h, pooled_w, false, batch,
+        if (!locate_avg_work<T, A>(index, rois, num_rois, channels, pooled_h, pooled_w, batch,
                                    scale, sampling_ratio, aligned, sink, &w, &g))
             continue;   /* a bad roi adds nothing */
         const T *grads = grad_output + ((w.k * channels + w.c0) * pooled_h + w.ph) * pooled_w + w.pw;
@@ -706,8 +706,8 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
         const int64_t threads = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
         avg_backward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, threads,
-            channels, grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
-            (A)spatial_scale, sampling_ratio, aligned, sink);
+            rois->shape[0], channels, grad_input->shape[2], grad_input->shape[3], pooled_h,
+            pooled_w, batch, (A)spatial_scale, sampling_ratio, aligned, sink);
     }
     return launch_status("roi_align backward launch");
 }

@@ -88,23 +88,20 @@ inline int64_t bin_groups(int64_t num_rois, int64_t channels, int64_t pooled_h,
     return num_rois * ((channels + kChannelGroup - 1) / kChannelGroup) * pooled_h * pooled_w;
 }
 
-/* The work of thread `index` of such a kernel, in one of two orders:
- * roi-major (a roi's groups and bins together, as the output lies) or
- * channel-major (every roi's bins for one channel group, then the next
- * group). Channel-major keeps the few MB of a group's planes in L2 while
- * all the rois read them, where roi-major has the rois in flight read
- * every plane of the map at once (a map larger than L2 is read from DRAM
- * many times over); it suits kernels that read the map. */
+/* The work of thread `index` of such a kernel: channel-major (every roi's
+ * bins for one channel group, then the next group), which keeps the few
+ * MB of the group's planes in L2 while all the rois read them (or add into
+ * them), where roi-major order (a roi's groups and bins together, as the
+ * output lies) has the rois in flight touch every plane of the map at once
+ * and a map larger than L2 comes from DRAM many times over. */
 __device__ inline BinGroup locate_bin_group(int64_t index, int64_t num_rois, int64_t channels,
-                                            int64_t pooled_h, int64_t pooled_w,
-                                            bool channel_major) {
-    const int64_t groups = (channels + kChannelGroup - 1) / kChannelGroup;
+                                            int64_t pooled_h, int64_t pooled_w) {
     BinGroup w;
     w.pw = index % pooled_w;
     w.ph = (index / pooled_w) % pooled_h;
     const int64_t outer = index / pooled_w / pooled_h;
-    const int64_t group = channel_major ? outer / num_rois : outer % groups;
-    w.k = channel_major ? outer % num_rois : outer / groups;
+    const int64_t group = outer / num_rois;
+    w.k = outer % num_rois;
     w.c0 = group * kChannelGroup;
     w.count = channels - w.c0 < kChannelGroup ? channels - w.c0 : kChannelGroup;
     w.first = group == 0 && w.ph == 0 && w.pw == 0;
