@@ -321,8 +321,9 @@ class DerivedOp:
     def empty(self, param, dtype, device):
         """A zero-size tensor for output `param`, made once per dtype and
         device: an unused output (roi_align's argmax pair in avg mode) costs
-        an allocation otherwise. Only eager calls outside autograd take it:
-        what torch.library returns gets autograd metadata attached."""
+        an allocation otherwise. Only eager calls take it (_EagerAutograd
+        too, which returns it untouched): what torch.library returns gets
+        autograd metadata attached."""
         key = (param, dtype, device)
         value = self.empties.get(key)
         if value is None:
@@ -387,7 +388,10 @@ class _EagerAutograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op, *args):
-        output = op.run(*args)
+        # eager: an unused (0,) output is the op's shared one, not allocated
+        # (autograd leaves a non-differentiable output that is not an input
+        # as it is; setup_context keeps it out of the saved tensors)
+        output = op.run(*args, eager=True)
         ctx.gradient = op.gradient
         op.gradient.setup_context(ctx, args, output)
         outputs = output if isinstance(output, tuple) else (output,)
@@ -480,8 +484,14 @@ class Gradient:
         outputs = output if isinstance(output, tuple) else (output,)
         ctx.wrt_specs = {i: (tuple(inputs[i].shape), inputs[i].dtype) for i in self.wrts
                          if inputs[i] is not None}
+        # an output without elements is kept as it is, not saved: nothing in
+        # it can change, and in eager calls it is one tensor shared by every
+        # call (DerivedOp.empty: roi_align's argmax pair in avg mode), whose
+        # version an in-place op of one caller must not tie to the others
+        saved = [outputs[i] for i in self.saved_outputs]
+        ctx.kept = [o if o.numel() == 0 else None for o in saved]
         ctx.save_for_backward(*[inputs[i] for i in self.saved_tensors],
-                              *[outputs[i] for i in self.saved_outputs])
+                              *[o if k is None else None for o, k in zip(saved, ctx.kept)])
         ctx.scalars = [inputs[i] for i in self.saved_scalars]
 
     def backward_fn(self, ctx, *grads):
@@ -499,7 +509,8 @@ class Gradient:
                 values = ctx.saved_tensors
                 inputs = dict(zip(self.saved_tensors, values))
                 inputs.update(zip(self.saved_scalars, ctx.scalars))
-                outputs = dict(zip(self.saved_outputs, values[len(self.saved_tensors):]))
+                outputs = {i: value if kept is None else kept for i, value, kept in
+                           zip(self.saved_outputs, values[len(self.saved_tensors):], ctx.kept)}
             args = []
             for kind, i in call.sources:
                 if kind == "grad":

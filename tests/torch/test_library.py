@@ -141,6 +141,27 @@ def test_eager_path_and_registered_op_give_the_same_results_and_gradients():
         torch.testing.assert_close(eager_grad, registered_grad, rtol=0, atol=0)
 
 
+def test_eager_autograd_calls_share_unused_empty_outputs_without_tying_their_versions():
+    """In avg mode roi_align's argmax pair is unused: eager calls, with
+    autograd too, return one shared (0,) tensor for each, untouched by
+    autograd and not among the saved tensors, so an in-place op on it by
+    one caller breaks no other call's backward."""
+    derived = DERIVED["roi_align_forward_impl"]
+    first, second = roi_args(requires_grad=True), roi_args(requires_grad=True)
+    out1, argmax_y1, _ = derived(*first)
+    out2, argmax_y2, _ = derived(*second)
+    assert argmax_y1 is argmax_y2 and argmax_y1.shape == (0,)
+    assert not argmax_y1.requires_grad and argmax_y1.grad_fn is None
+    assert out1.grad_fn is not None
+    argmax_y1.add_(1)   # bumps its version
+    out2.sum().backward()
+    out1.sum().backward()
+    for args in (first, second):   # the registered op's gradient
+        x = args[0].detach().requires_grad_()
+        OPS.roi_align_forward(x, *args[1:])[0].sum().backward()
+        torch.testing.assert_close(args[0].grad, x.grad, rtol=0, atol=0)
+
+
 def test_kernel_errors_reach_torch_users_with_the_op_and_parameter():
     args = list(roi_args())
     args[1] = torch.tensor([[5, 0, 0, 1, 1.]], dtype=torch.float64)
