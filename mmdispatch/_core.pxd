@@ -114,9 +114,10 @@ cdef struct DLManagedTensorVersioned:
     uint64_t flags
     DLTensor dl_tensor
 
-# DLPack 1.3's C exchange API (a library's `__dlpack_c_exchange_api__`
-# capsule, "dlpack_exchange_api"): the two functions read here, called with
-# the GIL held; each returns 0, or -1 with a Python error set.
+# DLPack's C exchange API (a library's `__dlpack_c_exchange_api__` capsule,
+# "dlpack_exchange_api"; the layout of DLPack 1.2 and 1.3): the two
+# functions read here, called with the GIL held; each returns 0, or -1
+# with a Python error set (the stream's error then propagates as it is).
 cdef struct DLPackExchangeAPIHeader:
     DLPackVersion version
     DLPackExchangeAPIHeader *prev_api
@@ -128,7 +129,7 @@ cdef struct DLPackExchangeAPI:
     void *managed_tensor_to_py_object_no_sync
     # a view (non-owning: valid while the object lives) filled in place
     int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out) noexcept
-    int (*current_work_stream)(int device_type, int32_t device_id, void **out) noexcept
+    int (*current_work_stream)(int device_type, int32_t device_id, void **out) except -1
 
 cdef enum:
     DLPACK_FLAG_READ_ONLY = 1    # DLPACK_FLAG_BITMASK_READ_ONLY

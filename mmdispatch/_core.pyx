@@ -526,8 +526,10 @@ cdef class OpRegistry:
         elif _device_count[device_type] >= 0 and not 0 <= device_id < _device_count[device_type]:
             raise self.no_such_device(ref, device_type, device_id)
         held = None
-        if pending:  # arrays other than plain contiguous numpy ones
+        if pending:  # arrays other than plain contiguous numpy ones (sets the stream)
             held = self.view_pending(st, pending, device_type, device_id)
+        elif device_type == MMD_DEVICE_CUDA:   # torch tensors viewed by classify
+            _cuda_launch_stream(st, self.n_arrays, device_id)
         self.check_outputs(st)
         if st.c_fallback:   # its first use warns once the call has passed the checks
             _warn_once(<FallbackHandle>python_kernel, self, device_name(device_type, device_id))

@@ -133,8 +133,9 @@ cdef bint _torch_device(object tensor, mmd_tensor *t) except -1:
 
 cdef bint _torch_view(object tensor, mmd_tensor *t) noexcept:
     """Views a torch tensor on the CPU or a CUDA device in one call of
-    torch's DLPack C exchange API (a view valid while the tensor lives).
-    False where there is no such API or it declines (a meta or sparse
+    torch's DLPack C exchange API (a view valid while the tensor lives;
+    the caller has checked that there is one). False where it declines (a
+    meta or sparse
     tensor, a dtype or rank we do not take, another device, no data,
     misaligned data): the accessors (_torch_device, _intake_torch) then
     take the tensor, and their errors are the op's."""
@@ -219,9 +220,7 @@ cdef object _cuda_launch_stream(CallState *st, int n, int device_id):
         if st.kinds[i] == KIND_CUPY:
             ptr = _cupy_current_stream(device_id).ptr
         elif st.kinds[i] == KIND_TORCH and _torch_dlpack_api != NULL:
-            if _torch_dlpack_api.current_work_stream(MMD_DEVICE_CUDA, device_id,
-                                                     <void **>&ptr) != 0:
-                raise RuntimeError(f"torch's current CUDA stream on device {device_id}")
+            _torch_dlpack_api.current_work_stream(MMD_DEVICE_CUDA, device_id, <void **>&ptr)
         elif st.kinds[i] == KIND_TORCH and _torch_current_stream is not None:
             ptr = _torch_current_stream(device_id)
         else:

@@ -130,10 +130,15 @@ def test_cuda_tensors_run_on_torchs_current_stream(torch_cuda):
     expected = mmdispatch.ops.roi_align(x.cpu().numpy(), rois.cpu().numpy(), 7)
     stream = torch_cuda.cuda.Stream()
     empty = torch_cuda.empty(0, dtype=torch.float64, device="cuda")
-    with torch_cuda.cuda.stream(stream):
-        out = torch_cuda.empty(2, 4, 7, 7, dtype=torch.float64, device="cuda")
-        FWD(x, rois, out, empty, empty, 7, 7, 1.0, 0, 1, True)
-    stream.synchronize()   # only that stream: the kernel ran on it
+    streams = []
+    with mmdispatch.trace(lambda event, call: streams.append(call.stream)):
+        with torch_cuda.cuda.stream(stream):
+            out = torch_cuda.empty(2, 4, 7, 7, dtype=torch.float64, device="cuda")
+            FWD(x, rois, out, empty, empty, 7, 7, 1.0, 0, 1, True)
+    # the launch's stream as the dispatcher hands it to the kernel (a later
+    # read on the legacy stream would wait for the kernel wherever it ran)
+    assert streams == [stream.cuda_stream] * 2
+    stream.synchronize()
     np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=1e-12, atol=1e-12)
 
 

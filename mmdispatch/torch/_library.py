@@ -85,6 +85,7 @@ def _device_output(shape, dtype, device, zeros):
     """An output on a device: from torch's caching allocator."""
     return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype, device=device)
 
+
 def torch_name(entry_point):
     """The op name of an entry point: roi_align_forward_impl -> roi_align_forward."""
     return entry_point[:-len("_impl")] if entry_point.endswith("_impl") else entry_point
@@ -155,20 +156,18 @@ class DerivedOp:
     def __call__(self, *args):
         """The op; in eager code on plain tensors (no tracing, no subclass,
         no dispatch mode) its implementation straight away, through
-        _EagerAutograd when a gradient is needed (through torch.library for
-        an op without one, so that a backward through it is refused as
-        torch.library refuses it): torch.library's machinery,
+        _EagerAutograd when a gradient is needed (an op without a gradient,
+        nms or bbox_overlaps, then gives outputs that need none, as MMCV's
+        do): torch.library's machinery,
         and even more its autograd wrapper (which rebuilds the argument list
         per argument), costs several times what a tiny call's work does
         (the bench's torch rows measure it)."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
             return self.op(*args)
-        if needs_grad:
-            if self.gradient is None:   # torch.library's outputs refuse a backward
-                return self.op(*args)
+        if needs_grad and self.gradient is not None:
             return _EagerAutograd.apply(self, *args)
-        return self.run(*args, eager=True)
+        return self.run(*args, eager=not needs_grad)
 
     def output_specs(self, args):
         """((parameter index, dtype or None for the first array's, zeros),
@@ -242,6 +241,7 @@ class DerivedOp:
                    for k, length in self.returns]
         lines.append(f"    return {results[0] if len(results) == 1 else '(' + ', '.join(results) + ')'}")
         scope["__builtins__"] = {"tuple": tuple, "int": int, "bool": bool}
+        scope["__name__"] = __name__
         exec(compile("\n".join(lines), f"<mmdispatch.torch run of {sig.name}>", "exec"), scope)
         run = scope["run"]
         run.source = "\n".join(lines)
@@ -390,11 +390,19 @@ class _EagerAutograd(torch.autograd.Function):
     def forward(ctx, op, *args):
         # eager: an unused (0,) output is the op's shared one, not allocated
         # (autograd leaves a non-differentiable output that is not an input
-        # as it is; setup_context keeps it out of the saved tensors)
+        # as it is; setup_context keeps it out of the saved tensors), but a
+        # differentiable one gets its own tensor: autograd attaches its
+        # history to it
         output = op.run(*args, eager=True)
+        outputs = output if isinstance(output, tuple) else (output,)
+        if any(outputs[r] is op.empties.get((op.returns[r][0], outputs[r].dtype,
+                                              outputs[r].device))
+               for r in op.gradient.grads_of):
+            outputs = tuple(o.clone() if r in op.gradient.grads_of else o
+                            for r, o in enumerate(outputs))
+            output = outputs if isinstance(output, tuple) else outputs[0]
         ctx.gradient = op.gradient
         op.gradient.setup_context(ctx, args, output)
-        outputs = output if isinstance(output, tuple) else (output,)
         ctx.mark_non_differentiable(*[outputs[r] for r in op.gradient.non_differentiable])
         return output
 
@@ -475,6 +483,7 @@ class Gradient:
         self.saved_tensors = sorted(saved_inputs & set(forward.tensor_args))
         self.saved_scalars = sorted(saved_inputs - set(forward.tensor_args))
         self.saved_outputs = sorted({i for kind, i in sources if kind == "output"})
+        self.saved_params = [forward.returns[i][0] for i in self.saved_outputs]
         self.non_differentiable = [r for r in range(len(forward.returns))
                                    if r not in self.grads_of]
         forward.op.register_autograd(self.backward_fn, setup_context=self.setup_context)
@@ -484,12 +493,16 @@ class Gradient:
         outputs = output if isinstance(output, tuple) else (output,)
         ctx.wrt_specs = {i: (tuple(inputs[i].shape), inputs[i].dtype) for i in self.wrts
                          if inputs[i] is not None}
-        # an output without elements is kept as it is, not saved: nothing in
-        # it can change, and in eager calls it is one tensor shared by every
-        # call (DerivedOp.empty: roi_align's argmax pair in avg mode), whose
-        # version an in-place op of one caller must not tie to the others
+        # an eager call's unused (0,) output, one tensor shared by every call
+        # (DerivedOp.empty: roi_align's argmax pair in avg mode), is kept as
+        # it is, not saved: nothing in it can change, and an in-place op of
+        # one caller on it must not fail another call's backward (found by
+        # identity: a size test would guard on a data-dependent size under
+        # torch.compile)
         saved = [outputs[i] for i in self.saved_outputs]
-        ctx.kept = [o if o.numel() == 0 else None for o in saved]
+        empties = self.forward.empties
+        ctx.kept = [o if empties.get((k, o.dtype, o.device)) is o else None
+                    for k, o in zip(self.saved_params, saved)]
         ctx.save_for_backward(*[inputs[i] for i in self.saved_tensors],
                               *[o if k is None else None for o, k in zip(saved, ctx.kept)])
         ctx.scalars = [inputs[i] for i in self.saved_scalars]
@@ -520,15 +533,19 @@ class Gradient:
                     args.append(ctx.wrt_specs[wrt][1 if is_dtype else 0])
                 else:
                     args.append(inputs[i] if kind == "input" else outputs[i])
-            # the backward op as the forward was called: straight to its
-            # implementation in eager code, through torch.library when a
-            # graph of the backward is recorded (create_graph=True), traced
-            # or on tensor subclasses (DerivedOp.__call__ decides)
-            returned = call.backward(*args)
+            # the backward op straight to its implementation in eager code
+            # (DerivedOp.__call__ decides), through torch.library when a graph
+            # of the backward is recorded (create_graph=True), whose outputs
+            # refuse a second backward
+            returned = (call.backward.op if torch.is_grad_enabled() else call.backward)(*args)
             returned = returned if isinstance(returned, tuple) else (returned,)
             for wrt, position in call.results.items():
                 if needed[wrt]:
                     gradient = returned[position]
+                    if gradient is call.backward.empties.get(
+                            (call.backward.returns[position][0], gradient.dtype,
+                             gradient.device)):
+                        gradient = gradient.clone()   # hooks may write into it
                     result[wrt] = gradient * grad if call.times_grad_of else gradient
         return tuple(result)
 

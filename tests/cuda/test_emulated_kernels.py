@@ -217,6 +217,35 @@ def test_deterministic_roi_align_backward_in_bands_matches_the_cpu_with_nonfinit
         assert_same(run(on_gpu), expected)
 
 
+@pytest.mark.parametrize("num_rois", [256, 257, 600])
+def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_the_cpu(
+        emu, num_rois):
+    """The deterministic avg backward computes the rois' geometry a chunk of
+    one roi per thread (256) at a time: a chunk exactly full, one roi past
+    it, and several chunks, with inf and NaN bin gradients in the last
+    chunk, give the CPU's bits."""
+    rng = np.random.default_rng(num_rois)
+    x = rng.standard_normal((2, 2, 13, 9))
+    corners = rng.uniform(-4, 30, (num_rois, 2, 2))
+    rois = np.concatenate([rng.integers(0, 2, (num_rois, 1)), corners.min(axis=1),
+                           corners.max(axis=1)], axis=1)
+    rois[:, 1:] *= 2   # spatial_scale 0.5
+    grad_output = rng.standard_normal((num_rois, 2, 3, 3))
+    grad_output[num_rois - 1, 1, 2, 2] = np.inf
+    grad_output[num_rois - 2, 0, 0, 0] = np.nan
+    unused = np.empty(0)
+
+    def run(wrap):
+        grad = np.zeros_like(x)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
+                                           3, 3, 0.5, 2, 1, True)
+        return grad
+
+    expected = run(list)
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        assert_same(run(on_gpu), expected)
+
+
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
 def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backend):
     """11 channels: the forward's groups of 8 channels, one of them partial."""

@@ -162,6 +162,57 @@ def test_eager_autograd_calls_share_unused_empty_outputs_without_tying_their_ver
         torch.testing.assert_close(args[0].grad, x.grad, rtol=0, atol=0)
 
 
+def test_a_differentiable_empty_output_is_each_calls_own_tensor():
+    """softmax_focal_loss of no rows, unreduced, returns a (0,) loss: with
+    autograd each call gets its own tensor (not the shared empty one that
+    unused outputs are), with its own history."""
+    from mmdispatch.torch import mmcv
+    target = torch.zeros(0, dtype=torch.int64)
+    x1, x2 = torch.zeros(0, 4, requires_grad=True), torch.zeros(0, 4, requires_grad=True)
+    loss1 = mmcv.softmax_focal_loss(x1, target, reduction="none")
+    loss2 = mmcv.softmax_focal_loss(x2, target, reduction="none")
+    assert loss1 is not loss2 and loss1.grad_fn is not loss2.grad_fn
+    loss1.sum().backward()
+    assert x1.grad is not None and x1.grad.shape == (0, 4) and x2.grad is None
+    plain = mmcv.softmax_focal_loss(torch.zeros(0, 4), target, reduction="none")
+    assert not plain.requires_grad and plain.grad_fn is None
+
+
+def test_ops_without_a_gradient_give_outputs_that_need_none_as_mmcvs_do():
+    """bbox_overlaps of boxes that need a gradient: a constant IoU (MMCV's
+    behaviour), and a loss beside it still has its backward."""
+    from mmdispatch.torch import mmcv
+    boxes = torch.tensor([[0., 0, 2, 2], [1, 1, 3, 3]], requires_grad=True)
+    iou = mmcv.bbox_overlaps(boxes, boxes)
+    assert not iou.requires_grad and iou.grad_fn is None
+    (iou.sum() + boxes.sum()).backward()
+    assert torch.equal(boxes.grad, torch.ones(2, 4))
+
+
+def test_compiled_max_roi_align_on_a_data_dependent_number_of_rois_matches_eager():
+    """Under torch.compile the autograd setup sees FakeTensors of unbacked
+    size (rois chosen by score): it must not guard on their size."""
+    from mmdispatch.torch import mmcv
+    import torch._dynamo
+    config = torch._dynamo.config
+
+    def f(x, boxes, scores):
+        rois = boxes[scores > 0.5]
+        return mmcv.roi_align(x, rois, (2, 2), 1.0, 2, "max", True).sum()
+
+    x = torch.randn(1, 3, 8, 8, requires_grad=True)
+    boxes = torch.tensor([[0, 0, 0, 4, 4], [0, 1, 1, 6, 5], [0, 2, 2, 7, 7.]])
+    scores = torch.tensor([0.9, 0.1, 0.8])
+    eager = f(x, boxes, scores)
+    (expected,) = torch.autograd.grad(eager, x)
+    torch._dynamo.reset()
+    with config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(x, boxes, scores)
+    (got,) = torch.autograd.grad(compiled, x)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(got, expected)
+
+
 def test_kernel_errors_reach_torch_users_with_the_op_and_parameter():
     args = list(roi_args())
     args[1] = torch.tensor([[5, 0, 0, 1, 1.]], dtype=torch.float64)
