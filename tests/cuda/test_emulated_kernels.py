@@ -145,12 +145,12 @@ def test_strict_mode_raises_a_bad_roi_at_the_call_and_writes_nothing(emu):
     assert not arrays[2].any()
 
 
-def roi_workload(rng, dtype, channels=5):
+def roi_workload(rng, dtype, channels=5, num_rois=13, size=(21, 26)):
     """A map larger than one block's work: (2, channels, 21, 26), 13 rois of
     all sizes, some reaching past the map."""
-    x = rng.standard_normal((2, channels, 21, 26)).astype(dtype)
-    corners = rng.uniform(-4, 30, (13, 2, 2))
-    rois = np.concatenate([rng.integers(0, 2, (13, 1)),
+    x = rng.standard_normal((2, channels, *size)).astype(dtype)
+    corners = rng.uniform(-4, 30, (num_rois, 2, 2))
+    rois = np.concatenate([rng.integers(0, 2, (num_rois, 1)),
                            corners.min(axis=1), corners.max(axis=1)], axis=1).astype(dtype)
     rois[:, 1:] *= 2   # spatial_scale 0.5
     return x, rois
@@ -189,6 +189,23 @@ def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
         assert_same(backward(on_gpu, *got[1:]), backward(list, *expected[1:]))
 
 
+def assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output):
+    """roi_align's avg backward (spatial_scale 0.5, sampling_ratio 2) on the
+    emulated deterministic backend gives the CPU kernel's bits."""
+    unused = np.empty(0, x.dtype)
+
+    def run(wrap):
+        grad = np.zeros_like(x)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
+                                           *grad_output.shape[2:], 0.5, 2, 1, True)
+        return grad
+
+    expected = run(list)
+    assert np.isnan(expected).any() and np.isfinite(expected).any()
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        assert_same(run(on_gpu), expected)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_deterministic_roi_align_backward_in_bands_matches_the_cpu_with_nonfinite_gradients(
         emu, dtype):
@@ -198,23 +215,11 @@ def test_deterministic_roi_align_backward_in_bands_matches_the_cpu_with_nonfinit
     added sample by sample) give the CPU's bits."""
     rng = np.random.default_rng(7)
     x, rois = roi_workload(rng, dtype, channels=3)
-    shape = (len(rois), 3, 7, 7)
-    grad_output = rng.standard_normal(shape).astype(dtype)
+    grad_output = rng.standard_normal((len(rois), 3, 7, 7)).astype(dtype)
     grad_output[2, 1, 3, 4] = np.inf
     grad_output[5, 0, 0, 0] = np.nan
     grad_output[7, 2, 6, 6] = -np.inf
-    unused = np.empty(0, dtype)
-
-    def run(wrap):
-        grad = np.zeros_like(x)
-        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
-                                           7, 7, 0.5, 2, 1, True)
-        return grad
-
-    expected = run(list)
-    assert np.isnan(expected).any() and np.isfinite(expected).any()
-    with mmdispatch.use_backend("cuda", "deterministic"):
-        assert_same(run(on_gpu), expected)
+    assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
 @pytest.mark.parametrize("num_rois", [256, 257, 600])
@@ -225,25 +230,12 @@ def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_th
     it, and several chunks, with inf and NaN bin gradients in the last
     chunk, give the CPU's bits."""
     rng = np.random.default_rng(num_rois)
-    x = rng.standard_normal((2, 2, 13, 9))
-    corners = rng.uniform(-4, 30, (num_rois, 2, 2))
-    rois = np.concatenate([rng.integers(0, 2, (num_rois, 1)), corners.min(axis=1),
-                           corners.max(axis=1)], axis=1)
-    rois[:, 1:] *= 2   # spatial_scale 0.5
+    x, rois = roi_workload(rng, np.float64, channels=2, num_rois=num_rois, size=(13, 9))
+    rois[-2:] = [[0, 2, 2, 10, 12], [1, 4, 4, 14, 16]]   # on the map
     grad_output = rng.standard_normal((num_rois, 2, 3, 3))
     grad_output[num_rois - 1, 1, 2, 2] = np.inf
     grad_output[num_rois - 2, 0, 0, 0] = np.nan
-    unused = np.empty(0)
-
-    def run(wrap):
-        grad = np.zeros_like(x)
-        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
-                                           3, 3, 0.5, 2, 1, True)
-        return grad
-
-    expected = run(list)
-    with mmdispatch.use_backend("cuda", "deterministic"):
-        assert_same(run(on_gpu), expected)
+    assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
