@@ -25,7 +25,9 @@
 # a wheel built elsewhere instead of building (about 90 s of device time saved:
 # build one for the machine's Python with MMDISPATCH_WITH_CUDA=1 and carry
 # it), JOBS (pytest -n, default 12), BUDGET (seconds, part all), MEMCHECK_K
-# (pytest -k of the memcheck run, default cuda). The last lines of each log
+# (pytest -k of the memcheck run, default cuda), BASELINE=path to a wheel of
+# an earlier build (tools/gpu_wheel.sh with REF=): the bench's GPU rows run
+# once more on it, in the same run (bench-baseline.txt), to time a change. The last lines of each log
 # are printed at the end; a step cut short by its time leaves its partial log.
 set -uo pipefail
 part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|profile|all}
@@ -74,6 +76,15 @@ bench|all)
     [ "$part" = all ] && flags+=(--gpu-only)
     timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
+    if [ -n "${BASELINE:-}" ]; then   # the earlier build, first on the path
+        rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
+            "$BASELINE" > "$out/baseline-install.log" 2>&1
+        PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 120)" "$py" -m mmdispatch \
+            bench --gpu-only --repeat 5 --json "$out/bench-baseline.json" \
+            > "$out/bench-baseline.txt" 2>&1
+        echo "baseline bench exit $? ($(( $(date +%s) - began )) s in)"
+        grep "^|" "$out/bench-baseline.txt" | tail -40
+    fi
     ;;&
 profile|all)
     timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats \

@@ -10,7 +10,10 @@
 #
 # Environment: PYTHON (an interpreter of the GPU machine's minor version;
 # default pyenv's 3.12 where it exists, else python3.12),
-# MMDISPATCH_CUDA_ARCH_LIST (default 9.0: the H100 and H200).
+# MMDISPATCH_CUDA_ARCH_LIST (default 9.0: the H100 and H200), REF (a commit
+# to build instead of HEAD) and DEST (the folder written, default .whl):
+# REF=<commit> DEST=.whl-base builds the baseline that gpu_check.sh's
+# BASELINE= benches beside HEAD in the same run.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$(ls -d /root/.pyenv/versions/3.12.*/bin/python 2>/dev/null | tail -1)}
@@ -20,8 +23,10 @@ trap 'rm -rf "$work"' EXIT
 "$py" -m venv "$work/venv"
 "$work/venv/bin/pip" install -q setuptools Cython 'numpy>=2.0,<2.1' wheel
 git clone -q "$repo" "$work/src"
+[ -n "${REF:-}" ] && git -C "$work/src" checkout -q "$REF"
+dest="$repo/${DEST:-.whl}"
 (cd "$work/src" && MMDISPATCH_WITH_CUDA=1 \
     MMDISPATCH_CUDA_ARCH_LIST=${MMDISPATCH_CUDA_ARCH_LIST:-9.0} \
     "$work/venv/bin/pip" wheel -q --no-build-isolation --no-deps -w "$work/out" .)
-rm -rf "$repo/.whl" && mkdir -p "$repo/.whl" && cp "$work"/out/*.whl "$repo/.whl/"
-ls "$repo/.whl"
+rm -rf "$dest" && mkdir -p "$dest" && cp "$work"/out/*.whl "$dest/"
+ls "$dest"
