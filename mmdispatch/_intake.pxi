@@ -135,10 +135,9 @@ cdef bint _torch_view(object tensor, mmd_tensor *t) noexcept:
     """Views a torch tensor on the CPU or a CUDA device in one call of
     torch's DLPack C exchange API (a view valid while the tensor lives;
     the caller has checked that there is one). False where it declines (a
-    meta or sparse
-    tensor, a dtype or rank we do not take, another device, no data,
-    misaligned data): the accessors (_torch_device, _intake_torch) then
-    take the tensor, and their errors are the op's."""
+    meta or sparse tensor, a dtype or rank we do not take, another device,
+    no data, misaligned data): the accessors (_torch_device, _intake_torch)
+    then take the tensor, and their errors are the op's."""
     cdef DLTensor dl
     cdef int d
     cdef int64_t numel = 1
