@@ -136,13 +136,16 @@ cdef bint _torch_view(object tensor, mmd_tensor *t) noexcept:
     torch's DLPack C exchange API (a view valid while the tensor lives;
     the caller has checked that there is one). False where it declines (a
     meta or sparse tensor, a dtype or rank we do not take, another device,
-    no data, misaligned data): the accessors (_torch_device, _intake_torch)
-    then take the tensor, and their errors are the op's."""
+    no data, misaligned data, a negated view): the accessors
+    (_torch_device, _intake_torch) then take the tensor, and their errors
+    are the op's."""
     cdef DLTensor dl
     cdef int d
     cdef int64_t numel = 1
     if _torch_dlpack_api.dltensor_from_py_object_no_sync(<void *>tensor, &dl) != 0:
         PyErr_Clear()
+        return False
+    if tensor.is_neg():   # the view's data is the negation of its values
         return False
     if dl.device.device_type == MMD_DEVICE_CPU:
         t.device_id = 0
@@ -201,6 +204,9 @@ cdef int _intake_torch(OpRegistry op, int i, object tensor, mmd_tensor *t) excep
     if pointer == 0 and numel != 0:
         raise TypeError(f"{op.where(i)}, the torch tensor has no data (a meta or fake tensor, "
                         f"device {tensor.device})")
+    if tensor.is_neg():   # its memory holds the negation of its values
+        raise TypeError(f"{op.where(i)}, the torch tensor is a negated view (its negative bit "
+                        "is set, as for x.conj().imag): pass x.resolve_neg()")
     t.data = <void *><uintptr_t>pointer
     t.writable = 1
     return _check_alignment(op, i, t)

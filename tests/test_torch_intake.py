@@ -94,6 +94,9 @@ def test_strided_views_and_overlapping_outputs_are_refused_with_clear_errors():
      "at param 0 (input), cannot view a torch tensor of layout torch.sparse_coo"),
     (lambda: torch.ones(2, 3, 6, 6, dtype=torch.complex64),
      "at param 0 (input), unsupported dtype torch.complex64"),
+    # float64 whose memory holds the negation of its values
+    (lambda: torch.ones(2, 3, 6, 6, dtype=torch.complex128).conj().imag,
+     "at param 0 (input), the torch tensor is a negated view (its negative bit is set"),
 ])
 def test_tensors_without_a_plain_view_are_refused_naming_the_parameter(make, message):
     args = forward_args()
