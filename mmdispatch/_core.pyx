@@ -445,7 +445,7 @@ cdef class OpRegistry:
             t.device_id = obj.data.device_id
             return 0
         if _is_torch_tensor(obj):
-            if _torch_dlpack_api != NULL and _torch_view(obj, t):
+            if _torch_view(obj, t):
                 st.kinds[i] = KIND_TORCH
                 _byte_extent(t, &st.lo[i], &st.hi[i])
                 return 1   # viewed already
@@ -580,7 +580,7 @@ cdef class OpRegistry:
             t.device_id = 0
         elif _is_torch_tensor(array):
             st.kinds[i] = KIND_TORCH
-            if _torch_dlpack_api == NULL or not _torch_view(array, t):
+            if not _torch_view(array, t):
                 _torch_device(array, t)
                 _intake_torch(self, i, array, t)
         else:

@@ -133,15 +133,14 @@ cdef bint _torch_device(object tensor, mmd_tensor *t) except -1:
 
 cdef bint _torch_view(object tensor, mmd_tensor *t) noexcept:
     """Views a torch tensor on the CPU or a CUDA device in one call of
-    torch's DLPack C exchange API (a view valid while the tensor lives;
-    the caller has checked that there is one). False where it declines (a
-    meta or sparse tensor, a dtype or rank we do not take, another device,
-    no data, misaligned data, a negated view): the accessors
-    (_torch_device, _intake_torch) then take the tensor, and their errors
-    are the op's."""
+    torch's DLPack C exchange API (a view valid while the tensor lives).
+    False where torch has no such API or it declines (a meta or sparse
+    tensor, a dtype or rank we do not take, another device, no data,
+    misaligned data, a negated view): the accessors (_torch_device,
+    _intake_torch) then take the tensor, and their errors are the op's."""
     cdef DLTensor dl
-    cdef int d
-    cdef int64_t numel = 1
+    if _torch_dlpack_api == NULL:
+        return False
     if _torch_dlpack_api.dltensor_from_py_object_no_sync(<void *>tensor, &dl) != 0:
         PyErr_Clear()
         return False
@@ -154,20 +153,9 @@ cdef bint _torch_view(object tensor, mmd_tensor *t) noexcept:
     else:
         return False
     t.device_type = dl.device.device_type
-    t.dtype = _dlpack_dtype_code(dl.dtype.code, dl.dtype.bits)
-    if t.dtype == MMD_DTYPE_UNKNOWN or dl.dtype.lanes != 1 or not 0 <= dl.ndim <= MMD_MAX_NDIM:
+    if _read_dltensor(&dl, t) != 0:
         return False
-    t.ndim = dl.ndim
-    for d in range(dl.ndim):
-        t.shape[d] = dl.shape[d]
-        numel *= dl.shape[d]
-    if dl.strides == NULL:
-        _contiguous_strides(t)
-    else:
-        for d in range(dl.ndim):
-            t.strides[d] = dl.strides[d]   # DLPack strides count elements
-    t.data = <char *>dl.data + dl.byte_offset
-    if t.data == NULL and numel != 0:
+    if t.data == NULL and mmd_numel(t) != 0:
         return False
     if (<uintptr_t>t.data) % mmd_dtype_size(t.dtype):
         return False
@@ -421,6 +409,36 @@ cdef inline void _contiguous_strides(mmd_tensor *t) noexcept:
         step *= t.shape[d]
 
 
+cdef enum:   # why _read_dltensor cannot view a DLPack tensor
+    DL_BAD_DTYPE = 1
+    DL_BAD_NDIM
+    DL_NEGATIVE_SIZE
+
+
+cdef int _read_dltensor(const DLTensor *dl, mmd_tensor *t) noexcept:
+    """t's dtype, shape, strides and data from a DLPack tensor (a capsule's
+    or one torch's exchange API filled): 0, or the DL_* reason it cannot be
+    viewed, checked in that order."""
+    cdef int d
+    t.dtype = _dlpack_dtype_code(dl.dtype.code, dl.dtype.bits)
+    if t.dtype == MMD_DTYPE_UNKNOWN or dl.dtype.lanes != 1:
+        return DL_BAD_DTYPE
+    if not 0 <= dl.ndim <= MMD_MAX_NDIM:
+        return DL_BAD_NDIM
+    t.ndim = dl.ndim
+    for d in range(dl.ndim):
+        t.shape[d] = dl.shape[d]
+        if t.shape[d] < 0:
+            return DL_NEGATIVE_SIZE
+    if dl.strides == NULL:
+        _contiguous_strides(t)
+    else:
+        for d in range(dl.ndim):
+            t.strides[d] = dl.strides[d]   # DLPack strides count elements
+    t.data = <char *>dl.data + dl.byte_offset
+    return 0
+
+
 cdef int _check_alignment(OpRegistry op, int i, mmd_tensor *t) except -1:
     cdef size_t size = mmd_dtype_size(t.dtype)
     if size and (<uintptr_t>t.data) % size:
@@ -548,7 +566,7 @@ cdef object _intake_dlpack(OpRegistry op, int i, object obj, object stream, mmd_
     alive until the kernel has run (the producer frees it after that)."""
     cdef DLManagedTensorVersioned *versioned = NULL
     cdef DLTensor *dl
-    cdef int d
+    cdef int refused
     try:
         capsule = _export_dlpack(obj, stream)
         if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
@@ -571,24 +589,15 @@ cdef object _intake_dlpack(OpRegistry op, int i, object obj, object stream, mmd_
         raise ValueError(f"{op.where(i)}, __dlpack__ device "
                          f"{device_name(dl.device.device_type, dl.device.device_id)} differs "
                          f"from __dlpack_device__ {device_name(t.device_type, t.device_id)}")
-    t.dtype = _dlpack_dtype_code(dl.dtype.code, dl.dtype.bits)
-    if t.dtype == MMD_DTYPE_UNKNOWN or dl.dtype.lanes != 1:
+    refused = _read_dltensor(dl, t)
+    if refused == DL_BAD_DTYPE:
         raise TypeError(f"{op.where(i)}, unsupported DLPack dtype (code {dl.dtype.code}, "
                         f"bits {dl.dtype.bits}, lanes {dl.dtype.lanes})")
-    if not 0 <= dl.ndim <= MMD_MAX_NDIM:
+    if refused == DL_BAD_NDIM:
         raise ValueError(f"{op.where(i)}, {dl.ndim} dimensions; at most {MMD_MAX_NDIM} are "
                          "supported")
-    t.ndim = dl.ndim
-    for d in range(dl.ndim):
-        t.shape[d] = dl.shape[d]
-        if t.shape[d] < 0:
-            raise ValueError(f"{op.where(i)}, negative size in DLPack shape")
-    if dl.strides == NULL:
-        _contiguous_strides(t)
-    else:
-        for d in range(dl.ndim):
-            t.strides[d] = dl.strides[d]   # DLPack strides count elements
-    t.data = <char *>dl.data + dl.byte_offset
+    if refused == DL_NEGATIVE_SIZE:
+        raise ValueError(f"{op.where(i)}, negative size in DLPack shape")
     # an unversioned capsule cannot say; producers refuse to export read-only
     # memory that way (numpy does)
     t.writable = versioned == NULL or not (versioned.flags & DLPACK_FLAG_READ_ONLY)

@@ -331,6 +331,11 @@ class DerivedOp:
             value = self.empties[key] = torch.empty(_EMPTY_SHAPE, dtype=dtype, device=device)
         return value
 
+    def is_empty(self, param, value):
+        """Whether `value` is the zero-size tensor `empty` made for output
+        `param` (found by identity: no guard on a FakeTensor's size)."""
+        return self.empties.get((param, value.dtype, value.device)) is value
+
     def fake(self, *args):
         device = args[self.first_input].device
         first_dtype = args[self.first_input].dtype
@@ -396,9 +401,7 @@ class _EagerAutograd(torch.autograd.Function):
         # history to it
         output = op.run(*args, eager=True)
         outputs = output if isinstance(output, tuple) else (output,)
-        if any(outputs[r] is op.empties.get((op.returns[r][0], outputs[r].dtype,
-                                              outputs[r].device))
-               for r in op.gradient.grads_of):
+        if any(op.is_empty(op.returns[r][0], outputs[r]) for r in op.gradient.grads_of):
             outputs = tuple(o.clone() if r in op.gradient.grads_of else o
                             for r, o in enumerate(outputs))
             output = outputs if isinstance(output, tuple) else outputs[0]
@@ -497,12 +500,10 @@ class Gradient:
         # an eager call's unused (0,) output, one tensor shared by every call
         # (DerivedOp.empty: roi_align's argmax pair in avg mode), is kept as
         # it is, not saved: nothing in it can change, and an in-place op of
-        # one caller on it must not fail another call's backward (found by
-        # identity: a size test would guard on a data-dependent size under
-        # torch.compile)
+        # one caller on it must not fail another call's backward (a size
+        # test would guard on a data-dependent size under torch.compile)
         saved = [outputs[i] for i in self.saved_outputs]
-        empties = self.forward.empties
-        ctx.kept = [o if empties.get((k, o.dtype, o.device)) is o else None
+        ctx.kept = [o if self.forward.is_empty(k, o) else None
                     for k, o in zip(self.saved_params, saved)]
         ctx.save_for_backward(*[inputs[i] for i in self.saved_tensors],
                               *[o if k is None else None for o, k in zip(saved, ctx.kept)])
@@ -543,9 +544,7 @@ class Gradient:
             for wrt, position in call.results.items():
                 if needed[wrt]:
                     gradient = returned[position]
-                    if gradient is call.backward.empties.get(
-                            (call.backward.returns[position][0], gradient.dtype,
-                             gradient.device)):
+                    if call.backward.is_empty(call.backward.returns[position][0], gradient):
                         gradient = gradient.clone()   # hooks may write into it
                     result[wrt] = gradient * grad if call.times_grad_of else gradient
         return tuple(result)

@@ -12,9 +12,9 @@
  * channel. max pooling: a thread per output element, sample by sample.
  *
  * The `default` backward adds into grad_input with atomics, the
- * `deterministic` one gives each (image, channel) plane of grad_input to
- * one block, which adds the rois into it in order (the same sums in the
- * same order on every run). float16 and bfloat16 inputs compute in
+ * `deterministic` one gives each band of rows of an (image, channel) plane
+ * of grad_input (avg) or each plane (max) to one block, which adds the
+ * rois into it in order (the same sums in the same order on every run). float16 and bfloat16 inputs compute in
  * float32. Launches on ctx->stream, on ctx->device_id.
  *
  * Bad rois never cause an out-of-bounds access. By default each thread
@@ -131,6 +131,22 @@ template <typename A> struct AxisCells {
     }
 };
 
+/* Roi k's geometry in *g; false for a bad roi, which the thread reports
+ * when it is the roi's `reporter` (one thread per roi in the grid). */
+template <typename T, typename A>
+__device__ inline bool geometry_of(const T *rois, int64_t k, int64_t batch, A scale,
+                                   int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio,
+                                   int aligned, bool reporter, const ErrorSink &sink,
+                                   Geometry<A> *g) {
+    A roi[5];
+    load_roi(rois, k, roi);
+    const int code =
+        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
+    if (code == MMD_ROI_OK) return true;
+    if (reporter) sink.report(k, code);
+    return false;
+}
+
 /* A thread of the avg kernels: a bin of roi k for a group of channels
  * (common.cuh: channel-major); false for a bad roi, which the roi's first
  * thread reports. */
@@ -141,13 +157,8 @@ __device__ inline bool locate_avg_work(int64_t index, const T *rois, int64_t num
                                        int aligned, const ErrorSink &sink, BinGroup *w,
                                        Geometry<A> *g) {
     *w = locate_bin_group(index, num_rois, channels, pooled_h, pooled_w);
-    A roi[5];
-    load_roi(rois, w->k, roi);
-    const int code =
-        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
-    if (code == MMD_ROI_OK) return true;
-    if (w->first) sink.report(w->k, code);
-    return false;
+    return geometry_of(rois, w->k, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                       w->first, sink, g);
 }
 
 /* f(ay, ax) for each sample of bin (ph, pw) that lies on the map, in the
@@ -181,10 +192,9 @@ __device__ inline A sum_samples(const T *plane, int64_t height, int64_t width,
 template <typename T>
 __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int64_t total,
                                    int64_t num_rois, int64_t channels, int64_t height,
-                                   int64_t width,
-                                   int64_t pooled_h, int64_t pooled_w, int64_t batch,
-                                   typename Compute<T>::type scale, int64_t sampling_ratio,
-                                   int aligned, ErrorSink sink) {
+                                   int64_t width, int64_t pooled_h, int64_t pooled_w,
+                                   int64_t batch, typename Compute<T>::type scale,
+                                   int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
     MMD_GRID_STRIDE_LOOP(index, total) {
@@ -412,15 +422,9 @@ __device__ inline bool roi_in_plane(const T *rois, int64_t k, int64_t n, int64_t
                                     int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio,
                                     int aligned, const ErrorSink &sink,
                                     Geometry<A> *g) {
-    A roi[5];
-    load_roi(rois, k, roi);
-    const int code =
-        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
-    if (code != MMD_ROI_OK) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) sink.report(k, code);
-        return false;
-    }
-    return g->batch == n;
+    return geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                       blockIdx.x == 0 && threadIdx.x == 0, sink, g) &&
+           g->batch == n;
 }
 
 /* Rows of a band: at most MMD_CUDA_BAND_BYTES of grad_input's storage
@@ -461,15 +465,10 @@ __global__ void deterministic_avg_backward_kernel(
     for (int64_t first = 0; first < num_rois; first += threads) {
         __syncthreads();   /* the band is loaded, and the last chunk's geometry read */
         if (first + tid < num_rois) {
-            A roi[5];
-            load_roi(rois, first + tid, roi);
             Geometry<A> g;
-            const int code = mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w,
-                                                    sampling_ratio, aligned, &g);
-            if (code != MMD_ROI_OK) {
-                if (blockIdx.x == 0) sink.report(first + tid, code);
+            if (!geometry_of(rois, first + tid, batch, scale, pooled_h, pooled_w,
+                             sampling_ratio, aligned, blockIdx.x == 0, sink, &g))
                 g.batch = -1;   /* on no image: adds nothing */
-            }
             geo[tid] = g;
         }
         __syncthreads();
