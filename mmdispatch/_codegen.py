@@ -352,6 +352,10 @@ def generate_header(ops) -> str:
         "       used, when negative) and returns the status of a deferred error",
         "       they left (mmdispatch/deferred.h); NULL when not built. */",
         "    int (*synchronize_fn)(int device_id);",
+        "    /* Returns the memory the device's kernels keep for reuse (scratch",
+        "       pools) on device `device_id` (every device, when negative) to",
+        "       its driver; NULL when not built. */",
+        "    int (*empty_cache_fn)(int device_id);",
         "} mmd_device_module;",
         "const mmd_device_module *mmd_get_device_modules(int *count);",
         "",
@@ -409,6 +413,7 @@ def generate_source(ops, devices) -> str:
             continue
         out.append(f"int mmd_{dev.name}_init(char *status, size_t size, int *device_count);")
         out.append(f"int mmd_{dev.name}_synchronize(int device_id);")
+        out.append(f"int mmd_{dev.name}_empty_cache(int device_id);")
         out += [f"void mmd_register_{dev.name}__{name}(void);" for name in dev.files]
         out += [
             f"static int mmd_register_{dev.name}(char *status, size_t size, "
@@ -418,8 +423,9 @@ def generate_source(ops, devices) -> str:
         out += [f"    mmd_register_{dev.name}__{name}();" for name in dev.files]
         out += ["    return 0;", "}"]
     out += ["", "static const mmd_device_module mmd_device_modules[] = {"]
-    out += [f'    {{"{d.name}", {d.device_type}, mmd_register_{d.name}, '
-            f'{"NULL" if d.unbuilt_reason is not None else f"mmd_{d.name}_synchronize"}}},'
+    out += [f'    {{"{d.name}", {d.device_type}, mmd_register_{d.name}, ' +
+            ("NULL, NULL" if d.unbuilt_reason is not None
+             else f"mmd_{d.name}_synchronize, mmd_{d.name}_empty_cache") + "},"
             for d in devices]
     out += [
         "};",

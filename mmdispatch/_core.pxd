@@ -76,6 +76,7 @@ cdef extern from "mmdispatch_generated.h" nogil:
         int device_type
         int (*register_fn)(char *status, size_t size, int *device_count) noexcept nogil
         int (*synchronize_fn)(int device_id) noexcept nogil
+        int (*empty_cache_fn)(int device_id) noexcept nogil
     const mmd_device_module *mmd_get_device_modules(int *count)
 
 # DLPack ABI (dlpack.h: DLManagedTensor, and DLManagedTensorVersioned of

@@ -204,14 +204,11 @@ def strict(bint enabled=True):
         mmd_thread_strict()[0] = previous
 
 
-def synchronize(device=None):
-    """Waits until the kernels mmdispatch queued on ``device`` have finished
-    and raises the deferred error one of them left (DeferredKernelError),
-    if any. ``device``: a device type (``"cuda"``: every device of that type
-    mmdispatch ran on), one device (``"cuda:1"``), or None for every device
-    type. CPU kernels finish before their call returns."""
-    cdef int count, i, status, device_id = -1, code = -1
-    cdef const mmd_device_module *modules
+cdef tuple _device_selection(str what, device):
+    """(device type code or -1 for every type, device index or -1 for
+    every device of the type) of ``device`` as synchronize and empty_cache
+    take it: a device type, one device ("cuda:1") or None."""
+    cdef int device_id = -1, code = -1
     if device is not None:
         name = device if isinstance(device, str) else None
         if name is not None and ":" in name:
@@ -219,20 +216,50 @@ def synchronize(device=None):
             try:
                 device_id = int(index)
             except ValueError:
-                raise ValueError(f"synchronize: bad device {device!r}") from None
+                raise ValueError(f"{what}: bad device {device!r}") from None
             if device_id < 0:
-                raise ValueError(f"synchronize: bad device {device!r}")
+                raise ValueError(f"{what}: bad device {device!r}")
         code = parse_device_type(device if name is None else name)
+    return code, device_id
+
+
+cdef _each_device_module(str what, device, bint empty_cache):
+    """Calls the synchronize_fn (or empty_cache_fn) of each selected device
+    module that is usable, raising the status it returns."""
+    cdef int count, i, status, device_id, code
+    cdef const mmd_device_module *modules
+    cdef int (*fn)(int) noexcept nogil
+    code, device_id = _device_selection(what, device)
     modules = mmd_get_device_modules(&count)
     for i in range(count):
-        if ((code >= 0 and modules[i].device_type != code)
-                or modules[i].synchronize_fn == NULL
+        fn = modules[i].empty_cache_fn if empty_cache else modules[i].synchronize_fn
+        if ((code >= 0 and modules[i].device_type != code) or fn == NULL
                 or not _device_status.get(modules[i].device_type, (False,))[0]):
             continue   # not this device, or nothing can have been queued on it
         with nogil:
-            status = modules[i].synchronize_fn(device_id)
+            status = fn(device_id)
         if status != 0:
-            _raise_status("synchronize", status)
+            _raise_status(what, status)
+
+
+def synchronize(device=None):
+    """Waits until the kernels mmdispatch queued on ``device`` have finished
+    and raises the deferred error one of them left (DeferredKernelError),
+    if any. ``device``: a device type (``"cuda"``: every device of that type
+    mmdispatch ran on), one device (``"cuda:1"``), or None for every device
+    type. CPU kernels finish before their call returns."""
+    _each_device_module("synchronize", device, False)
+
+
+def empty_cache(device=None):
+    """Returns the memory that mmdispatch's kernels keep for reuse on
+    ``device`` to its driver, as ``torch.cuda.empty_cache()`` does for
+    torch's. On CUDA that is each device's scratch pool (the temporary
+    memory of nms, deform_conv2d and others): it keeps up to 256 MiB of
+    freed scratch across synchronisations, so that the next call need not
+    map it again; this waits for the device, then releases all of it.
+    ``device`` as for synchronize(). The CPU keeps nothing."""
+    _each_device_module("empty_cache", device, True)
 
 
 def devices():

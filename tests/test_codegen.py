@@ -48,8 +48,9 @@ def test_device_modules_are_generated_with_reasons_for_unbuilt_ones():
     assert "mmd_register_cpu__toy();" in source
     assert "mmd_register_cuda__toy" not in source
     assert 'built \\"without\\" nvcc' in source
-    assert '{"cuda", 2, mmd_register_cuda, NULL},' in source   # nothing to synchronize
-    assert '{"cpu", 1, mmd_register_cpu, mmd_cpu_synchronize},' in source
+    assert '{"cuda", 2, mmd_register_cuda, NULL, NULL},' in source   # nothing to wait for
+    assert ('{"cpu", 1, mmd_register_cpu, mmd_cpu_synchronize, mmd_cpu_empty_cache},'
+            in source)
 
 
 def test_registrations_are_found_by_their_blocks_not_by_file_names(tmp_path):

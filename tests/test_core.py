@@ -636,6 +636,37 @@ print(os.waitpid(pid, 0)[1])
     assert out.strip() == "0"
 
 
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", 2])
+def test_empty_cache_takes_every_device_synchronize_takes(device):
+    """Nothing kept (the CPU keeps nothing; CUDA only once a call has
+    needed scratch) is nothing to release: it returns None."""
+    assert mmdispatch.empty_cache(device) is None
+
+
+@pytest.mark.parametrize("device, error", [("cuda:x", ValueError), ("cuda:-1", ValueError),
+                                           ("nodevice", ValueError), (3.5, TypeError)])
+def test_empty_cache_rejects_bad_devices_naming_itself(device, error):
+    with pytest.raises(error) as info:
+        mmdispatch.empty_cache(device)
+    if isinstance(device, str) and ":" in device:
+        assert str(info.value) == f"empty_cache: bad device {device!r}"
+
+
+def test_cuda_empty_cache_after_calls_with_scratch_leaves_later_calls_working(cupy):
+    """nms keeps its mask in the scratch pool across the synchronisation
+    that reads its count; empty_cache releases it, and the next nms maps
+    scratch again and keeps the same boxes."""
+    rng = np.random.default_rng(5)
+    corners = rng.uniform(0, 100, (3000, 2)).astype(np.float32)
+    boxes = cupy.asarray(np.concatenate([corners, corners + 20], axis=1))
+    scores = cupy.asarray(rng.random(3000, dtype=np.float32))
+    first = mmdispatch.ops.nms(boxes, scores, 0.5)
+    mmdispatch.synchronize("cuda")
+    assert mmdispatch.empty_cache("cuda") is None
+    assert mmdispatch.empty_cache("cuda:0") is None
+    cupy.testing.assert_array_equal(mmdispatch.ops.nms(boxes, scores, 0.5), first)
+
+
 def test_plain_numpy_intake_and_general_intake_agree_on_overlaps():
     """The inline intake of plain numpy calls must accept exactly what the
     general path accepts: random slices of one buffer, empty ones included,

@@ -6,9 +6,19 @@
  * Also each device's deferred-error state (mmdispatch/deferred.h): an error
  * word in device memory, which kernels fold the keys of bad items into,
  * and a flag in mapped host memory, which they set, so that every call can
- * test for a pending error with one host load and no synchronisation. */
+ * test for a pending error with one host load and no synchronisation.
+ *
+ * And each device's scratch pool (scratch_pool): the temporary memory of
+ * the kernels (nms masks, deform_conv2d columns, sort scratch) comes from
+ * a stream-ordered pool of mmdispatch's own that keeps up to
+ * kScratchKeepBytes of freed memory across synchronisations, so a call
+ * after a synchronisation reuses it instead of mapping it again (CUDA's
+ * default pool keeps nothing: its release threshold is 0). It holds no
+ * memory before the first call that needs scratch; mmd_cuda_empty_cache
+ * (mmdispatch.empty_cache) returns what it keeps. */
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <mutex>
 
@@ -139,12 +149,60 @@ int take_pending(int device, cudaStream_t stream, const char *raised_by) {
     return mmd_deferred_raise(key, name, raised_by);
 }
 
+namespace {
+
+struct Scratch {
+    std::once_flag once;
+    std::atomic<cudaMemPool_t> pool{nullptr};
+};
+
+Scratch g_scratch[kMaxDevices];
+
+/* A pool of device memory that keeps kScratchKeepBytes across
+ * synchronisations, or null where the device has no memory pools. */
+cudaMemPool_t create_scratch_pool(int device) {
+    int supported = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device);
+    cudaMemPool_t pool = nullptr;
+    if (err == cudaSuccess && supported) {
+        cudaMemPoolProps props;
+        memset(&props, 0, sizeof props);
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = device;
+        err = cudaMemPoolCreate(&pool, &props);
+        if (err == cudaSuccess) {
+            unsigned long long keep = kScratchKeepBytes;
+            err = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+            if (err != cudaSuccess) {   /* a pool that keeps nothing gains nothing */
+                cudaMemPoolDestroy(pool);
+                pool = nullptr;
+            }
+        } else {
+            pool = nullptr;
+        }
+    }
+    cudaGetLastError();   /* a device without pools is not an error of the call */
+    return pool;
+}
+
+}  // namespace
+
+cudaMemPool_t scratch_pool(int device) {
+    if ((unsigned)device >= (unsigned)kMaxDevices) return nullptr;
+    Scratch &s = g_scratch[device];
+    std::call_once(s.once, [&] { s.pool.store(create_scratch_pool(device)); });
+    return s.pool.load(std::memory_order_relaxed);
+}
+
 }  // namespace mmd_cuda
 
-/* mmdispatch.synchronize() on CUDA: waits for every kernel queued on
- * `device_id` (every device mmdispatch has run on, when negative), then
- * raises the deferred error any of them left. */
-extern "C" int mmd_cuda_synchronize(int device_id) {
+namespace {
+
+/* Runs f(d) with device d current and synchronised, for `device_id`, or,
+ * when negative, for every device `wanted(d)` names; the first failure's
+ * status. */
+template <typename Wanted, typename F> int on_each_device(int device_id, Wanted wanted, F f) {
     using namespace mmd_cuda;
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
@@ -156,15 +214,45 @@ extern "C" int mmd_cuda_synchronize(int device_id) {
         return mmd_error(MMD_ERR_VALUE, "cuda:%d does not exist: this machine has %d CUDA "
                          "device(s)", device_id, count);
     for (int d = device_id < 0 ? 0 : device_id; d < (device_id < 0 ? count : device_id + 1); ++d) {
-        if (device_id < 0 && (d >= kMaxDevices || !g_device_used[d].load())) continue;
+        if (device_id < 0 && !wanted(d)) continue;
         DeviceGuard guard(d);
         if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
         err = cudaDeviceSynchronize();
         if (err != cudaSuccess) return cuda_error(err, "cudaDeviceSynchronize");
-        if (d < kMaxDevices && g_error_flags[d].load() != nullptr) {
-            const int s = take_pending(d, 0, nullptr);
-            if (s) return s;
-        }
+        const int s = f(d);
+        if (s) return s;
     }
     return MMD_OK;
+}
+
+}  // namespace
+
+/* mmdispatch.empty_cache() on CUDA: waits for `device_id` (every device
+ * mmdispatch has made a scratch pool on, when negative), so that every
+ * stream-ordered free has happened, then returns the memory its scratch
+ * pool keeps to the driver. */
+extern "C" int mmd_cuda_empty_cache(int device_id) {
+    using namespace mmd_cuda;
+    auto pool_of = [](int d) {
+        return d < kMaxDevices ? g_scratch[d].pool.load() : (cudaMemPool_t) nullptr;
+    };
+    return on_each_device(device_id, [&](int d) { return pool_of(d) != nullptr; }, [&](int d) {
+        const cudaMemPool_t pool = pool_of(d);
+        const cudaError_t err = pool ? cudaMemPoolTrimTo(pool, 0) : cudaSuccess;
+        return err == cudaSuccess ? MMD_OK : cuda_error(err, "releasing the scratch pool");
+    });
+}
+
+/* mmdispatch.synchronize() on CUDA: waits for every kernel queued on
+ * `device_id` (every device mmdispatch has run on, when negative), then
+ * raises the deferred error any of them left. */
+extern "C" int mmd_cuda_synchronize(int device_id) {
+    using namespace mmd_cuda;
+    return on_each_device(
+        device_id, [](int d) { return d < kMaxDevices && g_device_used[d].load(); },
+        [](int d) {
+            if (d < kMaxDevices && g_error_flags[d].load() != nullptr)
+                return take_pending(d, 0, nullptr);
+            return (int)MMD_OK;
+        });
 }

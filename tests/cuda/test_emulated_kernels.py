@@ -358,6 +358,38 @@ def test_nms_over_many_64_box_blocks_keeps_what_the_cpu_keeps(emu, n, threshold,
     np.testing.assert_array_equal(run(on_gpu), expected)
 
 
+def test_scratch_memory_is_kept_across_synchronisations_until_empty_cache(emu):
+    """The kernels' scratch (here nms's sort buffers and mask) comes from
+    mmdispatch's own pool, which keeps what was freed when the device is
+    synchronised (CUDA's default pool would return it to the driver, and
+    the next call would map it again): a second call after a
+    synchronisation maps nothing new. empty_cache releases it all."""
+    n = 300
+    rng = np.random.default_rng(1)
+    corners = rng.uniform(0, 150, (n, 2))
+    boxes = np.concatenate([corners, corners + rng.uniform(4, 80, (n, 2))], axis=1)
+    scores = rng.random(n)
+
+    def run():
+        keep, count = np.zeros(n, np.int64), np.zeros(1, np.int64)
+        mmdispatch.nms_impl(*on_gpu([boxes, scores, None, keep, count]), 0.5, 0)
+        assert emu.synchronize() == (0, "")
+        return keep[:count[0]]
+
+    live = emu.counters()["live_allocations"]
+    expected = run()
+    after_first = emu.counters()
+    assert after_first["pool_kept_bytes"] >= n * 8 * ((n + 63) // 64)   # the mask at least
+    np.testing.assert_array_equal(run(), expected)
+    after_second = emu.counters()
+    assert after_second["pool_maps"] == after_first["pool_maps"]
+    assert after_second["live_allocations"] == live
+    assert emu.empty_cache() == 0
+    assert emu.counters()["pool_kept_bytes"] == 0
+    np.testing.assert_array_equal(run(), expected)
+    assert emu.counters()["pool_maps"] > after_second["pool_maps"]
+
+
 @pytest.mark.parametrize("method", [0, 1, 2])
 @pytest.mark.parametrize("classes", [1, 7])
 def test_soft_nms_over_more_boxes_than_the_block_has_threads_equals_the_cpu(emu, classes,

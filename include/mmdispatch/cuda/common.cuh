@@ -145,6 +145,27 @@ int error_sink(int device, uint32_t seq, ErrorSink *sink);
  * point whose call found it pending, or null for synchronize. */
 int take_pending(int device, cudaStream_t stream, const char *raised_by);
 
+/* Scratch memory (src/cuda/device.cu): each device's own stream-ordered
+ * pool, which keeps up to kScratchKeepBytes of freed memory across
+ * synchronisations (CUDA's default pool returns all of it to the driver at
+ * every synchronisation, so the next call maps its scratch again), or null
+ * where the device has no memory pools (then cudaMallocAsync's default
+ * pool). The current device must be `device`. */
+constexpr unsigned long long kScratchKeepBytes = 256ull << 20;
+cudaMemPool_t scratch_pool(int device);
+
+/* Allocates `bytes` (at least 1) of scratch on the current device, in
+ * stream order; freed with cudaFreeAsync. */
+inline cudaError_t scratch_allocate(void **ptr, size_t bytes, cudaStream_t stream) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const cudaMemPool_t pool = scratch_pool(device);
+    if (bytes == 0) bytes = 1;
+    return pool ? cudaMallocFromPoolAsync(ptr, bytes, pool, stream)
+                : cudaMallocAsync(ptr, bytes, stream);
+}
+
 /* The per-call test for a pending deferred error: one load of a host flag. */
 inline int raise_pending(int device, cudaStream_t stream, const char *raised_by) {
     if ((unsigned)device >= (unsigned)kMaxDevices) return MMD_OK;
@@ -210,7 +231,7 @@ template <typename T> __device__ inline T from_compute(double v) { return v; }
 template <typename Launch, typename OnError>
 int check_on_device(cudaStream_t stream, const char *what, Launch launch, OnError on_error) {
     unsigned long long *word = nullptr, result = MMD_DEFERRED_NONE;
-    cudaError_t err = cudaMallocAsync((void **)&word, 2 * sizeof *word, stream);
+    cudaError_t err = scratch_allocate((void **)&word, 2 * sizeof *word, stream);
     if (err != cudaSuccess) return cuda_error(err, what);
     err = cudaMemsetAsync(word, 0xff, sizeof *word, stream);
     if (err == cudaSuccess) {
@@ -229,7 +250,8 @@ int check_on_device(cudaStream_t stream, const char *what, Launch launch, OnErro
                     (int)(result & 0xff));
 }
 
-/* Temporary device memory, allocated and freed in stream order. */
+/* Temporary device memory, allocated (scratch_allocate) and freed in
+ * stream order. */
 class StreamBuffer {
   public:
     explicit StreamBuffer(cudaStream_t stream) : stream_(stream) {}
@@ -238,9 +260,7 @@ class StreamBuffer {
     }
     StreamBuffer(const StreamBuffer &) = delete;
     StreamBuffer &operator=(const StreamBuffer &) = delete;
-    cudaError_t allocate(size_t bytes) {
-        return cudaMallocAsync(&ptr_, bytes ? bytes : 1, stream_);
-    }
+    cudaError_t allocate(size_t bytes) { return scratch_allocate(&ptr_, bytes, stream_); }
     template <typename T> T *as() const { return static_cast<T *>(ptr_); }
 
   private:

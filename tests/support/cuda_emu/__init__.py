@@ -218,6 +218,9 @@ class Emulator:
                 ("mmd_emu_launches", ctypes.c_longlong, []),
                 ("mmd_emu_host_waits", ctypes.c_longlong, []),
                 ("mmd_emu_live_allocations", ctypes.c_longlong, []),
+                ("mmd_emu_pool_maps", ctypes.c_longlong, []),
+                ("mmd_emu_pool_kept_bytes", ctypes.c_longlong, []),
+                ("mmd_cuda_empty_cache", ctypes.c_int, [ctypes.c_int]),
                 ("mmd_last_error", ctypes.c_char_p, []),
                 ("mmd_emu_clear_error", None, []),
                 ("mmd_cuda_synchronize", ctypes.c_int, [ctypes.c_int])]:
@@ -244,10 +247,20 @@ class Emulator:
         status = self.lib.mmd_cuda_synchronize(-1)
         return status, self.last_error() if status else ""
 
+    def empty_cache(self):
+        """mmdispatch.empty_cache("cuda") for the emulated kernels: its
+        status (0 on success)."""
+        return self.lib.mmd_cuda_empty_cache(-1)
+
     def counters(self):
+        """launches, host waits, live device allocations, scratch-pool
+        allocations that found no freed block to reuse (pool_maps) and the
+        freed bytes the pools keep (pool_kept_bytes)."""
         return {"launches": self.lib.mmd_emu_launches(),
                 "host_waits": self.lib.mmd_emu_host_waits(),
-                "live_allocations": self.lib.mmd_emu_live_allocations()}
+                "live_allocations": self.lib.mmd_emu_live_allocations(),
+                "pool_maps": self.lib.mmd_emu_pool_maps(),
+                "pool_kept_bytes": self.lib.mmd_emu_pool_kept_bytes()}
 
     @contextlib.contextmanager
     def active(self):

@@ -7,12 +7,32 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "cuda_runtime.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+/* a pool's freed blocks are poisoned, so that a kernel using scratch after
+ * its free is still caught although the memory stays allocated */
+#define MMD_EMU_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define MMD_EMU_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define MMD_EMU_POISON(p, n) ((void)(p), (void)(n))
+#define MMD_EMU_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+/* A stream-ordered memory pool: the blocks freed into it, kept for reuse
+ * until a synchronisation trims them to the release threshold. */
+struct mmd_emu_pool {
+    size_t threshold = 0;
+    std::multimap<size_t, void *> free_blocks;   /* size -> block */
+    size_t free_bytes = 0;
+};
 
 namespace mmd_emu {
 
@@ -53,6 +73,30 @@ thread_local int t_device = 0;
 long long g_launches = 0, g_host_waits = 0;
 std::mutex g_memory_lock;
 std::set<void *> g_allocations;
+/* pool allocations in use: block -> (pool, size); and every pool */
+std::map<void *, std::pair<mmd_emu_pool *, size_t>> g_pool_blocks;
+std::set<mmd_emu_pool *> g_pools;
+/* pool allocations that found no freed block to reuse (on a GPU: memory
+ * the pool had to map) */
+long long g_pool_maps = 0;
+
+/* Releases a pool's freed blocks until it keeps at most `keep` bytes
+ * (g_memory_lock held). */
+void trim_pool(mmd_emu_pool *pool, size_t keep) {
+    while (pool->free_bytes > keep && !pool->free_blocks.empty()) {
+        auto largest = std::prev(pool->free_blocks.end());
+        MMD_EMU_UNPOISON(largest->second, largest->first);
+        free(largest->second);
+        pool->free_bytes -= largest->first;
+        pool->free_blocks.erase(largest);
+    }
+}
+
+/* A synchronisation: every pool keeps at most its release threshold. */
+void trim_pools_at_synchronisation() {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    for (mmd_emu_pool *pool : g_pools) trim_pool(pool, pool->threshold);
+}
 
 void fiber_main() {
     (*g_body)();
@@ -317,6 +361,7 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = MMD_EMU_SHARED_PER_BLOCK; break;
     case cudaDevAttrMultiProcessorCount: *value = 132; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = MMD_EMU_SHARED_OPTIN; break;
+    case cudaDevAttrMemoryPoolsSupported: *value = 1; break;
     default: return cudaErrorInvalidValue;
     }
     return cudaSuccess;
@@ -325,11 +370,13 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
 /* Launches finish before they return: waiting is only counted. */
 cudaError_t cudaDeviceSynchronize(void) {
     ++g_host_waits;
+    trim_pools_at_synchronisation();
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t) {
     ++g_host_waits;
+    trim_pools_at_synchronisation();
     return cudaSuccess;
 }
 
@@ -348,12 +395,86 @@ cudaError_t cudaFree(void *ptr) {
     {
         std::lock_guard<std::mutex> lock(g_memory_lock);
         if (g_allocations.erase(ptr) == 0) return t_last_error = cudaErrorInvalidValue;
+        auto block = g_pool_blocks.find(ptr);
+        if (block != g_pool_blocks.end()) {   /* back to its pool */
+            mmd_emu_pool *pool = block->second.first;
+            const size_t size = block->second.second;
+            g_pool_blocks.erase(block);
+            MMD_EMU_POISON(ptr, size);
+            pool->free_blocks.emplace(size, ptr);
+            pool->free_bytes += size;
+            return cudaSuccess;
+        }
     }
     free(ptr);
     return cudaSuccess;
 }
 
 cudaError_t cudaFreeAsync(void *ptr, cudaStream_t) { return cudaFree(ptr); }
+
+cudaError_t cudaMemPoolCreate(cudaMemPool_t *pool, const cudaMemPoolProps *props) {
+    if (props->allocType != cudaMemAllocationTypePinned ||
+        props->location.type != cudaMemLocationTypeDevice || props->location.id != 0)
+        return t_last_error = cudaErrorInvalidValue;
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    *pool = new mmd_emu_pool;
+    g_pools.insert(*pool);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool) {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    if (g_pools.erase(pool) == 0) return t_last_error = cudaErrorInvalidValue;
+    trim_pool(pool, 0);
+    delete pool;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value) {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    if (g_pools.count(pool) == 0 || attr != cudaMemPoolAttrReleaseThreshold)
+        return t_last_error = cudaErrorInvalidValue;
+    pool->threshold = (size_t)*(unsigned long long *)value;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep) {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    if (g_pools.count(pool) == 0) return t_last_error = cudaErrorInvalidValue;
+    trim_pool(pool, min_bytes_to_keep);
+    return cudaSuccess;
+}
+
+/* A freed block of the pool at least `size` bytes and at most twice that,
+ * else new memory (counted); filled with 0xff either way, so that a kernel
+ * reading scratch it has not written reads NaN-like bytes. */
+cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool, cudaStream_t) {
+    const size_t rounded = ((size ? size : 1) + 255) / 256 * 256;
+    {
+        std::lock_guard<std::mutex> lock(g_memory_lock);
+        if (g_pools.count(pool) == 0) return t_last_error = cudaErrorInvalidValue;
+        auto fit = pool->free_blocks.lower_bound(rounded);
+        if (fit != pool->free_blocks.end() && fit->first <= 2 * rounded) {
+            *ptr = fit->second;
+            const size_t block = fit->first;
+            pool->free_bytes -= block;
+            pool->free_blocks.erase(fit);
+            MMD_EMU_UNPOISON(*ptr, block);
+            g_pool_blocks[*ptr] = {pool, block};
+            g_allocations.insert(*ptr);
+            memset(*ptr, 0xff, block);
+            return cudaSuccess;
+        }
+    }
+    *ptr = aligned_alloc(256, rounded);
+    if (!*ptr) return t_last_error = cudaErrorMemoryAllocation;
+    memset(*ptr, 0xff, rounded);
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    ++g_pool_maps;
+    g_pool_blocks[*ptr] = {pool, rounded};
+    g_allocations.insert(*ptr);
+    return cudaSuccess;
+}
 
 cudaError_t cudaHostAlloc(void **ptr, size_t size, unsigned) {
     *ptr = calloc(1, size ? size : 1);
@@ -422,6 +543,16 @@ void *mmd_emu_kernel_fn(int i) { return g_recorded[i].fn; }
 
 long long mmd_emu_launches(void) { return g_launches; }
 long long mmd_emu_host_waits(void) { return g_host_waits; }
+long long mmd_emu_pool_maps(void) {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    return g_pool_maps;
+}
+long long mmd_emu_pool_kept_bytes(void) {
+    std::lock_guard<std::mutex> lock(g_memory_lock);
+    long long kept = 0;
+    for (mmd_emu_pool *pool : g_pools) kept += (long long)pool->free_bytes;
+    return kept;
+}
 long long mmd_emu_live_allocations(void) {
     std::lock_guard<std::mutex> lock(g_memory_lock);
     return (long long)g_allocations.size();

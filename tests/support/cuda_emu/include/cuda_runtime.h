@@ -69,8 +69,32 @@ enum cudaDeviceAttr {
     cudaDevAttrMaxThreadsPerBlock = 1,
     cudaDevAttrMaxSharedMemoryPerBlock = 8,
     cudaDevAttrMultiProcessorCount = 16,
-    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+    cudaDevAttrMemoryPoolsSupported = 115
 };
+
+/* Stream-ordered memory pools (runtime.cpp models what the kernels rely
+ * on: freed blocks kept for reuse, trimmed to the release threshold at
+ * every synchronisation, as CUDA does) */
+struct mmd_emu_pool;
+typedef mmd_emu_pool *cudaMemPool_t;
+enum cudaMemAllocationType { cudaMemAllocationTypeInvalid = 0, cudaMemAllocationTypePinned = 1 };
+enum cudaMemAllocationHandleType { cudaMemHandleTypeNone = 0 };
+enum cudaMemLocationType { cudaMemLocationTypeInvalid = 0, cudaMemLocationTypeDevice = 1 };
+struct cudaMemLocation {
+    cudaMemLocationType type;
+    int id;
+};
+struct cudaMemPoolProps {
+    cudaMemAllocationType allocType;
+    cudaMemAllocationHandleType handleTypes;
+    cudaMemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+};
+enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4 };
 
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
@@ -262,6 +286,12 @@ cudaError_t cudaMalloc(void **ptr, size_t size);
 cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream);
 cudaError_t cudaFree(void *ptr);
 cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream);
+cudaError_t cudaMemPoolCreate(cudaMemPool_t *pool, const cudaMemPoolProps *props);
+cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool);
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep);
+cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool,
+                                    cudaStream_t stream);
 cudaError_t cudaHostAlloc(void **ptr, size_t size, unsigned flags);
 cudaError_t cudaFreeHost(void *ptr);
 cudaError_t cudaHostGetDevicePointer(void **device, void *host, unsigned flags);
