@@ -8,9 +8,11 @@
  *      mask[i][b] says box i (in sorted order) suppresses box 64 * b + j,
  *      computed for all pairs in parallel;
  *   4. one block walks the 64-box blocks in order: a warp resolves the block
- *      with register shuffles (a step per kept box), then all threads fold
- *      the kept boxes' masks into the later blocks' `removed` words, the
- *      loads of a (column, kept box) pair each spread over the threads.
+ *      with register shuffles (a step per kept box) and loads the next
+ *      block's rows, then all threads fold the kept boxes' masks into the
+ *      later blocks' `removed` words (in shared memory up to 393,216
+ *      boxes), the loads of a (column, kept box) pair each spread over the
+ *      threads.
  * Memory: n * ceil(n / 64) * 8 bytes of mask. */
 #ifndef MMDISPATCH_CUDA_NMS_CUH
 #define MMDISPATCH_CUDA_NMS_CUH
@@ -50,26 +52,50 @@ __global__ void gather_kernel(const T *boxes, const int64_t *idxs, const int64_t
     }
 }
 
+/* Whether step 4 keeps the `removed` words in shared memory (no opt-in
+ * needed up to 48 KB: 393,216 boxes), else in global memory. The CUDA
+ * emulator's build lowers the limit, so that its tests take both ways. */
+#ifndef MMD_CUDA_NMS_SHARED_WORDS
+#define MMD_CUDA_NMS_SHARED_WORDS 6144
+#endif
+__host__ __device__ inline bool removed_in_shared(int64_t col_blocks) {
+    return col_blocks <= MMD_CUDA_NMS_SHARED_WORDS;
+}
+
+/* Step 4. `removed`: col_blocks zeroed words of global memory, used only
+ * where they do not fit in shared memory (removed_in_shared). */
 static __global__ void reduce_kernel(const unsigned long long *mask, const int64_t *order,
                                      int64_t n, int64_t col_blocks,
-                                     unsigned long long *removed, int64_t *keep,
+                                     unsigned long long *removed_global, int64_t *keep,
                                      int64_t *num_kept) {
+    extern __shared__ unsigned long long removed_shared[];
     __shared__ int64_t kept_rows[kBlockBoxes];   /* this block's kept boxes, in order */
     __shared__ int kept_count;
+    const bool in_shared = removed_in_shared(col_blocks);
+    unsigned long long *removed = in_shared ? removed_shared : removed_global;
+    if (in_shared)
+        for (int64_t c = threadIdx.x; c < col_blocks; c += blockDim.x) removed_shared[c] = 0;
     const unsigned lane = threadIdx.x % 32;
+    /* lane l of warp 0 holds the in-block masks of rows l and l + 32 of
+     * the block it resolves; the next block's are loaded while this one's
+     * kept boxes are folded (they do not depend on the fold) */
+    unsigned long long row_lo = 0, row_hi = 0;
+    auto load_rows = [&](int64_t b) {
+        const int64_t start = b * kBlockBoxes;
+        const int size = (int)min((int64_t)kBlockBoxes, n - start);
+        row_lo = lane < size ? mask[(start + lane) * col_blocks + b] : 0;
+        row_hi = lane + 32 < size ? mask[(start + lane + 32) * col_blocks + b] : 0;
+    };
+    if (threadIdx.x < 32) load_rows(0);
+    __syncthreads();
     int64_t count = 0;
     for (int64_t b = 0; b < col_blocks; ++b) {
         const int64_t start = b * kBlockBoxes;
         const int size = (int)min((int64_t)kBlockBoxes, n - start);
         if (threadIdx.x < 32) {
-            /* lane l holds the in-block masks of rows l and l + 32; every
-             * lane runs the same steps, one per kept box: the first box not
-             * yet removed is kept and removes what its row says (bits past
-             * the block's end count as removed) */
-            const unsigned long long row_lo =
-                lane < size ? mask[(start + lane) * col_blocks + b] : 0;
-            const unsigned long long row_hi =
-                lane + 32 < size ? mask[(start + lane + 32) * col_blocks + b] : 0;
+            /* every lane runs the same steps, one per kept box: the first
+             * box not yet removed is kept and removes what its row says
+             * (bits past the block's end count as removed) */
             unsigned long long word = removed[b] | (size < 64 ? ~0ull << size : 0ull), kept = 0;
             while (~word) {
                 const int t = __ffsll((long long)~word) - 1;
@@ -85,6 +111,7 @@ static __global__ void reduce_kernel(const unsigned long long *mask, const int64
                     kept_rows[rank] = start + t;
                 }
             if (lane == 0) kept_count = __popcll(kept);
+            if (b + 1 < col_blocks) load_rows(b + 1);
         }
         __syncthreads();
         /* the kept boxes' masks folded into the later blocks' `removed`
@@ -164,7 +191,9 @@ int nms_pipeline(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_te
     if (!s) s = allocate(classes, n * sizeof(int64_t), "sorted classes", n);
     if (!s) s = allocate(mask, (size_t)n * col_blocks * sizeof(unsigned long long),
                          "suppression mask", n);
-    if (!s) s = allocate(removed, col_blocks * sizeof(unsigned long long), "suppression mask", n);
+    const bool shared_words = removed_in_shared(col_blocks);
+    if (!s && !shared_words)
+        s = allocate(removed, col_blocks * sizeof(unsigned long long), "suppression mask", n);
     if (s) return s;
 
     keys_kernel<T, K><<<blocks_for(n), kThreads, 0, stream>>>(
@@ -183,9 +212,13 @@ int nms_pipeline(const mmd_tensor *boxes, const mmd_tensor *scores, const mmd_te
         order.as<int64_t>(), n, sorted.as<A>(), classes.as<int64_t>());
     launch_mask(sorted.as<A>(), classes.as<int64_t>(), n, col_blocks,
                 mask.as<unsigned long long>());
-    err = cudaMemsetAsync(removed.as<void>(), 0, col_blocks * sizeof(unsigned long long), stream);
-    if (err != cudaSuccess) return cuda_error(err, what);
-    reduce_kernel<<<1, kReduceThreads, 0, stream>>>(
+    if (!shared_words) {
+        err = cudaMemsetAsync(removed.as<void>(), 0, col_blocks * sizeof(unsigned long long),
+                              stream);
+        if (err != cudaSuccess) return cuda_error(err, what);
+    }
+    reduce_kernel<<<1, kReduceThreads,
+                    shared_words ? col_blocks * sizeof(unsigned long long) : 0, stream>>>(
         mask.as<unsigned long long>(), order.as<int64_t>(), n, col_blocks,
         removed.as<unsigned long long>(), (int64_t *)keep->data, count_out);
     return launch_status(what);

@@ -47,9 +47,11 @@ SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-po
 # MMD_CUDA_MAX_GRID_Y (mmdispatch/cuda/common.cuh): kernels that loop over
 # the rows their grid's height does not cover run those loops on small
 # inputs; MMD_CUDA_BAND_BYTES (roi_align.cu): the deterministic backward
-# splits small maps into bands of rows, a partial one last
+# splits small maps into bands of rows, a partial one last;
+# MMD_CUDA_NMS_SHARED_WORDS (nms.cuh): nms over more than 512 boxes keeps
+# its reduction's words in global memory, fewer in shared memory
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_MAX_GRID_Y=2",
-            "-DMMD_CUDA_BAND_BYTES=600", *SANITIZE]
+            "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8", *SANITIZE]
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
 _LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
