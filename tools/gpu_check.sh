@@ -9,7 +9,8 @@
 #   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
 #   tools/gpu_check.sh profile    build, then ncu's per-kernel summary (throughput,
 #                                 warp stalls) of the bench's roi_align, roi_pool,
-#                                 deform_conv2d and msda forward+backward workloads,
+#                                 deform_conv2d, msda forward+backward and nms (2,000
+#                                 boxes) workloads,
 #                                 ours beside torchvision's, and where a tiny CuPy
 #                                 call's host time goes (tools/gpu_profile.py)
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
@@ -90,7 +91,7 @@ profile|all)
     timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats \
         --print-summary per-kernel "$py" "$repo/tools/gpu_profile.py" \
         "roi_align sampling_ratio=2" "roi_pool" "deform_conv2d" \
-        "multi_scale_deformable_attn forward+backward" > "$out/profile.txt" 2>&1
+        "multi_scale_deformable_attn forward+backward" "nms 2000 boxes" > "$out/profile.txt" 2>&1
     echo "profile exit $? ($(( $(date +%s) - began )) s in)"
     timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" --host > "$out/host.txt" 2>&1
     echo "host profile exit $?"; grep "gpu_profile:" "$out/host.txt"

@@ -16,7 +16,13 @@ instead breaks the host cost of the bench's tiny CuPy ops.roi_align call
 down: the call beside the entry point with preallocated outputs, a
 cupy.empty, and the array's __cuda_array_interface__, each the bench's
 median per call (host time: kernels are queued, not waited for), then
-cProfile's top functions over many calls."""
+cProfile's top functions over many calls. Then what keeping scratch
+across synchronisations saves: the bench's nms and deform_conv2d
+workloads (each synchronised) as they run, beside the same followed by
+mmdispatch.empty_cache("cuda"), which returns the scratch to the driver
+as CUDA's default pool did at every synchronisation before mmdispatch
+had its own pool (the cost of empty_cache itself after a synchronisation
+is printed too, to subtract)."""
 import cProfile
 import pstats
 import sys
@@ -53,6 +59,32 @@ def host():
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
+def scratch():
+    import mmdispatch
+
+    tv = bench.torchvision_ops()
+    theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
+
+    def sync():
+        cupy.cuda.Device().synchronize()
+
+    def released(fn):
+        def run():
+            fn()
+            mmdispatch.empty_cache("cuda")
+        return run
+
+    cases = [*bench.device_cases(bench.STANDARD, cupy.asarray, sync, theirs_device, tv),
+             *bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync, theirs_device, tv)]
+    for name, ours, _, _ in cases:
+        if name.startswith(("nms", "deform_conv2d")):
+            kept, freed = bench.median_time(ours, 9), bench.median_time(released(ours), 9)
+            print(f"gpu_profile: {name}: {kept * 1e6:.1f} us with scratch kept, "
+                  f"{freed * 1e6:.1f} us with it released after each call", flush=True)
+    alone = bench.median_call(released(sync), 5, 2000)
+    print(f"gpu_profile: synchronize + empty_cache alone: {alone * 1e6:.2f} us", flush=True)
+
+
 def main(wanted):
     tv = bench.torchvision_ops()
     theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
@@ -73,4 +105,8 @@ def main(wanted):
 
 
 if __name__ == "__main__":
-    host() if sys.argv[1:] == ["--host"] else main(sys.argv[1:])
+    if sys.argv[1:] == ["--host"]:
+        host()
+        scratch()
+    else:
+        main(sys.argv[1:])
