@@ -10,9 +10,10 @@
 #   tools/gpu_check.sh profile    build, then ncu's per-kernel summary (throughput,
 #                                 warp stalls) of the bench's roi_align, roi_pool,
 #                                 deform_conv2d, msda forward+backward and nms (2,000
-#                                 boxes) workloads,
-#                                 ours beside torchvision's, and where a tiny CuPy
-#                                 call's host time goes (tools/gpu_profile.py)
+#                                 boxes) workloads, ours beside torchvision's; then
+#                                 where a tiny CuPy call's host time goes, what the
+#                                 scratch pool saves (tools/gpu_profile.py --host) and
+#                                 deform_conv2d with and without cuBLAS (--products)
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
 #                                 call of at most 10): build once, the suite, the
 #                                 bench's GPU rows only (--gpu-only), the profile,
@@ -95,6 +96,12 @@ profile|all)
     echo "profile exit $? ($(( $(date +%s) - began )) s in)"
     timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" --host > "$out/host.txt" 2>&1
     echo "host profile exit $?"; grep "gpu_profile:" "$out/host.txt"
+    # deform_conv2d's products through cuBLAS (loaded by torch) and through our own tiles
+    for cublas in default none; do
+        MMDISPATCH_CUBLAS=$cublas timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" \
+            --products > "$out/products-$cublas.txt" 2>&1
+        echo "products ($cublas) exit $?"; grep "gpu_profile:" "$out/products-$cublas.txt"
+    done
     ;;&
 sanitize|all)
     # memcheck: every CUDA test of the ops and of deferred errors (bad data

@@ -22,7 +22,14 @@ workloads (each synchronised) as they run, beside the same followed by
 mmdispatch.empty_cache("cuda"), which returns the scratch to the driver
 as CUDA's default pool did at every synchronisation before mmdispatch
 had its own pool (the cost of empty_cache itself after a synchronisation
-is printed too, to subtract)."""
+is printed too, to subtract).
+
+    python tools/gpu_profile.py --products
+
+times the bench's deform_conv2d workloads, ours beside torchvision's, and
+says whether the process has cuBLAS for our products: run it once as it
+is and once with MMDISPATCH_CUBLAS=none to compare cuBLAS's products with
+our own tiles on one machine."""
 import cProfile
 import pstats
 import sys
@@ -85,6 +92,28 @@ def scratch():
     print(f"gpu_profile: synchronize + empty_cache alone: {alone * 1e6:.2f} us", flush=True)
 
 
+def products():
+    import ctypes
+
+    tv = bench.torchvision_ops()
+    theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
+
+    def sync():
+        cupy.cuda.Device().synchronize()
+
+    try:
+        ctypes.CDLL(None).cublasSgemm_v2
+        has = "the process has cuBLAS"
+    except AttributeError:
+        has = "the process has no cuBLAS exported globally"
+    for name, ours, theirs, _ in bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync,
+                                                    theirs_device, tv):
+        mine = bench.median_time(ours, 9)
+        other = bench.median_time(theirs, 9) if theirs is not None else float("nan")
+        print(f"gpu_profile: {name} ({has}): {mine * 1e3:.3f} ms, torchvision "
+              f"{other * 1e3:.3f} ms", flush=True)
+
+
 def main(wanted):
     tv = bench.torchvision_ops()
     theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
@@ -108,5 +137,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--host"]:
         host()
         scratch()
+    elif sys.argv[1:] == ["--products"]:
+        products()
     else:
         main(sys.argv[1:])

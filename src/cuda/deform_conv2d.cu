@@ -1,8 +1,12 @@
 /* deform_conv2d on CUDA (torchvision semantics, sampling math shared with
  * the CPU kernels through mmdispatch/ops/deform_conv2d.h): deformable
- * im2col + register-tiled matrix products (k split in slices where the
- * product has few tiles), per image and per chunk of output pixels whose
- * column buffer holds at most kColumnBudget values.
+ * im2col + matrix products, per image and per chunk of output pixels whose
+ * column buffer holds at most kColumnBudget values. The products of float
+ * and double operands go to the process's cuBLAS where one is loaded
+ * (mmdispatch/cuda/cublas.cuh: torch's, for torch users), as torchvision's
+ * do; the others, and all of the deterministic backend's, to
+ * register-tiled products of our own (k split in slices where the product
+ * has few tiles).
  *
  * Forward: a thread per (channel, pixel) writes its taps' column values,
  * then per weight group one product with the weight, the bias added as it
@@ -13,7 +17,8 @@
  * grad_input gets the columns' gradient at each sample's four cells, with
  * atomics (`default`) or a warp per input channel adding its samples 32 at
  * a time, summed in lane order (`deterministic`: the same bits on every
- * run). Every product and sum other than the atomic one has a fixed order.
+ * run). In the deterministic backend every product and sum has a fixed
+ * order.
  *
  * float16 and bfloat16 compute in float32: the columns, grad_weight,
  * grad_bias and grad_input are summed in float32 buffers and written once.
@@ -22,6 +27,7 @@
 #include <type_traits>
 
 #include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/cuda/cublas.cuh"
 #include "mmdispatch/ops/deform_conv2d.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -266,9 +272,43 @@ int gemm_in(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, Vi
     return MMD_OK;
 }
 
+/* c[i * ldc + j] = bias[i] for the m x n product's elements. */
+template <typename E>
+__global__ void fill_rows_kernel(E *c, int64_t ldc, int64_t m, int64_t n, const E *bias) {
+    MMD_GRID_STRIDE_LOOP(e, m * n) c[(e / n) * ldc + e % n] = bias[e / n];
+}
+
+/* The product (gemm_in's contract) through the process's cuBLAS
+ * (mmdispatch/cuda/cublas.cuh), where it has one and the operands are all
+ * of the compute type: the bias first written into c, then added to by
+ * the product. False, with c unwritten or to be overwritten (beta 0),
+ * where it did not. */
+template <typename Acc, typename EA, typename EB, typename EC>
+bool library_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b,
+                  EC *c, int64_t ldc, Acc beta, const EC *bias) {
+    if constexpr (std::is_same<EA, Acc>::value && std::is_same<EB, Acc>::value &&
+                  std::is_same<EC, Acc>::value) {
+        if (bias != nullptr && beta != 0) return false;
+        if (bias != nullptr && m > 0 && n > 0 && k > 0) {
+            fill_rows_kernel<<<blocks_for(m * n), kThreads, 0, stream>>>(c, ldc, m, n, bias);
+            if (cudaGetLastError() != cudaSuccess) return false;
+            beta = 1;
+        }
+        return cublas_gemm(stream, m, n, k, a.data, a.row, a.col, b.data, b.row, b.col, beta, c,
+                           ldc);
+    }
+    return false;
+}
+
+/* c = a x b + beta * c (+ bias per row): through the process's cuBLAS
+ * where `library` allows it (not the deterministic backend: cuBLAS keeps
+ * its bits only while one stream is active) and it can, else the own
+ * tiles. */
 template <typename Acc, typename EA, typename EB, typename EC>
 int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
-         int64_t ldc, Acc beta, const EC *bias) {
+         int64_t ldc, Acc beta, const EC *bias, bool library) {
+    if (library && library_gemm(stream, m, n, k, a, b, c, ldc, beta, bias))
+        return launch_status("deform_conv2d product (cuBLAS)");
     if constexpr (sizeof(Acc) == 4) {
         if (m >= LargeTile::BM && n >= LargeTile::BN)
             return gemm_in<LargeTile>(stream, m, n, k, a, b, c, ldc, beta, bias);
@@ -381,7 +421,8 @@ __global__ void store_kernel(const A *from, T *to, int64_t total) {
 
 template <typename T>
 int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *mask,
-            const T *weight, const T *bias, T *output, cudaStream_t stream) {
+            const T *weight, const T *bias, T *output, bool deterministic,
+            cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
     if (d.batch * d.out_channels * pixels == 0) return MMD_OK;
@@ -404,7 +445,8 @@ int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *ma
                 const View<A> cols{columns.as<A>() + g * k * count, count, 1};
                 int s = gemm<A>(stream, out_per_group, count, k, w, cols,
                                 output + (n * d.out_channels + g * out_per_group) * pixels + p0,
-                                pixels, (A)0, bias ? bias + g * out_per_group : nullptr);
+                                pixels, (A)0, bias ? bias + g * out_per_group : nullptr,
+                                !deterministic);
                 if (s) return s;
             }
         }
@@ -494,13 +536,13 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
                 /* grad_weight += grad_output x columns^T */
                 s = gemm<A>(stream, out_per_group, k, count, View<T>{grad_g, pixels, 1},
                             View<A>{cols, 1, count}, grad_weight.data + g * out_per_group * k, k,
-                            (A)1, (const A *)nullptr);
+                            (A)1, (const A *)nullptr, !deterministic);
                 /* the columns' gradient: weight^T x grad_output */
                 if (!s)
                     s = gemm<A>(stream, k, count, out_per_group,
                                 View<T>{weight + g * out_per_group * k, 1, k},
                                 View<T>{grad_g, pixels, 1}, cols, count, (A)0,
-                                (const A *)nullptr);
+                                (const A *)nullptr, !deterministic);
             }
             if (s) return s;
             offset_mask_grad_kernel<T>
@@ -524,12 +566,11 @@ template <typename T> const T *data_of(const mmd_tensor *t) {
     return t ? (const T *)t->data : nullptr;
 }
 
-int deform_conv2d_forward_cuda(const mmd_tensor *input, const mmd_tensor *offset,
-                               const mmd_tensor *mask, const mmd_tensor *weight,
-                               const mmd_tensor *bias, const mmd_tensor *output,
-                               int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                               int64_t dilation_h, int64_t dilation_w, int64_t groups,
-                               int64_t offset_groups, const mmd_context *ctx) {
+int forward_cuda(const mmd_tensor *input, const mmd_tensor *offset, const mmd_tensor *mask,
+                 const mmd_tensor *weight, const mmd_tensor *bias, const mmd_tensor *output,
+                 int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                 int64_t dilation_h, int64_t dilation_w, int64_t groups, int64_t offset_groups,
+                 bool deterministic, const mmd_context *ctx) {
     mmd_dcn_shape d;
     int s = mmd_deform_conv2d_forward_check(input, offset, mask, weight, bias, output, stride_h,
                                             stride_w, pad_h, pad_w, dilation_h, dilation_w,
@@ -539,9 +580,29 @@ int deform_conv2d_forward_cuda(const mmd_tensor *input, const mmd_tensor *offset
         return by_dtype(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             return forward<T>(d, data_of<T>(input), data_of<T>(offset), data_of<T>(mask),
-                              data_of<T>(weight), data_of<T>(bias), (T *)output->data, stream);
+                              data_of<T>(weight), data_of<T>(bias), (T *)output->data,
+                              deterministic, stream);
         });
     });
+}
+
+int deform_conv2d_forward_cuda(const mmd_tensor *input, const mmd_tensor *offset,
+                               const mmd_tensor *mask, const mmd_tensor *weight,
+                               const mmd_tensor *bias, const mmd_tensor *output,
+                               int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                               int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                               int64_t offset_groups, const mmd_context *ctx) {
+    return forward_cuda(input, offset, mask, weight, bias, output, stride_h, stride_w, pad_h,
+                        pad_w, dilation_h, dilation_w, groups, offset_groups, false, ctx);
+}
+
+int deform_conv2d_forward_cuda_deterministic(
+    const mmd_tensor *input, const mmd_tensor *offset, const mmd_tensor *mask,
+    const mmd_tensor *weight, const mmd_tensor *bias, const mmd_tensor *output, int64_t stride_h,
+    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+    int64_t groups, int64_t offset_groups, const mmd_context *ctx) {
+    return forward_cuda(input, offset, mask, weight, bias, output, stride_h, stride_w, pad_h,
+                        pad_w, dilation_h, dilation_w, groups, offset_groups, true, ctx);
 }
 
 int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *input,
@@ -603,9 +664,9 @@ MMD_REGISTRATIONS(cuda, deform_conv2d) {
                              deform_conv2d_forward_cuda);
     MMD_REGISTER_DEVICE_IMPL(deform_conv2d_backward_impl, CUDA, DEFAULT,
                              deform_conv2d_backward_cuda);
-    /* the forward is deterministic as it is (every sum in a fixed order) */
+    /* the own products only: every sum in a fixed order */
     MMD_REGISTER_DEVICE_IMPL(deform_conv2d_forward_impl, CUDA, DETERMINISTIC,
-                             deform_conv2d_forward_cuda);
+                             deform_conv2d_forward_cuda_deterministic);
     MMD_REGISTER_DEVICE_IMPL(deform_conv2d_backward_impl, CUDA, DETERMINISTIC,
                              deform_conv2d_backward_cuda_deterministic);
 }

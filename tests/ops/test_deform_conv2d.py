@@ -574,12 +574,13 @@ def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
         assert bool((a == b).all())
 
 
-@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("backend, cublas", [("default", False), ("default", True),
+                                             ("deterministic", True)])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("hw", [(11, 12), (24, 25)])
 @pytest.mark.parametrize("dtype, c_out, tol", [(np.float64, 70, 1e-12), (np.float32, 130, 2e-4)])
 def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
-        cuda_emulator, backend, groups, hw, dtype, c_out, tol):
+        cuda_emulator, backend, cublas, groups, hw, dtype, c_out, tol):
     """The CUDA kernels' matrix products, 16 deep, in tiles of 64 x 64
     (double; float products under 128 rows or columns) or 128 x 128 (float):
     70 or 130 output channels, 9 * 10 = 90 rows of columns per group (k not
@@ -587,7 +588,12 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
     part tile left; the weight read along k, its transpose along rows, the
     columns along pixels and across them (grad_weight). With 24 x 25 = 600
     pixels, grad_weight's few tiles split its k (the pixels) in two slices of
-    300, summed in order. Run by the emulator."""
+    300, summed in order. Run by the emulator. Where the process has cuBLAS
+    (the emulator's stand-in), the default backend's products (three per
+    group and image: forward, grad_weight, the columns' gradient) go to it,
+    in every operand layout; the deterministic backend's never do."""
+    import contextlib
+
     from cuda_emu import DeviceView
     rng = np.random.default_rng(21)
     x, offset, mask, weight, bias = random_case(rng, dtype, n=2, c_in=20, c_out=c_out,
@@ -601,12 +607,16 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
                                            *geometry)
     out = np.full_like(expected, 7.0)
     grads = [np.full_like(a, 7.0) for a in expected_grads]
-    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend):
+    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend), \
+            (cuda_emulator.cublas() if cublas else contextlib.nullcontext()):
+        calls = cuda_emulator.counters()["cublas_calls"]
         view = [DeviceView(a) for a in (x, offset, mask, weight, bias, grad)]
         mmdispatch.deform_conv2d_forward_impl(*view[:5], DeviceView(out), *geometry)
         mmdispatch.deform_conv2d_backward_impl(view[5], *view[:4], *map(DeviceView, grads),
                                                *geometry)
         cuda_emulator.synchronize()
+        calls = cuda_emulator.counters()["cublas_calls"] - calls
+    assert calls == (3 * groups * 2 if cublas and backend == "default" else 0)
     np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())

@@ -49,9 +49,12 @@ SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-po
 # inputs; MMD_CUDA_BAND_BYTES (roi_align.cu): the deterministic backward
 # splits small maps into bands of rows, a partial one last;
 # MMD_CUDA_NMS_SHARED_WORDS (nms.cuh): nms over more than 512 boxes keeps
-# its reduction's words in global memory, fewer in shared memory
+# its reduction's words in global memory, fewer in shared memory;
+# MMD_CUDA_EMULATOR (cublas.cu): the products take the emulator's cuBLAS
+# stand-in, while a test switches it on (Emulator.cublas)
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_MAX_GRID_Y=2",
-            "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8", *SANITIZE]
+            "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8", "-DMMD_CUDA_EMULATOR",
+            *SANITIZE]
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
 _LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
@@ -223,6 +226,8 @@ class Emulator:
                 ("mmd_emu_pool_maps", ctypes.c_longlong, []),
                 ("mmd_emu_pool_kept_bytes", ctypes.c_longlong, []),
                 ("mmd_cuda_empty_cache", ctypes.c_int, [ctypes.c_int]),
+                ("mmd_emu_use_cublas", None, [ctypes.c_int]),
+                ("mmd_emu_cublas_calls", ctypes.c_longlong, []),
                 ("mmd_last_error", ctypes.c_char_p, []),
                 ("mmd_emu_clear_error", None, []),
                 ("mmd_cuda_synchronize", ctypes.c_int, [ctypes.c_int])]:
@@ -254,15 +259,29 @@ class Emulator:
         status (0 on success)."""
         return self.lib.mmd_cuda_empty_cache(-1)
 
+    @contextlib.contextmanager
+    def cublas(self):
+        """The products of the kernels that use the process's cuBLAS
+        (mmdispatch/cuda/cublas.cuh) go to the emulator's stand-in while the
+        block runs (outside it the process has none); counters() counts its
+        products as cublas_calls."""
+        self.lib.mmd_emu_use_cublas(1)
+        try:
+            yield self
+        finally:
+            self.lib.mmd_emu_use_cublas(0)
+
     def counters(self):
         """launches, host waits, live device allocations, scratch-pool
-        allocations that found no freed block to reuse (pool_maps) and the
-        freed bytes the pools keep (pool_kept_bytes)."""
+        allocations that found no freed block to reuse (pool_maps), the
+        freed bytes the pools keep (pool_kept_bytes) and the products the
+        cuBLAS stand-in made (cublas_calls)."""
         return {"launches": self.lib.mmd_emu_launches(),
                 "host_waits": self.lib.mmd_emu_host_waits(),
                 "live_allocations": self.lib.mmd_emu_live_allocations(),
                 "pool_maps": self.lib.mmd_emu_pool_maps(),
-                "pool_kept_bytes": self.lib.mmd_emu_pool_kept_bytes()}
+                "pool_kept_bytes": self.lib.mmd_emu_pool_kept_bytes(),
+                "cublas_calls": self.lib.mmd_emu_cublas_calls()}
 
     @contextlib.contextmanager
     def active(self):

@@ -513,6 +513,44 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t size, cudaMemcpyK
     return cudaSuccess;
 }
 
+/* A stand-in for cuBLAS (src/cuda/cublas.cu takes it in the emulator's
+ * build while the tests switch it on): reference column-major products
+ * that refuse what cuBLAS refuses (leading dimensions below the rows of
+ * what they describe) and read c only where beta is not 0, as BLAS
+ * defines them. */
+namespace {
+bool g_cublas_on = false;
+long long g_cublas_calls = 0;
+
+int emu_cublas_create(void **handle) {
+    static int one_handle;
+    *handle = &one_handle;
+    return 0;
+}
+
+int emu_cublas_set_stream(void *, cudaStream_t) { return 0; }
+
+template <typename T>
+int emu_gemm(void *, int trans_a, int trans_b, int m, int n, int k, const T *alpha, const T *a,
+             int lda, const T *b, int ldb, const T *beta, T *c, int ldc) {
+    const int rows_a = trans_a ? k : m, rows_b = trans_b ? n : k;
+    if (m < 0 || n < 0 || k < 0 || lda < (rows_a > 1 ? rows_a : 1) ||
+        ldb < (rows_b > 1 ? rows_b : 1) || ldc < (m > 1 ? m : 1))
+        return 7;   /* CUBLAS_STATUS_INVALID_VALUE */
+    ++g_cublas_calls;
+    for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+            T sum = 0;
+            for (int l = 0; l < k; ++l)
+                sum += (trans_a ? a[l + (size_t)i * lda] : a[i + (size_t)l * lda]) *
+                       (trans_b ? b[j + (size_t)l * ldb] : b[l + (size_t)j * ldb]);
+            T *out = c + i + (size_t)j * ldc;
+            *out = *alpha * sum + (*beta == 0 ? (T)0 : *beta * *out);
+        }
+    return 0;
+}
+}  // namespace
+
 /* What the tests read (tests/support/cuda_emu/__init__.py). */
 namespace {
 struct Recorded {
@@ -543,6 +581,17 @@ void *mmd_emu_kernel_fn(int i) { return g_recorded[i].fn; }
 
 long long mmd_emu_launches(void) { return g_launches; }
 long long mmd_emu_host_waits(void) { return g_host_waits; }
+int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, void **dgemm) {
+    if (!g_cublas_on) return 0;
+    *create = (void *)emu_cublas_create;
+    *set_stream = (void *)emu_cublas_set_stream;
+    *sgemm = (void *)emu_gemm<float>;
+    *dgemm = (void *)emu_gemm<double>;
+    return 1;
+}
+void mmd_emu_use_cublas(int on) { g_cublas_on = on != 0; }
+long long mmd_emu_cublas_calls(void) { return g_cublas_calls; }
+
 long long mmd_emu_pool_maps(void) {
     std::lock_guard<std::mutex> lock(g_memory_lock);
     return g_pool_maps;

@@ -1,0 +1,183 @@
+/* The process's cuBLAS for the CUDA kernels' matrix products
+ * (mmdispatch/cuda/cublas.cuh). Looked up once, at the first product:
+ * exported by the process itself, or by a loaded library named
+ * libcublas.* (torch loads libcublas with its CUDA libraries; CuPy with its
+ * first product). Nothing is loaded, so a process without cuBLAS keeps
+ * the kernels' own products and pays nothing. A handle per device, made
+ * at its first product and used under that device's lock (a handle takes
+ * one thread at a time); its products use cuBLAS's default math (float
+ * products in float, no TF32, unless NVIDIA_TF32_OVERRIDE says so), as
+ * torch's do by default. The CUDA emulator's build takes the emulator's
+ * stand-in instead (switched on and off by the tests). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <dlfcn.h>
+#include <limits.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <mutex>
+
+#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/cuda/cublas.cuh"
+
+namespace mmd_cuda {
+
+namespace {
+
+/* cuBLAS's C API: the functions used (cublas_api.h, unchanged since
+ * CUDA 10; the handle is opaque, the stream a CUDA runtime stream). */
+typedef void *Handle;
+typedef int (*CreateFn)(Handle *);
+typedef int (*SetStreamFn)(Handle, cudaStream_t);
+template <typename T>
+using GemmFn = int (*)(Handle, int, int, int, int, int, const T *, const T *, int, const T *,
+                       int, const T *, T *, int);
+enum { kOpN = 0, kOpT = 1, kStatusSuccess = 0 };
+
+struct Api {
+    CreateFn create = nullptr;
+    SetStreamFn set_stream = nullptr;
+    GemmFn<float> sgemm = nullptr;
+    GemmFn<double> dgemm = nullptr;
+
+    template <typename T> GemmFn<T> gemm() const;
+};
+template <> GemmFn<float> Api::gemm<float>() const { return sgemm; }
+template <> GemmFn<double> Api::gemm<double>() const { return dgemm; }
+
+bool take_from(void *library, Api *api) {
+    Api found;
+    found.create = (CreateFn)dlsym(library, "cublasCreate_v2");
+    found.set_stream = (SetStreamFn)dlsym(library, "cublasSetStream_v2");
+    found.sgemm = (GemmFn<float>)dlsym(library, "cublasSgemm_v2");
+    found.dgemm = (GemmFn<double>)dlsym(library, "cublasDgemm_v2");
+    if (!found.create || !found.set_stream || !found.sgemm || !found.dgemm) return false;
+    *api = found;
+    return true;
+}
+
+/* A loaded libcublas.* (not libcublasLt): take cuBLAS from it. */
+int visit(struct dl_phdr_info *info, size_t, void *api) {
+    const char *path = info->dlpi_name;
+    if (path == nullptr || *path == '\0') return 0;
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    if (strncmp(base, "libcublas.", 10) != 0) return 0;
+    void *library = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+    if (library == nullptr) return 0;
+    const bool ok = take_from(library, (Api *)api);
+    dlclose(library);   /* still loaded by whoever loaded it */
+    return ok;
+}
+
+#ifdef MMD_CUDA_EMULATOR
+extern "C" int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm,
+                                        void **dgemm);
+
+/* The emulator's stand-in, while the tests have it switched on. */
+Api api() {
+    Api a;
+    void *f[4];
+    if (mmd_emu_cublas_functions(&f[0], &f[1], &f[2], &f[3])) {
+        a.create = (CreateFn)f[0];
+        a.set_stream = (SetStreamFn)f[1];
+        a.sgemm = (GemmFn<float>)f[2];
+        a.dgemm = (GemmFn<double>)f[3];
+    }
+    return a;
+}
+#else
+Api g_api;
+pthread_once_t g_api_once = PTHREAD_ONCE_INIT;
+
+void find_api() {
+    const char *setting = getenv("MMDISPATCH_CUBLAS");
+    if (setting != nullptr && strcmp(setting, "none") == 0) return;
+    if (take_from(RTLD_DEFAULT, &g_api)) return;
+    dl_iterate_phdr(visit, &g_api);
+}
+
+Api api() {
+    pthread_once(&g_api_once, find_api);
+    return g_api;
+}
+#endif
+
+/* Per device: its handle (made at its first product) and the lock that
+ * gives it to one thread at a time; `failed` once making it failed. */
+struct Device {
+    std::mutex lock;
+    Handle handle = nullptr;
+    bool failed = false;
+};
+Device g_devices[kMaxDevices];
+
+/* How cuBLAS (column-major) reads the transpose (cols x rows) of a
+ * row-major view of rows x cols with strides (row, col): its op and
+ * leading dimension; false where it cannot. */
+bool transpose_operand(int64_t rows, int64_t cols, int64_t row, int64_t col, int *op,
+                       int64_t *ld) {
+    if (col == 1 && (rows == 1 || row >= cols)) {   /* the view is the transpose's layout */
+        *op = kOpN;
+        *ld = rows == 1 ? (cols > 1 ? cols : 1) : row;
+        return true;
+    }
+    if (row == 1 && (cols == 1 || col >= rows)) {   /* the view itself, column-major */
+        *op = kOpT;
+        *ld = cols == 1 ? (rows > 1 ? rows : 1) : col;
+        return true;
+    }
+    return false;
+}
+
+template <typename T>
+bool gemm_with(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const T *a, int64_t a_row,
+               int64_t a_col, const T *b, int64_t b_row, int64_t b_col, T beta, T *c,
+               int64_t ldc) {
+    if (m <= 0 || n <= 0 || k <= 0) return false;
+    const Api functions = api();
+    const GemmFn<T> gemm = functions.gemm<T>();
+    if (gemm == nullptr) return false;
+    int op_a, op_b;
+    int64_t lda, ldb;
+    /* C^T (n x m, column-major with leading dimension ldc) = b^T a^T */
+    if (!transpose_operand(k, n, b_row, b_col, &op_b, &ldb) ||
+        !transpose_operand(m, k, a_row, a_col, &op_a, &lda))
+        return false;
+    if (m == 1 && ldc < n) ldc = n;
+    if (ldc < n || m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX ||
+        ldb > INT_MAX || ldc > INT_MAX)
+        return false;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) {
+        cudaGetLastError();
+        return false;
+    }
+    Device &d = g_devices[device];
+    std::lock_guard<std::mutex> lock(d.lock);
+    if (d.handle == nullptr && !d.failed) d.failed = functions.create(&d.handle) != kStatusSuccess;
+    if (d.failed || functions.set_stream(d.handle, stream) != kStatusSuccess) return false;
+    const T one = 1;
+    return gemm(d.handle, op_b, op_a, (int)n, (int)m, (int)k, &one, b, (int)ldb, a, (int)lda,
+                &beta, c, (int)ldc) == kStatusSuccess;
+}
+
+}  // namespace
+
+bool cublas_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const float *a,
+                 int64_t a_row, int64_t a_col, const float *b, int64_t b_row, int64_t b_col,
+                 float beta, float *c, int64_t ldc) {
+    return gemm_with(stream, m, n, k, a, a_row, a_col, b, b_row, b_col, beta, c, ldc);
+}
+
+bool cublas_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const double *a,
+                 int64_t a_row, int64_t a_col, const double *b, int64_t b_row, int64_t b_col,
+                 double beta, double *c, int64_t ldc) {
+    return gemm_with(stream, m, n, k, a, a_row, a_col, b, b_row, b_col, beta, c, ldc);
+}
+
+}  // namespace mmd_cuda
