@@ -6,13 +6,13 @@
 #endif
 #include <dlfcn.h>
 #include <limits.h>
-#include <link.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mmdispatch/gemm.h"
+#include "mmdispatch/loaded_library.h"
 #include "mmdispatch/parallel.h"
 #include "heap_array.h"
 
@@ -69,27 +69,16 @@ bool take_from(void *handle, const char *library) {
     return false;
 }
 
-/* A loaded library whose file name says BLAS: look for gemm in it. */
-int visit(struct dl_phdr_info *info, size_t, void *found) {
-    const char *path = info->dlpi_name;
-    if (path == nullptr || *path == '\0') return 0;
-    const char *base = strrchr(path, '/');
-    base = base ? base + 1 : path;
-    if (strstr(base, "blas") == nullptr && strstr(base, "mkl_rt") == nullptr) return 0;
-    void *handle = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
-    if (handle == nullptr) return 0;
-    const bool ok = take_from(handle, path);
-    dlclose(handle);   /* still loaded by whoever loaded it */
-    *(bool *)found = ok;
-    return ok;
-}
-
 void find_blas() {
     const char *setting = getenv("MMDISPATCH_BLAS");
     if (setting != nullptr && strcmp(setting, "none") == 0) return;
     if (take_from(RTLD_DEFAULT, "the process")) return;
-    bool found = false;
-    dl_iterate_phdr(visit, &found);
+    /* a loaded library whose file name says BLAS: gemm from it */
+    mmd_loaded::take_from_loaded(
+        [](const char *name) {
+            return strstr(name, "blas") != nullptr || strstr(name, "mkl_rt") != nullptr;
+        },
+        take_from);
 }
 
 const Blas &blas() {

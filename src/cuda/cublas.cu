@@ -10,11 +10,9 @@
  * torch's do by default. The CUDA emulator's build takes the emulator's
  * stand-in instead (switched on and off by the tests). */
 #ifndef _GNU_SOURCE
-#define _GNU_SOURCE
+#define _GNU_SOURCE   /* RTLD_DEFAULT */
 #endif
-#include <dlfcn.h>
 #include <limits.h>
-#include <link.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +21,7 @@
 
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/cuda/cublas.cuh"
+#include "mmdispatch/loaded_library.h"
 
 namespace mmd_cuda {
 
@@ -60,20 +59,6 @@ bool take_from(void *library, Api *api) {
     return true;
 }
 
-/* A loaded libcublas.* (not libcublasLt): take cuBLAS from it. */
-int visit(struct dl_phdr_info *info, size_t, void *api) {
-    const char *path = info->dlpi_name;
-    if (path == nullptr || *path == '\0') return 0;
-    const char *base = strrchr(path, '/');
-    base = base ? base + 1 : path;
-    if (strncmp(base, "libcublas.", 10) != 0) return 0;
-    void *library = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
-    if (library == nullptr) return 0;
-    const bool ok = take_from(library, (Api *)api);
-    dlclose(library);   /* still loaded by whoever loaded it */
-    return ok;
-}
-
 #ifdef MMD_CUDA_EMULATOR
 extern "C" int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm,
                                         void **dgemm);
@@ -98,7 +83,10 @@ void find_api() {
     const char *setting = getenv("MMDISPATCH_CUBLAS");
     if (setting != nullptr && strcmp(setting, "none") == 0) return;
     if (take_from(RTLD_DEFAULT, &g_api)) return;
-    dl_iterate_phdr(visit, &g_api);
+    /* a loaded libcublas.* (not libcublasLt.*) */
+    mmd_loaded::take_from_loaded(
+        [](const char *name) { return strncmp(name, "libcublas.", 10) == 0; },
+        [](void *library, const char *) { return take_from(library, &g_api); });
 }
 
 Api api() {

@@ -182,7 +182,7 @@ cudaMemPool_t create_scratch_pool(int device) {
             pool = nullptr;
         }
     }
-    cudaGetLastError();   /* a device without pools is not an error of the call */
+    if (err != cudaSuccess) cudaGetLastError();   /* no pool is not an error of the call */
     return pool;
 }
 

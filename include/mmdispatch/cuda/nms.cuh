@@ -10,7 +10,7 @@
  *   4. one block walks the 64-box blocks in order: a warp resolves the block
  *      with register shuffles (a step per kept box) and loads the next
  *      block's rows, then all threads fold the kept boxes' masks into the
- *      later blocks' `removed` words (in shared memory up to 393,216
+ *      later blocks' `removed` words (in shared memory up to 385,024
  *      boxes), the loads of a (column, kept box) pair each spread over the
  *      threads.
  * Memory: n * ceil(n / 64) * 8 bytes of mask. */
@@ -52,12 +52,17 @@ __global__ void gather_kernel(const T *boxes, const int64_t *idxs, const int64_t
     }
 }
 
-/* Whether step 4 keeps the `removed` words in shared memory (no opt-in
- * needed up to 48 KB: 393,216 boxes), else in global memory. The CUDA
- * emulator's build lowers the limit, so that its tests take both ways. */
+/* Whether step 4 keeps the `removed` words in shared memory, else in
+ * global memory. Without an opt-in a block has 48 KB of shared memory,
+ * its static arrays (kept_rows and kept_count: 528 bytes on sm_90)
+ * included: 6,016 words (47 KB, 385,024 boxes) leave 1 KB for them. The
+ * CUDA emulator's build lowers the limit, so that its tests take both
+ * ways. */
 #ifndef MMD_CUDA_NMS_SHARED_WORDS
-#define MMD_CUDA_NMS_SHARED_WORDS 6144
+#define MMD_CUDA_NMS_SHARED_WORDS 6016
 #endif
+static_assert(MMD_CUDA_NMS_SHARED_WORDS * 8 + kBlockBoxes * 8 + 16 <= 48 * 1024,
+              "reduce_kernel's static and dynamic shared memory within 48 KB");
 __host__ __device__ inline bool removed_in_shared(int64_t col_blocks) {
     return col_blocks <= MMD_CUDA_NMS_SHARED_WORDS;
 }
