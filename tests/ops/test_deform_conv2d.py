@@ -622,6 +622,58 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+CUBLAS_CHILD = r"""
+import json
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+from mmdispatch.ops import deform_conv2d, deform_conv2d_backward
+
+rng = np.random.default_rng(4)
+x = rng.standard_normal((2, 64, 24, 24)).astype(np.float32)
+offset = (rng.standard_normal((2, 18, 24, 24)) * 2).astype(np.float32)
+mask = rng.random((2, 9, 24, 24)).astype(np.float32)
+weight = (rng.standard_normal((128, 64, 3, 3)) / 24).astype(np.float32)
+bias = rng.standard_normal(128).astype(np.float32)
+grad = rng.standard_normal((2, 128, 24, 24)).astype(np.float32)
+cpu = [deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask),
+       *deform_conv2d_backward(grad, x, offset, weight, 1, 1, 1, mask)]
+on_gpu = [torch.from_numpy(a).cuda() for a in (x, offset, mask, weight, bias, grad)]
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    gpu = [deform_conv2d(*on_gpu[0:2], *on_gpu[3:5], 1, 1, 1, on_gpu[2]),
+           *deform_conv2d_backward(on_gpu[5], *on_gpu[0:2], on_gpu[3], 1, 1, 1, on_gpu[2])]
+    torch.cuda.synchronize()
+errors = [float(np.abs(g.cpu().numpy() - c).max() / max(1.0, float(np.abs(c).max())))
+          for g, c in zip(gpu, cpu)]
+kernels = sorted({e.key for e in prof.key_averages() if "gemm" in e.key.lower()})
+print("\n" + json.dumps({"errors": errors, "kernels": kernels}))
+"""
+
+
+@pytest.mark.parametrize("cublas", ["default", "none"])
+def test_cuda_products_through_torchs_cublas_or_our_tiles_match_the_cpu(torch_cuda, tmp_path,
+                                                                        cublas):
+    """In a fresh process that imported torch (which loads cuBLAS), the
+    default backend's float products run in cuBLAS's kernels; with
+    MMDISPATCH_CUBLAS=none in our own tiles (TileShape); either way forward
+    and every gradient agree with the CPU kernels. The kernels are named
+    by torch's profiler."""
+    import json
+    env = dict(os.environ, MMDISPATCH_CUBLAS=cublas)
+    proc = subprocess.run([sys.executable, "-c", CUBLAS_CHILD], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(next(line for line in proc.stdout.splitlines()   # the profiler's
+                             if line.startswith('{"errors"')))              # lines aside
+    assert max(result["errors"]) < 1e-4, result["errors"]
+    ours = [k for k in result["kernels"] if "TileShape" in k]
+    theirs = [k for k in result["kernels"] if "TileShape" not in k]
+    if cublas == "none":
+        assert ours and not theirs, result["kernels"]
+    else:
+        assert theirs and not ours, result["kernels"]
+
+
 def test_cuda_float16_and_bfloat16_compute_in_float32(torch_cuda):
     torch = torch_cuda
     x, offset, mask, weight, bias = random_case(np.random.default_rng(13), np.float32)
