@@ -20,6 +20,8 @@ deform_conv2d_backward_impl.
   then need not reach an output that IEEE arithmetic would make NaN. NaN
   in input, offset and mask always propagates.
 """
+import sys
+
 from mmdispatch import _core
 from mmdispatch.ops._arrays import check_ndim, explain, native, pair
 
@@ -63,6 +65,26 @@ def _groups(op, input, offset, weight):
     return c_in // per_group, offset_channels // taps
 
 
+_cublas_asked = False
+
+
+def _load_cupys_cublas(input):
+    """Has CuPy load its cuBLAS (CuPy loads it lazily, at its first product)
+    before the first CUDA product of a CuPy call, so that the CUDA kernels
+    find it (mmdispatch/cuda/cublas.cuh: they take the process's cuBLAS,
+    looked up once at their first product, and load nothing themselves).
+    Once per process; without cuBLAS the kernels use their own products."""
+    global _cublas_asked
+    cupy = sys.modules.get("cupy")
+    if _cublas_asked or cupy is None or not isinstance(input, cupy.ndarray):
+        return
+    _cublas_asked = True
+    try:
+        cupy.cuda.cublas   # noqa: B018 (the attribute imports CuPy's cuBLAS module)
+    except Exception:   # no cuBLAS installed: nothing to take
+        pass
+
+
 def _geometry(op, stride, padding, dilation):
     return (*pair(op, "stride", stride), *pair(op, "padding", padding, low=0),
             *pair(op, "dilation", dilation))
@@ -72,6 +94,7 @@ def deform_conv2d(input, offset, weight, bias=None, stride=1, padding=0, dilatio
     """(N, C_out, out_h, out_w) in the input's dtype, library and device."""
     op = "deform_conv2d"
     geometry = _geometry(op, stride, padding, dilation)
+    _load_cupys_cublas(input)
     try:
         groups, offset_groups = _groups(op, input, offset, weight)
         return _core.deform_conv2d_forward_impl(input, offset, mask, weight, bias, None,
@@ -88,6 +111,7 @@ def deform_conv2d_backward(grad_output, input, offset, weight, stride=1, padding
     None without a mask)."""
     op = "deform_conv2d_backward"
     geometry = _geometry(op, stride, padding, dilation)
+    _load_cupys_cublas(input)
     try:
         groups, offset_groups = _groups(op, input, offset, weight)
         grads = _core.deform_conv2d_backward_impl(grad_output, input, offset, mask, weight, None,

@@ -622,6 +622,37 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+def test_a_cupy_call_has_cupy_load_its_cublas_once_before_the_first_product(monkeypatch):
+    """CuPy loads cuBLAS lazily (its cupy.cuda.cublas attribute); the CUDA
+    kernels take the process's cuBLAS at their first product and load
+    nothing, so the op asks CuPy first, once per process, for CuPy arrays
+    only (a stand-in CuPy records the asking)."""
+    import types
+
+    module = importlib.import_module("mmdispatch.ops.deform_conv2d")
+    asked = []
+
+    class Cuda:
+        @property
+        def cublas(self):
+            asked.append(1)
+            raise ImportError("libcublas.so.13: cannot open shared object file")
+
+    class FakeArray:
+        shape = (1, 1, 3, 3)
+
+    fake = types.SimpleNamespace(ndarray=FakeArray, cuda=Cuda())
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(module, "_cublas_asked", False)
+    x, offset, mask, weight, bias = random_case(np.random.default_rng(0), np.float32)
+    deform_conv2d(x, offset, weight, bias, 1, 1, 1, mask)   # numpy: CuPy is not asked
+    assert asked == []
+    for _ in range(2):
+        with pytest.raises((TypeError, ValueError)):   # the stand-in is no array
+            deform_conv2d(FakeArray(), offset, weight, bias, 1, 1, 1, mask)
+    assert asked == [1]   # asked once; CuPy's failure to load cuBLAS is not the call's
+
+
 CUBLAS_CHILD = r"""
 import json
 import numpy as np

@@ -1,8 +1,9 @@
 /* Matrix products through the process's cuBLAS (src/cuda/cublas.cu), as
  * the CPU kernels use the process's BLAS (src/cpu/gemm.cpp): cuBLAS is
  * taken when a library the process has already loaded exports it (torch
- * loads it with its CUDA libraries, CuPy with its first product), never
- * loaded by mmdispatch itself; MMDISPATCH_CUBLAS=none leaves it alone.
+ * loads it with its CUDA libraries, CuPy with its first product, which
+ * mmdispatch.ops.deform_conv2d asks for before a CuPy call), never loaded
+ * by the kernels themselves; MMDISPATCH_CUBLAS=none leaves it alone.
  * Without it the kernels use their own products. */
 #ifndef MMDISPATCH_CUDA_CUBLAS_CUH
 #define MMDISPATCH_CUDA_CUBLAS_CUH
