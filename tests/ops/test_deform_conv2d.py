@@ -697,6 +697,9 @@ def test_cuda_products_through_torchs_cublas_or_our_tiles_match_the_cpu(torch_cu
     result = json.loads(next(line for line in proc.stdout.splitlines()   # the profiler's
                              if line.startswith('{"errors"')))              # lines aside
     assert max(result["errors"]) < 1e-4, result["errors"]
+    if not result["kernels"]:
+        pytest.skip("torch's profiler names no CUDA kernels here (no CUPTI?): the results "
+                    "matched, the products' kernels are unchecked")
     ours = [k for k in result["kernels"] if "TileShape" in k]
     theirs = [k for k in result["kernels"] if "TileShape" not in k]
     if cublas == "none":
