@@ -676,8 +676,10 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
     torch.cuda.synchronize()
 errors = [float(np.abs(g.cpu().numpy() - c).max() / max(1.0, float(np.abs(c).max())))
           for g, c in zip(gpu, cpu)]
-kernels = sorted({e.key for e in prof.key_averages() if "gemm" in e.key.lower()})
-print("\n" + json.dumps({"errors": errors, "kernels": kernels}))
+names = {e.key for e in prof.key_averages()}
+kernels = sorted(k for k in names if "gemm" in k.lower())
+seen = any("im2col_kernel" in k for k in names)   # ours, in every call: kernels are seen
+print("\n" + json.dumps({"errors": errors, "kernels": kernels, "seen": seen}))
 """
 
 
@@ -697,7 +699,7 @@ def test_cuda_products_through_torchs_cublas_or_our_tiles_match_the_cpu(torch_cu
     result = json.loads(next(line for line in proc.stdout.splitlines()   # the profiler's
                              if line.startswith('{"errors"')))              # lines aside
     assert max(result["errors"]) < 1e-4, result["errors"]
-    if not result["kernels"]:
+    if not result["seen"]:
         pytest.skip("torch's profiler names no CUDA kernels here (no CUPTI?): the results "
                     "matched, the products' kernels are unchecked")
     ours = [k for k in result["kernels"] if "TileShape" in k]
