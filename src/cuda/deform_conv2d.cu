@@ -10,7 +10,7 @@
  *
  * Forward: a thread per (channel, pixel) writes its taps' column values,
  * then per weight group one product with the weight, the bias added as it
- * is written.
+ * is written (cuBLAS: the bias written first, the product added to it).
  * Backward: the columns again; grad_weight += grad_output x columns^T; the
  * columns' gradient weight^T x grad_output; a thread per (offset group,
  * tap, pixel) sums grad_offset and grad_mask over the group's channels;
