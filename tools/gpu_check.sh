@@ -8,7 +8,7 @@
 #                                 tests and racecheck on the deterministic backend
 #   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
 #   tools/gpu_check.sh profile    build, then ncu's per-kernel summary (throughput,
-#                                 warp stalls) of the bench's roi_align, roi_pool,
+#                                 warp stalls, occupancy) of the bench's roi_align, roi_pool,
 #                                 deform_conv2d, msda forward+backward and nms (2,000
 #                                 boxes) workloads, ours beside torchvision's; then
 #                                 where a tiny CuPy call's host time goes, what the
@@ -89,7 +89,7 @@ bench|all)
     fi
     ;;&
 profile|all)
-    timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats \
+    timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats --section Occupancy \
         --print-summary per-kernel "$py" "$repo/tools/gpu_profile.py" \
         "roi_align sampling_ratio=2" "roi_pool" "deform_conv2d" \
         "multi_scale_deformable_attn forward+backward" "nms 2000 boxes" > "$out/profile.txt" 2>&1
