@@ -27,7 +27,7 @@ is printed too, to subtract).
     python tools/gpu_profile.py --products
 
 times the bench's deform_conv2d workloads, ours beside torchvision's, and
-says whether the process has cuBLAS for our products: run it once as it
+says whether the process has loaded cuBLAS for our products: run it once as it
 is and once with MMDISPATCH_CUBLAS=none to compare cuBLAS's products with
 our own tiles on one machine."""
 import cProfile
@@ -66,14 +66,22 @@ def host():
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
-def scratch():
-    import mmdispatch
+def sync():
+    cupy.cuda.Device().synchronize()
 
+
+def cases(*workloads):
+    """The bench's GPU cases (name, ours, theirs, traffic) of each
+    (case maker, workload) pair, each side synchronised, torchvision's where
+    torch sees the GPU (else theirs is None)."""
     tv = bench.torchvision_ops()
     theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
+    return [case for make, cfg in workloads
+            for case in make(cfg, cupy.asarray, sync, theirs_device, tv)]
 
-    def sync():
-        cupy.cuda.Device().synchronize()
+
+def scratch():
+    import mmdispatch
 
     def released(fn):
         def run():
@@ -81,9 +89,8 @@ def scratch():
             mmdispatch.empty_cache("cuda")
         return run
 
-    cases = [*bench.device_cases(bench.STANDARD, cupy.asarray, sync, theirs_device, tv),
-             *bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync, theirs_device, tv)]
-    for name, ours, _, _ in cases:
+    for name, ours, _, _ in cases((bench.device_cases, bench.STANDARD),
+                                  (bench.deform_cases, bench.DCN_STANDARD)):
         if name.startswith(("nms", "deform_conv2d")):
             kept, freed = bench.median_time(ours, 9), bench.median_time(released(ours), 9)
             print(f"gpu_profile: {name}: {kept * 1e6:.1f} us with scratch kept, "
@@ -93,21 +100,14 @@ def scratch():
 
 
 def products():
-    import ctypes
+    import os
 
-    tv = bench.torchvision_ops()
-    theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
-
-    def sync():
-        cupy.cuda.Device().synchronize()
-
-    try:
-        ctypes.CDLL(None).cublasSgemm_v2
-        has = "the process has cuBLAS"
-    except AttributeError:
-        has = "the process has no cuBLAS exported globally"
-    for name, ours, theirs, _ in bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync,
-                                                    theirs_device, tv):
+    workload = cases((bench.deform_cases, bench.DCN_STANDARD))   # imports torch and CuPy
+    with open("/proc/self/maps") as maps:   # what the kernels' lookup finds: a libcublas.*
+        loaded = any("/libcublas." in line for line in maps)
+    setting = os.environ.get("MMDISPATCH_CUBLAS", "unset")
+    has = f"cuBLAS {'loaded' if loaded else 'not loaded'}, MMDISPATCH_CUBLAS={setting}"
+    for name, ours, theirs, _ in workload:
         mine = bench.median_time(ours, 9)
         other = bench.median_time(theirs, 9) if theirs is not None else float("nan")
         print(f"gpu_profile: {name} ({has}): {mine * 1e3:.3f} ms, torchvision "
@@ -115,16 +115,9 @@ def products():
 
 
 def main(wanted):
-    tv = bench.torchvision_ops()
-    theirs_device = "cuda" if tv is not None and tv[0].cuda.is_available() else None
-
-    def sync():
-        cupy.cuda.Device().synchronize()
-
-    cases = [*bench.device_cases(bench.STANDARD, cupy.asarray, sync, theirs_device, tv),
-             *bench.deform_cases(bench.DCN_STANDARD, cupy.asarray, sync, theirs_device, tv),
-             *bench.msda_cases(bench.MSDA_STANDARD, cupy.asarray, sync, theirs_device, tv)]
-    for name, ours, theirs, _ in cases:
+    for name, ours, theirs, _ in cases((bench.device_cases, bench.STANDARD),
+                                       (bench.deform_cases, bench.DCN_STANDARD),
+                                       (bench.msda_cases, bench.MSDA_STANDARD)):
         if wanted and not any(w in name for w in wanted):
             continue
         print(f"gpu_profile: {name}", flush=True)

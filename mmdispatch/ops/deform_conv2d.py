@@ -20,10 +20,8 @@ deform_conv2d_backward_impl.
   then need not reach an output that IEEE arithmetic would make NaN. NaN
   in input, offset and mask always propagates.
 """
-import sys
-
 from mmdispatch import _core
-from mmdispatch.ops._arrays import check_ndim, explain, native, pair
+from mmdispatch.ops._arrays import _cupy, check_ndim, explain, native, pair
 
 __all__ = ["deform_conv2d", "deform_conv2d_backward"]
 # the dispatch entry points (signatures.txt) these functions call
@@ -75,7 +73,7 @@ def _load_cupys_cublas(input):
     looked up once at their first product, and load nothing themselves).
     Once per process; without cuBLAS the kernels use their own products."""
     global _cublas_asked
-    cupy = sys.modules.get("cupy")
+    cupy = _cupy()
     if _cublas_asked or cupy is None or not isinstance(input, cupy.ndarray):
         return
     _cublas_asked = True

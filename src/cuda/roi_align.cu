@@ -14,8 +14,9 @@
  * The `default` backward adds into grad_input with atomics, the
  * `deterministic` one gives each band of rows of an (image, channel) plane
  * of grad_input (avg) or each plane (max) to one block, which adds the
- * rois into it in order (the same sums in the same order on every run). float16 and bfloat16 inputs compute in
- * float32. Launches on ctx->stream, on ctx->device_id.
+ * rois into it in order (the same sums in the same order on every run).
+ * float16 and bfloat16 inputs compute in float32. Launches on ctx->stream,
+ * on ctx->device_id.
  *
  * Bad rois never cause an out-of-bounds access. By default each thread
  * validates its roi: a bad roi's bins are NaN (argmax -1) in forward and
