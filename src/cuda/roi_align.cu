@@ -2,14 +2,17 @@
  * mmdispatch/ops/roi_align.h).
  *
  * avg pooling: a thread per bin and group of kChannelGroup channels. Bilinear
- * weights are products of a row's and a column's, so the thread lists the
+ * weights are products of a row's and a column's, so the thread walks the
  * rows and the columns its bin's samples read, each with the weights of
  * every sample that reads it summed (samples a cell apart or closer, as
- * adaptive sampling places them, share rows and columns), once for the
- * group: a bin of g x g samples then reads (g + 1)^2 cells per channel
- * instead of 4 g^2, and the backward makes as many atomic adds. The roi's
- * geometry and interpolation are worked out once per group, not per
- * channel. max pooling: a thread per output element, sample by sample.
+ * adaptive sampling places them, share rows and columns): a bin of g x g
+ * samples then reads (g + 1)^2 cells per channel instead of 4 g^2, and the
+ * backward makes as many atomic adds. The walk keeps at most two cells of
+ * an axis in registers (no list in local memory); the forward walks once
+ * for the group, each column serving its channels, the backward once per
+ * channel (fewer registers live beside its atomics). The roi's geometry is
+ * worked out once per group. max pooling: a thread per output element,
+ * sample by sample.
  *
  * The `default` backward adds into grad_input with atomics, the
  * `deterministic` one gives each band of rows of an (image, channel) plane
@@ -23,6 +26,8 @@
  * add nothing in backward, and the roi is reported as a deferred error
  * (raised by the next call on the device). In strict mode a check kernel
  * validates every roi first and the call raises, writing nothing. */
+#include <limits.h>
+
 #include "mmdispatch/cuda/rois.cuh"
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/registry.h"
@@ -89,48 +94,59 @@ __device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels
     return false;
 }
 
-/* Rows (columns) a bin's merged list holds at most: the samples of an
- * adaptive grid of up to 31 a side (bins of up to 31 cells), or of a fixed
- * one of up to 16; larger bins are summed sample by sample. The lists live
- * in each thread's local memory. */
-constexpr int kAxisEntries = 32;
+/* The avg kernels walk cells with int indices, on maps no wider or taller
+ * than this; larger maps are summed sample by sample (the emulator's build
+ * lowers the limit to test that path). */
+#ifndef MMD_CUDA_CELL_WALK_MAX
+#define MMD_CUDA_CELL_WALK_MAX INT_MAX
+#endif
 
-/* The cells one axis of a bin reads, in increasing order, each with the
- * summed weight of the samples that read it. */
-template <typename A> struct AxisCells {
-    int count;
-    int32_t index[kAxisEntries];
-    A weight[kAxisEntries];
-
-    /* Samples come in increasing order and read cells `low` <= `high` <=
-     * low + 1, so a cell read before is one of the last two. */
-    __device__ bool add(int32_t cell, A w) {
-        if (count > 0 && index[count - 1] == cell) {
-            weight[count - 1] += w;
-        } else if (count > 1 && index[count - 2] == cell) {
-            weight[count - 2] += w;
-        } else {
-            if (count == kAxisEntries) return false;
-            index[count] = cell;
-            weight[count++] = w;
+/* f(cell, weight) for each cell one axis of a bin reads (its `grid` samples
+ * along an axis of `size` cells, from `bin_start`), in increasing order, each
+ * with the summed weight of the samples that read it (samples a cell apart
+ * or closer, as adaptive sampling places them, share cells), the sums in
+ * the samples' order. Samples come in increasing order and read cells
+ * `low` <= `high` <= low + 1, so a cell below a sample's `low` is read by
+ * no later sample and is handed on, and at most two cells wait: the walk
+ * lives in registers, with no list in local memory, and f has one call
+ * site (it is inlined once). */
+template <typename A, typename F>
+__device__ inline void for_each_cell(A bin_start, A bin_size, int grid, int size, F f) {
+    int cell0 = 0, cell1 = 0;   /* the waiting cells, cell0 < cell1 */
+    A weight0 = 0, weight1 = 0;
+    int waiting = 0;
+    const auto add = [&](int cell, A w) {
+        if (waiting > 0 && cell0 == cell) {
+            weight0 += w;
+        } else if (waiting > 1 && cell1 == cell) {
+            weight1 += w;
+        } else if (waiting == 0) {
+            cell0 = cell;
+            weight0 = w;
+            waiting = 1;
+        } else {   /* the cells waiting are a subset of {low, low + 1} */
+            cell1 = cell;
+            weight1 = w;
+            waiting = 2;
         }
-        return true;
-    }
-
-    /* Bin `bin`'s `grid` samples along an axis of `size` cells from
-     * `start`; false when they read more than kAxisEntries cells. */
-    __device__ bool fill(A start, A bin_size, int64_t bin, int64_t grid, int64_t size) {
-        count = 0;
-        if (size > INT32_MAX) return false;
-        for (int64_t i = 0; i < grid; ++i) {
-            Axis<A> a;
-            mmd_interp(mmd_roi_align_sample(start, bin_size, bin, i, grid), size, &a);
-            if (a.valid && !(add((int32_t)a.low, a.w_low) && add((int32_t)a.high, a.w_high)))
-                return false;
+    };
+    for (int i = 0; i <= grid; ++i) {   /* i == grid: hand on what waits */
+        Axis<A> a;
+        if (i < grid) {
+            mmd_interp(mmd_roi_align_bin_sample(bin_start, bin_size, i, grid), size, &a);
+            if (!a.valid) continue;
         }
-        return true;
+        while (waiting > 0 && (i == grid || cell0 < (int)a.low)) {
+            f(cell0, weight0);
+            cell0 = cell1;
+            weight0 = weight1;
+            --waiting;
+        }
+        if (i == grid) break;
+        add((int)a.low, a.w_low);
+        add((int)a.high, a.w_high);
     }
-};
+}
 
 /* Roi k's geometry in *g; false for a bad roi, which the thread reports
  * when it is the roi's `reporter` (one thread per roi in the grid). */
@@ -198,6 +214,7 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
                                    int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
+    const bool walk = height <= MMD_CUDA_CELL_WALK_MAX && width <= MMD_CUDA_CELL_WALK_MAX;
     MMD_GRID_STRIDE_LOOP(index, total) {
         BinGroup w;
         Geometry<A> g;
@@ -212,42 +229,36 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
         const T *planes = input + (g.batch * channels + w.c0) * plane_size;
         const int64_t count = g.grid_h * g.grid_w;
         const A divisor = (A)(count > 1 ? count : 1);
-        AxisCells<A> rows, cols;
-        if (!rows.fill(g.start_h, g.bin_h, w.ph, g.grid_h, height) ||
-            !cols.fill(g.start_w, g.bin_w, w.pw, g.grid_w, width)) {
-            for (int64_t c = 0; c < w.count; ++c)
-                out[c * bins] = from_compute<T>(
-                    sum_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw) /
-                    divisor);
-            continue;
-        }
-        A sum[kChannelGroup] = {};
-        for (int r = 0; r < rows.count; ++r) {
-            const T *row = planes + (int64_t)rows.index[r] * width;
-            A dot[kChannelGroup] = {};
-            for (int x = 0; x < cols.count; ++x) {   /* a column's weight serves the group */
-                const int32_t at = cols.index[x];
-                const A wx = cols.weight[x];
+        unsigned by_sample = (1u << w.count) - 1;   /* channels summed sample by sample */
+        if (walk) {
+            const A row_start = mmd_roi_align_bin_start(g.start_h, g.bin_h, w.ph);
+            const A col_start = mmd_roi_align_bin_start(g.start_w, g.bin_w, w.pw);
+            A sum[kChannelGroup] = {};
+            for_each_cell(row_start, g.bin_h, (int)g.grid_h, (int)height, [&](int y, A wy) {
+                const T *row = planes + (int64_t)y * width;
+                A dot[kChannelGroup] = {};
+                for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, [&](int x, A wx) {
+                    const T *cell = row + x;
+#pragma unroll   /* a column's weight serves the group */
+                    for (int c = 0; c < kChannelGroup; ++c, cell += plane_size)
+                        if (c < w.count) dot[c] += wx * to_compute(*cell);
+                });
 #pragma unroll
-                for (int c = 0; c < kChannelGroup; ++c)
-                    if (c < w.count) dot[c] += wx * to_compute(row[c * plane_size + at]);
+                for (int c = 0; c < kChannelGroup; ++c) sum[c] += wy * dot[c];
+            });
+#pragma unroll
+            for (int c = 0; c < kChannelGroup; ++c) {   /* unrolled: sum[] stays in registers */
+                if (c >= w.count) break;
+                if (isfinite(sum[c])) {
+                    out[c * bins] = from_compute<T>(sum[c] / divisor);
+                    by_sample &= ~(1u << c);
+                }
             }
-#pragma unroll
-            for (int c = 0; c < kChannelGroup; ++c) sum[c] += rows.weight[r] * dot[c];
-        }
-        unsigned nonfinite = 0;
-#pragma unroll
-        for (int c = 0; c < kChannelGroup; ++c) {   /* unrolled: sum[] stays in registers */
-            if (c >= w.count) break;
-            if (isfinite(sum[c]))
-                out[c * bins] = from_compute<T>(sum[c] / divisor);
-            else
-                nonfinite |= 1u << c;
         }
         /* an inf or NaN cell: the definition, sample by sample, where a
          * sample's zero weight on it gives NaN that a merged weight hides */
-        for (; nonfinite; nonfinite &= nonfinite - 1) {
-            const int c = __ffs((int)nonfinite) - 1;
+        for (; by_sample; by_sample &= by_sample - 1) {
+            const int c = __ffs((int)by_sample) - 1;
             out[c * bins] = from_compute<T>(
                 sum_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw) /
                 divisor);
@@ -323,6 +334,7 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
                                     int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
+    const bool walk = height <= MMD_CUDA_CELL_WALK_MAX && width <= MMD_CUDA_CELL_WALK_MAX;
     MMD_GRID_STRIDE_LOOP(index, total) {
         BinGroup w;
         Geometry<A> g;
@@ -333,22 +345,22 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
         T *planes = grad_input + (g.batch * channels + w.c0) * plane_size;
         const int64_t count = g.grid_h * g.grid_w;
         const A divisor = (A)(count > 1 ? count : 1);
-        AxisCells<A> rows, cols;
-        const bool merged = rows.fill(g.start_h, g.bin_h, w.ph, g.grid_h, height) &&
-                            cols.fill(g.start_w, g.bin_w, w.pw, g.grid_w, width);
+        const A row_start = mmd_roi_align_bin_start(g.start_h, g.bin_h, w.ph);
+        const A col_start = mmd_roi_align_bin_start(g.start_w, g.bin_w, w.pw);
         for (int64_t c = 0; c < w.count; ++c) {
             const A share = to_compute(grads[c * bins]) / divisor;
             T *plane = planes + c * plane_size;
-            if (!merged || !isfinite(share)) {
+            if (!walk || !isfinite(share)) {
                 scatter_samples<T, A>(plane, height, width, g, w.ph, w.pw, share);
                 continue;
             }
-            for (int r = 0; r < rows.count; ++r) {
-                T *row = plane + (int64_t)rows.index[r] * width;
-                const A row_share = share * rows.weight[r];
-                for (int x = 0; x < cols.count; ++x)
-                    atomicAdd(row + cols.index[x], from_compute<T>(row_share * cols.weight[x]));
-            }
+            for_each_cell(row_start, g.bin_h, (int)g.grid_h, (int)height, [&](int y, A wy) {
+                T *row = plane + (int64_t)y * width;
+                const A row_share = share * wy;
+                for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, [&](int x, A wx) {
+                    atomicAdd(row + x, from_compute<T>(row_share * wx));
+                });
+            });
         }
     }
 }

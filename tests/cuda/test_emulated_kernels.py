@@ -259,13 +259,16 @@ def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backe
             assert_same(got, want)
 
 
+@pytest.mark.parametrize("width", [60, 70])
 @pytest.mark.parametrize("sampling_ratio", [0, 24])
-def test_roi_align_bins_reading_more_cells_than_the_avg_kernels_list_match_the_cpu(
-        emu, sampling_ratio):
-    """One bin per roi, 40 to 55 cells a side: more rows and columns than
-    the avg kernels' merged lists hold, so they sum sample by sample."""
+def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
+        emu, sampling_ratio, width):
+    """One bin per roi, 40 to 55 cells a side: the avg kernels walk many
+    rows and columns of merged weights (nothing caps them), and on a map
+    wider than the emulator's walk limit (64; INT_MAX on a GPU) they sum
+    sample by sample."""
     rng = np.random.default_rng(sampling_ratio)
-    x = rng.standard_normal((1, 3, 50, 60))
+    x = rng.standard_normal((1, 3, 50, width))
     rois = np.array([[0, 0, 0, 45, 48], [0, 5, 2, 60, 50], [0, 1, 1, 3, 3]], np.float64)
     grad_output = rng.standard_normal((3, 3, 1, 1))
     unused = np.empty(0)

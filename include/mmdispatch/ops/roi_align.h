@@ -151,11 +151,22 @@ MMD_HOSTDEV inline int mmd_roi_align_geometry(const T roi[5], int64_t batch_size
     return mmd_roi_grid(g->bin_h, g->bin_w, sampling_ratio, &g->grid_h, &g->grid_w);
 }
 
+/* Where bin `bin_index` begins along one axis. */
+template <typename T> MMD_HOSTDEV inline T mmd_roi_align_bin_start(T start, T bin, int64_t bin_index) {
+    return start + (T)bin_index * bin;
+}
+
+/* Coordinate of sample `i` of the bin that begins at `bin_start`. */
+template <typename T>
+MMD_HOSTDEV inline T mmd_roi_align_bin_sample(T bin_start, T bin, int64_t i, int64_t grid) {
+    return bin_start + ((T)i + (T)0.5) * bin / (T)grid;
+}
+
 /* Coordinate of sample `i` of bin `bin_index` along one axis. */
 template <typename T>
 MMD_HOSTDEV inline T mmd_roi_align_sample(T start, T bin, int64_t bin_index, int64_t i,
                                           int64_t grid) {
-    return start + (T)bin_index * bin + ((T)i + (T)0.5) * bin / (T)grid;
+    return mmd_roi_align_bin_sample(mmd_roi_align_bin_start(start, bin, bin_index), bin, i, grid);
 }
 
 /* MMCV's bilinear_interpolate, one axis at a time; `size` is H or W.
