@@ -27,9 +27,11 @@
 # a wheel built elsewhere instead of building (about 90 s of device time saved:
 # build one for the machine's Python with MMDISPATCH_WITH_CUDA=1 and carry
 # it), JOBS (pytest -n, default 12), BUDGET (seconds, part all), MEMCHECK_K
-# (pytest -k of the memcheck run, default cuda), BASELINE=path to a wheel of
-# an earlier build (tools/gpu_wheel.sh with REF=): the bench's GPU rows run
-# once more on it, in the same run (bench-baseline.txt), to time a change. The last lines of each log
+# (pytest -k of the memcheck run, default cuda), BASELINE=paths of wheels of
+# earlier builds, space-separated (tools/gpu_wheel.sh with REF= and DEST=):
+# the bench's GPU rows run once more on each, in the same run, to time the
+# changes between them (bench-baseline-<the wheel's folder>.txt, e.g.
+# bench-baseline-whl-base.txt for .whl-base/). The last lines of each log
 # are printed at the end; a step cut short by its time leaves its partial log.
 set -uo pipefail
 part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|profile|all}
@@ -78,15 +80,16 @@ bench|all)
     [ "$part" = all ] && flags+=(--gpu-only)
     timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
-    if [ -n "${BASELINE:-}" ]; then   # the earlier build, first on the path
+    for wheel in ${BASELINE:-}; do   # each earlier build, first on the path
+        name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
         rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
-            "$BASELINE" > "$out/baseline-install.log" 2>&1
+            "$wheel" > "$out/$name-install.log" 2>&1
         PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 120)" "$py" -m mmdispatch \
-            bench --gpu-only --repeat 5 --json "$out/bench-baseline.json" \
-            > "$out/bench-baseline.txt" 2>&1
-        echo "baseline bench exit $? ($(( $(date +%s) - began )) s in)"
-        grep "^|" "$out/bench-baseline.txt" | tail -40
-    fi
+            bench --gpu-only --repeat 5 --json "$out/bench-$name.json" \
+            > "$out/bench-$name.txt" 2>&1
+        echo "$name bench exit $? ($(( $(date +%s) - began )) s in)"
+        grep "^|" "$out/bench-$name.txt" | tail -40
+    done
     ;;&
 profile|all)
     timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats --section Occupancy \
