@@ -105,15 +105,34 @@ int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
     return s;
 }
 
-/* A thread per output element, bins fastest (a warp reads neighbouring
- * bins of one channel plane), then rois, then channels: channel-major, as
- * roi_align's avg forward (common.cuh, locate_bin_group), so that the
- * planes being read stay in L2 while all rois read them. Its index is
- * split in I: int32_t where the output has fewer than 2^31 elements
- * (64-bit divisions cost tens of instructions each). A thread per bin
- * and 8 channels, the bin's cells found once for the 8, took 2.72 ms on
- * the bench's workload where torchvision's thread per element took
- * 1.13 ms (ncu, H100, 2026-11-26): it kept an eighth as many loads in
+/* The output element of thread `index` of the forward and default backward
+ * kernels: bins fastest (a warp reads neighbouring bins of one channel
+ * plane), then rois, then channels: channel-major, as roi_align's avg
+ * kernels (common.cuh, locate_bin_group), so that the planes being read
+ * (forward) or added into (backward's atomics) stay in L2 while all rois
+ * visit them. The index is split in I: int32_t where the output has fewer
+ * than 2^31 elements (64-bit divisions cost tens of instructions each). */
+template <typename I> struct PooledElement {
+    I k, c, ph, pw;
+    int64_t at;   /* its place in output, argmax and grad_output */
+    bool first;   /* the roi's first element (reports a bad roi) */
+
+    __device__ PooledElement(int64_t index, int64_t num_rois, int64_t channels,
+                             int64_t pooled_h, int64_t pooled_w) {
+        const I i = (I)index, bins_w = (I)pooled_w, bins_h = (I)pooled_h, rest = i / bins_w;
+        pw = i % bins_w;
+        ph = rest % bins_h;
+        k = (rest / bins_h) % (I)num_rois;
+        c = rest / bins_h / (I)num_rois;
+        at = (((int64_t)k * (I)channels + c) * bins_h + ph) * bins_w + pw;
+        first = c == 0 && ph == 0 && pw == 0;
+    }
+};
+
+/* Forward: a thread per output element (PooledElement's order). A thread
+ * per bin and 8 channels, the bin's cells found once for the 8, took
+ * 2.72 ms on the bench's workload where torchvision's thread per element
+ * took 1.13 ms (ncu, H100, 2026-11-26): it kept an eighth as many loads in
  * flight. torchvision's order (rois outermost) moved about 2.6 GB from
  * DRAM there, 15 times the map and output. */
 template <typename T, typename I>
@@ -123,24 +142,20 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
                                int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
                                ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    const I bins_w = (I)pooled_w, bins_h = (I)pooled_h, planes = (I)channels;
-    const I count = (I)num_rois;
     MMD_GRID_STRIDE_LOOP(index, total) {
-        const I i = (I)index, pw = i % bins_w, rest = i / bins_w;
-        const I ph = rest % bins_h, k = (rest / bins_h) % count, c = rest / bins_h / count;
-        const int64_t at_out = (((int64_t)k * planes + c) * bins_h + ph) * bins_w + pw;
+        const PooledElement<I> e(index, num_rois, channels, pooled_h, pooled_w);
         Geometry<T> g;
-        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
+        const int code = roi_geometry(rois, e.k, batch, scale, pooled_h, pooled_w, &g);
         if (code != MMD_ROI_OK) {
-            if (c == 0 && ph == 0 && pw == 0) sink.report(k, code);
-            output[at_out] = from_compute<T>((A)NAN);
-            argmax[at_out] = -1;
+            if (e.first) sink.report(e.k, code);
+            output[e.at] = from_compute<T>((A)NAN);
+            argmax[e.at] = -1;
             continue;
         }
         int64_t h0, h1, w0, w1;
-        mmd_roi_pool_bin(g.start_h, g.bin_h, ph, height, &h0, &h1);
-        mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);
-        const T *plane = input + (g.batch * channels + c) * height * width;
+        mmd_roi_pool_bin(g.start_h, g.bin_h, e.ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_w, g.bin_w, e.pw, width, &w0, &w1);
+        const T *plane = input + (g.batch * channels + e.c) * height * width;
         A best = 0;
         int64_t best_index = -1;
         bool saw_nan = false;
@@ -155,35 +170,35 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
                     best_index = at;
                 }
             }
-        output[at_out] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
-        argmax[at_out] = best_index;
+        output[e.at] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
+        argmax[e.at] = best_index;
     }
 }
 
-template <typename T>
+/* Default backward: a thread per grad_output element (PooledElement's
+ * order), an atomic add at its argmax. Roi-major order spread the adds in
+ * flight over every plane of grad_input (the bench's is 124 MB, L2 50 MB). */
+template <typename T, typename I>
 __global__ void backward_kernel(const T *grad_output, const T *rois, const int64_t *argmax,
-                                T *grad_input, int64_t total, int64_t channels,
-                                int64_t plane_size, int64_t pooled_h, int64_t pooled_w,
-                                int64_t batch, typename Compute<T>::type scale,
-                                ErrorSink sink) {
-    const int64_t per_roi = channels * pooled_h * pooled_w;
-    const int64_t num_rois = total / per_roi;
+                                T *grad_input, int64_t total, int64_t num_rois,
+                                int64_t channels, int64_t plane_size, int64_t pooled_h,
+                                int64_t pooled_w, int64_t batch,
+                                typename Compute<T>::type scale, ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(index, total) {
-        const int64_t c = (index / pooled_w / pooled_h) % channels;
-        const int64_t k = index / per_roi;
+        const PooledElement<I> e(index, num_rois, channels, pooled_h, pooled_w);
         Geometry<T> g;
-        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
+        const int code = roi_geometry(rois, e.k, batch, scale, pooled_h, pooled_w, &g);
         if (code != MMD_ROI_OK) {
-            if (index % per_roi == 0) sink.report(k, code);
+            if (e.first) sink.report(e.k, code);
             continue;
         }
-        const int64_t a = argmax[index];
+        const int64_t a = argmax[e.at];
         if (a < -1 || a >= plane_size) {
-            sink.report(num_rois + index, kBadArgmax);
+            sink.report(num_rois + e.at, kBadArgmax);
             continue;
         }
         if (a < 0) continue;
-        atomicAdd(grad_input + (g.batch * channels + c) * plane_size + a, grad_output[index]);
+        atomicAdd(grad_input + (g.batch * channels + e.c) * plane_size + a, grad_output[e.at]);
     }
 }
 
@@ -279,16 +294,19 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
             int s = check_inputs<T>(ctx, rois, batch, (typename Compute<T>::type)spatial_scale, pooled_height,
                                     pooled_width, am, total, plane_size, stream, work, &sink);
             if (s || !work) return s;
+            auto kernel = total <= INT32_MAX ? backward_kernel<T, int32_t>
+                                             : backward_kernel<T, int64_t>;
             if (deterministic)
                 deterministic_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(
                     (const T *)grad_output->data, (const T *)rois->data, am,
                     (T *)grad_input->data, rois->shape[0], grad_input->shape[1], plane_size,
                     pooled_height, pooled_width, batch, (typename Compute<T>::type)spatial_scale, sink);
             else
-                backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+                kernel<<<blocks_for(total), kThreads, 0, stream>>>(
                     (const T *)grad_output->data, (const T *)rois->data, am,
-                    (T *)grad_input->data, total, grad_input->shape[1], plane_size,
-                    pooled_height, pooled_width, batch, (typename Compute<T>::type)spatial_scale, sink);
+                    (T *)grad_input->data, total, rois->shape[0], grad_input->shape[1],
+                    plane_size, pooled_height, pooled_width, batch,
+                    (typename Compute<T>::type)spatial_scale, sink);
             return launch_status("roi_pool backward launch");
         });
     });

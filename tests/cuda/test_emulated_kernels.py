@@ -125,6 +125,29 @@ def test_roi_pools_bad_roi_is_deferred_and_its_bins_are_nan_with_no_argmax(emu):
     assert emu.synchronize() == (0, "")   # taken once
 
 
+def test_roi_pools_bad_argmax_entry_is_deferred_under_its_flat_index_and_adds_nothing(emu):
+    """roi_pool's default backward runs channel-major (every roi's bins of
+    a channel, then the next channel): a bad argmax entry of roi 0, channel
+    2 is reported under its flat index in argmax (12), not its thread's
+    place (36), and adds nothing; the other entries add as on the CPU."""
+    x = np.random.default_rng(4).random((2, 3, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [1, 2, 1, 8, 6.5], [1, 1, 2, 8, 8]], np.float32)
+    output, argmax = np.zeros((3, 3, 2, 3), np.float32), np.zeros((3, 3, 2, 3), np.int64)
+    mmdispatch.roi_pool_forward_impl(x, rois, output, argmax, 2, 3, 1.0)
+    grad_output = np.random.default_rng(5).random(output.shape, dtype=np.float32)
+    expected, grad = np.zeros_like(x), np.zeros_like(x)
+    skipped = argmax.copy()
+    skipped[0, 2, 0, 0] = -1
+    mmdispatch.roi_pool_backward_impl(grad_output, rois, skipped, expected, 2, 3, 1.0)
+    argmax[0, 2, 0, 0] = 10 ** 6
+    with mmdispatch.strict(False):
+        mmdispatch.roi_pool_backward_impl(*on_gpu([grad_output, rois, argmax, grad]), 2, 3, 1.0)
+    assert_same(grad, expected)
+    status, message = emu.synchronize()
+    assert status != 0 and message.startswith(
+        "roi_pool_backward_impl: argmax holds a value outside [-1, 81) at flat index 12")
+
+
 def test_synchronize_raises_the_deferred_error_of_the_last_call(emu):
     arrays, _ = roi_case(batch_index=-1)
     with mmdispatch.strict(False):
