@@ -8,11 +8,11 @@
  * adaptive sampling places them, share rows and columns): a bin of g x g
  * samples then reads (g + 1)^2 cells per channel instead of 4 g^2, and the
  * backward makes as many atomic adds. The walk keeps at most two cells of
- * an axis in registers (no list in local memory); the forward walks once
- * for the group, each column serving its channels, the backward once per
- * channel (fewer registers live beside its atomics). The roi's geometry is
- * worked out once per group. max pooling: a thread per output element,
- * sample by sample.
+ * an axis in registers (no list in local memory), once for the group: each
+ * cell it reaches serves the 8 channels (a walk per channel would redo a
+ * row's column interpolations 8 times, for bins of many samples more than
+ * the atomics). The roi's geometry is worked out once per group. max
+ * pooling: a thread per output element, sample by sample.
  *
  * The `default` backward adds into grad_input with atomics, the
  * `deterministic` one gives each band of rows of an (image, channel) plane
@@ -240,8 +240,10 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
                 for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, [&](int x, A wx) {
                     const T *cell = row + x;
 #pragma unroll   /* a column's weight serves the group */
-                    for (int c = 0; c < kChannelGroup; ++c, cell += plane_size)
+                    for (int c = 0; c < kChannelGroup; ++c) {
                         if (c < w.count) dot[c] += wx * to_compute(*cell);
+                        if (c + 1 < w.count) cell += plane_size;   /* never past the map */
+                    }
                 });
 #pragma unroll
                 for (int c = 0; c < kChannelGroup; ++c) sum[c] += wy * dot[c];
@@ -347,21 +349,31 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
         const A divisor = (A)(count > 1 ? count : 1);
         const A row_start = mmd_roi_align_bin_start(g.start_h, g.bin_h, w.ph);
         const A col_start = mmd_roi_align_bin_start(g.start_w, g.bin_w, w.pw);
-        for (int64_t c = 0; c < w.count; ++c) {
-            const A share = to_compute(grads[c * bins]) / divisor;
-            T *plane = planes + c * plane_size;
-            if (!walk || !isfinite(share)) {
-                scatter_samples<T, A>(plane, height, width, g, w.ph, w.pw, share);
-                continue;
-            }
-            for_each_cell(row_start, g.bin_h, (int)g.grid_h, (int)height, [&](int y, A wy) {
-                T *row = plane + (int64_t)y * width;
-                const A row_share = share * wy;
-                for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, [&](int x, A wx) {
-                    atomicAdd(row + x, from_compute<T>(row_share * wx));
-                });
-            });
+        A share[kChannelGroup] = {};
+        unsigned walked = 0;   /* channels added through the walk; the others sample by sample */
+#pragma unroll   /* unrolled: share[] stays in registers */
+        for (int c = 0; c < kChannelGroup; ++c) {
+            if (c >= w.count) break;
+            share[c] = to_compute(grads[c * bins]) / divisor;
+            if (walk && isfinite(share[c])) walked |= 1u << c;
         }
+        for (unsigned rest = ((1u << w.count) - 1) & ~walked; rest; rest &= rest - 1) {
+            const int c = __ffs((int)rest) - 1;
+            scatter_samples<T, A>(planes + c * plane_size, height, width, g, w.ph, w.pw,
+                                  to_compute(grads[c * bins]) / divisor);
+        }
+        if (!walked) continue;
+        for_each_cell(row_start, g.bin_h, (int)g.grid_h, (int)height, [&](int y, A wy) {
+            T *row = planes + (int64_t)y * width;
+            for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, [&](int x, A wx) {
+                T *cell = row + x;
+#pragma unroll   /* a cell serves the group: (share * wy) * wx, as a walk per channel */
+                for (int c = 0; c < kChannelGroup; ++c) {
+                    if (walked >> c & 1u) atomicAdd(cell, from_compute<T>(share[c] * wy * wx));
+                    if (c + 1 < w.count) cell += plane_size;   /* never past the map */
+                }
+            });
+        });
     }
 }
 
