@@ -14,8 +14,18 @@ from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.soft_nms import METHODS as _SOFT_NMS_METHODS
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
-from mmdispatch.torch._vision import _int_pair, _nms, _pair, like_dtype, rois_of
-from mmdispatch.torch._vision import deform_groups as deform_groups_of
+from mmdispatch.torch._vision import _int_pair, _nms, _pair
+from mmdispatch.torch._vision import deform_groups as _deform_groups_of
+from mmdispatch.torch._vision import like_dtype as _like_dtype
+from mmdispatch.torch._vision import rois_of as _rois_of
+
+__all__ = ["DeformConv2d", "ModulatedDeformConv2d", "MultiScaleDeformableAttention",
+           "MultiScaleDeformableAttnFunction", "RoIAlign", "RoIAlignRotated", "RoIPool",
+           "SigmoidFocalLoss", "SoftmaxFocalLoss", "batched_nms", "bbox_overlaps",
+           "box_iou_rotated", "deform_conv2d", "modulated_deform_conv2d",
+           "multi_scale_deformable_attn", "multi_scale_deformable_attn_pytorch", "nms",
+           "nms_rotated", "roi_align", "roi_align_rotated", "roi_pool", "sigmoid_focal_loss",
+           "soft_nms", "softmax_focal_loss"]
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
@@ -42,7 +52,7 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
     differentiable with respect to input in both modes."""
     h, w = _pair("roi_align", output_size)
     mode = _choice("roi_align", "pool_mode", pool_mode, _POOL_MODES)
-    rois = rois_of("roi_align", rois, input)
+    rois = _rois_of("roi_align", rois, input)
     return _ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio), mode,
                       bool(aligned))[0]
 
@@ -76,7 +86,7 @@ def nms(boxes, scores, iou_threshold, offset=0, score_threshold=0, max_num=-1):
 
 def _soft_detections(op, boxes, scores, idxs, iou_threshold, sigma, min_score, method, offset):
     code = _choice(op, "method", method, _SOFT_NMS_METHODS)
-    return _SOFT_NMS(boxes, like_dtype(scores, boxes), idxs, float(iou_threshold), float(sigma),
+    return _SOFT_NMS(boxes, _like_dtype(scores, boxes), idxs, float(iou_threshold), float(sigma),
                      float(min_score), code, int(offset))
 
 
@@ -142,7 +152,7 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     """mmcv.ops.bbox_overlaps: (N, M) ("iou" or "iof"), or (N,) when
     aligned. Not differentiable (as in MMCV)."""
     code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
-    bboxes2 = like_dtype(bboxes2, bboxes1)
+    bboxes2 = _like_dtype(bboxes2, bboxes1)
     return _OVERLAPS(bboxes1, bboxes2, code, bool(aligned), int(offset))
 
 
@@ -152,7 +162,7 @@ def box_iou_rotated(bboxes1, bboxes2, mode="iou", aligned=False, clockwise=True)
     Not differentiable (as in MMCV)."""
     op = "box_iou_rotated"
     code = _choice(op, "mode", mode, _OVERLAP_MODES)
-    return _BOX_IOU_ROTATED(bboxes1, like_dtype(bboxes2, bboxes1), code, bool(aligned),
+    return _BOX_IOU_ROTATED(bboxes1, _like_dtype(bboxes2, bboxes1), code, bool(aligned),
                             bool(clockwise))
 
 
@@ -163,7 +173,7 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
     decreasing score; the IoU is box_iou_rotated's, exactly."""
     if dets.shape[0] == 0:
         return dets.new_zeros((0, 6)), torch.zeros(0, dtype=torch.int64, device=dets.device)
-    scores = like_dtype(scores, dets)
+    scores = _like_dtype(scores, dets)
     keep = _NMS_ROTATED(dets, scores, None if labels is None else labels.to(torch.int64),
                         float(iou_threshold), bool(clockwise))
     return torch.cat([dets[keep], scores[keep].reshape(-1, 1)], dim=1), keep
@@ -174,7 +184,7 @@ def roi_align_rotated(input, rois, output_size, spatial_scale=1.0, sampling_rati
     """mmcv.ops.roi_align_rotated: rois (K, 6) [batch index, cx, cy, w, h,
     angle]; (K, C, *output_size); differentiable with respect to input."""
     h, w = _pair("roi_align_rotated", output_size)
-    return _ROI_ALIGN_ROTATED(input, like_dtype(rois, input), h, w, float(spatial_scale),
+    return _ROI_ALIGN_ROTATED(input, _like_dtype(rois, input), h, w, float(spatial_scale),
                               int(sampling_ratio), bool(aligned), bool(clockwise))
 
 
@@ -207,7 +217,7 @@ def _focal_loss(op, derived, input, target, gamma, alpha, weight, reduction):
         raise ValueError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     target = target.to(torch.int64)
     if weight is not None:
-        weight = like_dtype(weight, input)
+        weight = _like_dtype(weight, input)
     loss = derived(input, target, weight, float(gamma), float(alpha))
     if reduction == "sum":
         return loss.sum()
@@ -295,7 +305,7 @@ def _deform(op, input, offset, mask, weight, bias, stride, padding, dilation, gr
             deform_groups):
     """The deformable convolution with MMCV's explicit groups and
     deform_groups, checked against the tensors' shapes."""
-    implied = deform_groups_of(op, input, offset, weight)
+    implied = _deform_groups_of(op, input, offset, weight)
     if (groups, deform_groups) != implied:
         raise ValueError(f"{op}: groups={groups}, deform_groups={deform_groups} do not match "
                          f"the shapes, which imply groups={implied[0]}, "
@@ -367,8 +377,8 @@ def multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_i
     _im2col_step("multi_scale_deformable_attn", im2col_step)
     levels = (t.to(device=value.device, dtype=torch.int64)
               for t in (value_spatial_shapes, value_level_start_index))
-    return _MSDA(value, *levels, like_dtype(sampling_locations, value),
-                 like_dtype(attention_weights, value))
+    return _MSDA(value, *levels, _like_dtype(sampling_locations, value),
+                 _like_dtype(attention_weights, value))
 
 
 class MultiScaleDeformableAttnFunction:

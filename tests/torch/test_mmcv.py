@@ -207,3 +207,17 @@ def test_bbox_overlaps_roi_pool_and_modules():
 def test_bad_input_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+def test_star_import_gives_mmcvs_ops_and_nothing_of_the_modules_own():
+    """`from mmdispatch.torch.mmcv import *` in place of `from mmcv.ops
+    import *`: every public function and module, and none of the names the
+    module uses itself (torch, nn, math, its helpers): the functions and
+    classes of mmdispatch's torch layer without a leading underscore."""
+    namespace = {}
+    exec("from mmdispatch.torch.mmcv import *", namespace)
+    names = set(namespace) - {"__builtins__"}
+    public = {name for name, value in vars(mmcv).items() if not name.startswith("_")
+              and getattr(value, "__module__", "").startswith("mmdispatch.torch")}
+    assert names == set(mmcv.__all__) == public
+    assert "multi_scale_deformable_attn_pytorch" in names and "torch" not in names
