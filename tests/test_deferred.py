@@ -221,10 +221,11 @@ def test_cuda_strict_mode_raises_at_the_call_and_writes_nothing(cupy):
 def test_cuda_bad_argmax_and_targets_are_deferred_too(cupy):
     x, rois, _ = bad_roi_call(cupy, np.float64)
     out, argmax = mmdispatch.ops.roi_pool_forward(x, rois, 2)
-    argmax[0, 0, 0, 1] = 10 ** 6
+    # roi 0, channel 2: flat index 8 in argmax, thread 24 of the channel-major kernel
+    argmax[0, 2, 0, 0] = 10 ** 6
     grad = mmdispatch.ops.roi_pool_backward(cupy.ones_like(out), rois, argmax, x.shape)
     with pytest.raises(mmdispatch.DeferredKernelError, match=re.escape(
-            "roi_pool_backward_impl: argmax holds a value outside [-1, 64) at flat index 1")):
+            "roi_pool_backward_impl: argmax holds a value outside [-1, 64) at flat index 8")):
         mmdispatch.synchronize()
     assert bool(cupy.isfinite(grad).all())   # the bad entry added nothing
     target = cupy.asarray(np.array([0, 7, 2]))
