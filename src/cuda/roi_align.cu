@@ -12,7 +12,8 @@
  * cell it reaches serves the 8 channels (a walk per channel would redo a
  * row's column interpolations 8 times, for bins of many samples more than
  * the atomics). The roi's geometry is worked out once per group. max
- * pooling: a thread per output element, sample by sample.
+ * pooling: a thread per output element (channel-major, common.cuh's
+ * PooledElement), sample by sample.
  *
  * The `default` backward adds into grad_input with atomics, the
  * `deterministic` one gives each band of rows of an (image, channel) plane
@@ -71,27 +72,6 @@ __device__ inline A bilinear(const T *plane, int64_t width, const Axis<A> &ay,
     const T *hi = plane + ay.high * width;
     return ay.w_low * (ax.w_low * to_compute(lo[ax.low]) + ax.w_high * to_compute(lo[ax.high])) +
            ay.w_high * (ax.w_low * to_compute(hi[ax.low]) + ax.w_high * to_compute(hi[ax.high]));
-}
-
-/* Which bin output element `index` is, and its roi's geometry; false for a
- * bad roi, which the thread of the roi's first element reports. */
-template <typename T, typename A>
-__device__ inline bool locate_bin(int64_t index, const T *rois, int64_t channels,
-                                  int64_t pooled_h, int64_t pooled_w, int64_t batch, A scale,
-                                  int64_t sampling_ratio, int aligned, const ErrorSink &sink,
-                                  int64_t *c, int64_t *ph, int64_t *pw,
-                                  Geometry<A> *g) {
-    *pw = index % pooled_w;
-    *ph = (index / pooled_w) % pooled_h;
-    *c = (index / pooled_w / pooled_h) % channels;
-    const int64_t k = index / pooled_w / pooled_h / channels;
-    A roi[5];
-    load_roi(rois, k, roi);
-    const int code =
-        mmd_roi_align_geometry(roi, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned, g);
-    if (code == MMD_ROI_OK) return true;
-    if (index % (channels * pooled_h * pooled_w) == 0) sink.report(k, code);
-    return false;
 }
 
 /* The avg kernels walk cells with int indices, on maps no wider or taller
@@ -268,23 +248,27 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
     }
 }
 
-template <typename T>
+/* max: a thread per output element (common.cuh, PooledElement: channel-major),
+ * sample by sample. */
+template <typename T, typename I>
 __global__ void max_forward_kernel(const T *input, const T *rois, T *output, T *argmax_y,
-                               T *argmax_x, int64_t total, int64_t channels, int64_t height,
-                               int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
-                               typename Compute<T>::type scale, int64_t sampling_ratio,
-                               int aligned, ErrorSink sink) {
+                                   T *argmax_x, int64_t total, int64_t num_rois,
+                                   int64_t channels, int64_t height, int64_t width,
+                                   int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                                   typename Compute<T>::type scale, int64_t sampling_ratio,
+                                   int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
-        int64_t c, ph, pw;
+        const PooledElement<I> e(index, num_rois, channels, pooled_h, pooled_w);
+        const int64_t ph = e.ph, pw = e.pw;
         Geometry<A> g;
-        if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
-                              sampling_ratio, aligned, sink, &c, &ph, &pw, &g)) {
-            output[index] = from_compute<T>((A)NAN);
-            argmax_y[index] = argmax_x[index] = from_compute<T>((A)-1);
+        if (!geometry_of(rois, (int64_t)e.k, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                         aligned, e.first, sink, &g)) {
+            output[e.at] = from_compute<T>((A)NAN);
+            argmax_y[e.at] = argmax_x[e.at] = from_compute<T>((A)-1);
             continue;
         }
-        const T *plane = input + (g.batch * channels + c) * height * width;
+        const T *plane = input + (g.batch * channels + e.c) * height * width;
         mmd_max_state<A> m;
         mmd_max_init(&m);
         for (int64_t iy = 0; iy < g.grid_h; ++iy) {
@@ -299,9 +283,9 @@ __global__ void max_forward_kernel(const T *input, const T *rois, T *output, T *
                 mmd_max_update(&m, v, y, x);
             }
         }
-        output[index] = from_compute<T>(mmd_max_value(&m));
-        argmax_y[index] = from_compute<T>(m.y);
-        argmax_x[index] = from_compute<T>(m.x);
+        output[e.at] = from_compute<T>(mmd_max_value(&m));
+        argmax_y[e.at] = from_compute<T>(m.y);
+        argmax_x[e.at] = from_compute<T>(m.x);
     }
 }
 
@@ -377,29 +361,30 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
     }
 }
 
-/* max: the 4 cells around each bin's argmax. */
-template <typename T>
+/* max: the 4 cells around each bin's argmax, a thread per grad_output
+ * element in the forward's order. */
+template <typename T, typename I>
 __global__ void max_backward_kernel(const T *grad_output, const T *rois, const T *argmax_y,
                                     const T *argmax_x, T *grad_input, int64_t total,
-                                    int64_t channels, int64_t height, int64_t width,
-                                    int64_t pooled_h, int64_t pooled_w, int64_t batch,
-                                    typename Compute<T>::type scale, int64_t sampling_ratio,
-                                    int aligned, ErrorSink sink) {
+                                    int64_t num_rois, int64_t channels, int64_t height,
+                                    int64_t width, int64_t pooled_h, int64_t pooled_w,
+                                    int64_t batch, typename Compute<T>::type scale,
+                                    int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
-        int64_t c, ph, pw;
+        const PooledElement<I> e(index, num_rois, channels, pooled_h, pooled_w);
         Geometry<A> g;
-        if (!locate_bin<T, A>(index, rois, channels, pooled_h, pooled_w, batch, scale,
-                              sampling_ratio, aligned, sink, &c, &ph, &pw, &g))
+        if (!geometry_of(rois, (int64_t)e.k, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                         aligned, e.first, sink, &g))
             continue;   /* a bad roi adds nothing */
-        const A y = to_compute(argmax_y[index]);
+        const A y = to_compute(argmax_y[e.at]);
         if (y == (A)-1) continue;
         Axis<A> ay, ax;
         mmd_interp(y, height, &ay);
-        mmd_interp(to_compute(argmax_x[index]), width, &ax);
+        mmd_interp(to_compute(argmax_x[e.at]), width, &ax);
         if (ay.valid && ax.valid)
-            scatter<T, A>(grad_input + (g.batch * channels + c) * height * width, width, ay, ax,
-                          to_compute(grad_output[index]));
+            scatter<T, A>(grad_input + (g.batch * channels + e.c) * height * width, width, ay,
+                          ax, to_compute(grad_output[e.at]));
     }
 }
 
@@ -638,11 +623,13 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
                        &sink);
     if (s || total == 0) return s;
     if (pool_mode == MMD_POOL_MAX) {
-        max_forward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+        auto kernel = total <= INT32_MAX ? max_forward_kernel<T, int32_t>
+                                         : max_forward_kernel<T, int64_t>;
+        kernel<<<blocks_for(total), kThreads, 0, stream>>>(
             (const T *)input->data, (const T *)rois->data, (T *)output->data,
-            (T *)argmax_y->data, (T *)argmax_x->data, total, input->shape[1], input->shape[2],
-            input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale, sampling_ratio,
-            aligned, sink);
+            (T *)argmax_y->data, (T *)argmax_x->data, total, rois->shape[0], input->shape[1],
+            input->shape[2], input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
+            sampling_ratio, aligned, sink);
     } else {
         const int64_t threads = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
         avg_forward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
@@ -721,9 +708,11 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
     }
     const int64_t channels = grad_input->shape[1];
     if (max_mode) {
-        max_backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+        auto kernel = total <= INT32_MAX ? max_backward_kernel<T, int32_t>
+                                         : max_backward_kernel<T, int64_t>;
+        kernel<<<blocks_for(total), kThreads, 0, stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (const T *)argmax_y->data,
-            (const T *)argmax_x->data, (T *)grad_input->data, total, channels,
+            (const T *)argmax_x->data, (T *)grad_input->data, total, rois->shape[0], channels,
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     } else {

@@ -105,30 +105,6 @@ int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
     return s;
 }
 
-/* The output element of thread `index` of the forward and default backward
- * kernels: bins fastest (a warp reads neighbouring bins of one channel
- * plane), then rois, then channels: channel-major, as roi_align's avg
- * kernels (common.cuh, locate_bin_group), so that the planes being read
- * (forward) or added into (backward's atomics) stay in L2 while all rois
- * visit them. The index is split in I: int32_t where the output has fewer
- * than 2^31 elements (64-bit divisions cost tens of instructions each). */
-template <typename I> struct PooledElement {
-    I k, c, ph, pw;
-    int64_t at;   /* its place in output, argmax and grad_output */
-    bool first;   /* the roi's first element (reports a bad roi) */
-
-    __device__ PooledElement(int64_t index, int64_t num_rois, int64_t channels,
-                             int64_t pooled_h, int64_t pooled_w) {
-        const I i = (I)index, bins_w = (I)pooled_w, bins_h = (I)pooled_h, rest = i / bins_w;
-        pw = i % bins_w;
-        ph = rest % bins_h;
-        k = (rest / bins_h) % (I)num_rois;
-        c = rest / bins_h / (I)num_rois;
-        at = (((int64_t)k * (I)channels + c) * bins_h + ph) * bins_w + pw;
-        first = c == 0 && ph == 0 && pw == 0;
-    }
-};
-
 /* Forward: a thread per output element (PooledElement's order). A thread
  * per bin and 8 channels, the bin's cells found once for the 8, took
  * 2.72 ms on the bench's workload where torchvision's thread per element

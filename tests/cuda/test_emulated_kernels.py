@@ -125,6 +125,45 @@ def test_roi_pools_bad_roi_is_deferred_and_its_bins_are_nan_with_no_argmax(emu):
     assert emu.synchronize() == (0, "")   # taken once
 
 
+def test_roi_aligns_max_mode_defers_a_bad_roi_gives_its_bins_nan_and_adds_nothing_for_it(emu):
+    """roi_align's max kernels (a thread per element, channel-major): every
+    bin of a bad roi (the last: its first element is not the grid's), in
+    every channel, is NaN with argmax -1, the backward adds nothing for it,
+    the good rois give the CPU's results, and each call reports the roi
+    once, as a deferred error."""
+    x = np.random.default_rng(6).random((2, 3, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [0, 1, 1, 7, 8], [7, 2, 1, 8, 6.5]], np.float32)
+    grad_output = np.random.default_rng(7).random((3, 3, 2, 2), dtype=np.float32)
+
+    def forward(wrap, rois):
+        out = [np.zeros((len(rois), 3, 2, 2), np.float32) for _ in range(3)]
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, *out]), 2, 2, 1.0, 2, 0, True)
+        return out
+
+    def backward(wrap, rois, argmax_y, argmax_x):
+        grad = np.zeros_like(x)
+        mmdispatch.roi_align_backward_impl(
+            *wrap([grad_output[:len(rois)], rois, argmax_y, argmax_x, grad]), 2, 2, 1.0, 2, 0,
+            True)
+        return grad
+
+    expected = forward(list, rois[:2])
+    with mmdispatch.strict(False):
+        got = forward(on_gpu, rois)
+        status, message = emu.synchronize()
+        assert status != 0 and message.startswith(
+            "roi_align_forward_impl: rois[2, 0] (batch index)")
+        grad = backward(on_gpu, rois, *got[1:])
+        status, message = emu.synchronize()
+        assert status != 0 and message.startswith(
+            "roi_align_backward_impl: rois[2, 0] (batch index)")
+    assert emu.synchronize() == (0, "")   # each taken once
+    assert np.isnan(got[0][2]).all() and (got[1][2] == -1).all() and (got[2][2] == -1).all()
+    for a, b in zip(got, expected):
+        assert_same(a[:2], b)
+    assert_same(grad, backward(list, rois[:2], *expected[1:]))
+
+
 def test_roi_pools_bad_argmax_entry_is_deferred_under_its_flat_index_and_adds_nothing(emu):
     """roi_pool's default backward runs channel-major (every roi's bins of
     a channel, then the next channel): a bad argmax entry of roi 0, channel

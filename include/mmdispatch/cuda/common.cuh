@@ -108,6 +108,30 @@ __device__ inline BinGroup locate_bin_group(int64_t index, int64_t num_rois, int
     return w;
 }
 
+/* Pooling kernels that give a thread one output element (roi_pool,
+ * roi_align's max mode): element `index`'s place, bins fastest (a warp reads
+ * neighbouring bins of one channel plane), then rois, then channels:
+ * channel-major, as locate_bin_group, so that the planes being read
+ * (forward) or added into (backward's atomics) stay in L2 while all rois
+ * visit them. The index is split in I: int32_t where the output has fewer
+ * than 2^31 elements (64-bit divisions cost tens of instructions each). */
+template <typename I> struct PooledElement {
+    I k, c, ph, pw;
+    int64_t at;   /* its place in output, argmax and grad_output */
+    bool first;   /* the roi's first element (reports a bad roi) */
+
+    __device__ PooledElement(int64_t index, int64_t num_rois, int64_t channels,
+                             int64_t pooled_h, int64_t pooled_w) {
+        const I i = (I)index, bins_w = (I)pooled_w, bins_h = (I)pooled_h, rest = i / bins_w;
+        pw = i % bins_w;
+        ph = rest % bins_h;
+        k = (rest / bins_h) % (I)num_rois;
+        c = rest / bins_h / (I)num_rois;
+        at = (((int64_t)k * (I)channels + c) * bins_h + ph) * bins_w + pw;
+        first = c == 0 && ph == 0 && pw == 0;
+    }
+};
+
 /* Calls f with a value of the storage type matching `dtype`, which the
  * caller has already checked to be float16, bfloat16, float32 or float64. */
 template <typename F> int by_dtype(int dtype, F f) {
