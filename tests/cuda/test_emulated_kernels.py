@@ -128,9 +128,9 @@ def test_roi_pools_bad_roi_is_deferred_and_its_bins_are_nan_with_no_argmax(emu):
 def test_roi_aligns_max_mode_defers_a_bad_roi_gives_its_bins_nan_and_adds_nothing_for_it(emu):
     """roi_align's max kernels (a thread per element, channel-major): every
     bin of a bad roi (the last: its first element is not the grid's), in
-    every channel, is NaN with argmax -1, the backward adds nothing for it,
-    the good rois give the CPU's results, and each call reports the roi
-    once, as a deferred error."""
+    every channel, is NaN with argmax -1; the backward adds nothing for it
+    even where its argmax entries name cells; the good rois give the CPU's
+    results; each call's deferred error names the roi."""
     x = np.random.default_rng(6).random((2, 3, 9, 9), dtype=np.float32)
     rois = np.array([[0, 0, 0, 5, 5], [0, 1, 1, 7, 8], [7, 2, 1, 8, 6.5]], np.float32)
     grad_output = np.random.default_rng(7).random((3, 3, 2, 2), dtype=np.float32)
@@ -153,11 +153,13 @@ def test_roi_aligns_max_mode_defers_a_bad_roi_gives_its_bins_nan_and_adds_nothin
         status, message = emu.synchronize()
         assert status != 0 and message.startswith(
             "roi_align_forward_impl: rois[2, 0] (batch index)")
-        grad = backward(on_gpu, rois, *got[1:])
+        argmax_y, argmax_x = got[1].copy(), got[2].copy()
+        argmax_y[2], argmax_x[2] = expected[1][0], expected[2][0]   # cells on the map
+        grad = backward(on_gpu, rois, argmax_y, argmax_x)
         status, message = emu.synchronize()
         assert status != 0 and message.startswith(
             "roi_align_backward_impl: rois[2, 0] (batch index)")
-    assert emu.synchronize() == (0, "")   # each taken once
+    assert emu.synchronize() == (0, "")   # each call's taken by one synchronize
     assert np.isnan(got[0][2]).all() and (got[1][2] == -1).all() and (got[2][2] == -1).all()
     for a, b in zip(got, expected):
         assert_same(a[:2], b)
