@@ -448,6 +448,27 @@ def test_cuda_matches_cpu(cupy, mode, aligned, dtype, tol, rng):
     np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=tol * 10, atol=tol * 10)
 
 
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("sampling_ratio", [0, 24])
+def test_cuda_matches_cpu_over_a_partial_channel_group_and_bins_of_many_cells(
+        cupy, mode, sampling_ratio, rng):
+    """11 channels (the avg kernels' groups of 8, the second partial) and
+    2x2 bins of 30 to 45 cells a side (the avg kernels' walk over many
+    merged rows and columns, as the emulated tests check on the CPU)."""
+    x = rng.standard_normal((2, 11, 80, 90))
+    rois = np.array([[0, 0, 0, 89, 79], [1, 10, 5, 80, 70], [1, 3.5, 2.25, 64.75, 71.5],
+                     [0, 20, 30, 21, 31]])
+    out, ay, ax = roi_align_forward(x, rois, 2, 1.0, sampling_ratio, mode, True)
+    out_gpu, ay_gpu, ax_gpu = roi_align_forward(cupy.asarray(x), cupy.asarray(rois), 2, 1.0,
+                                                sampling_ratio, mode, True)
+    np.testing.assert_allclose(cupy.asnumpy(out_gpu), out, rtol=1e-10, atol=1e-10)
+    grad_out = rng.standard_normal(out.shape)
+    grad = roi_align_backward(grad_out, rois, ay, ax, x.shape, 1.0, sampling_ratio, mode, True)
+    grad_gpu = roi_align_backward(cupy.asarray(grad_out), cupy.asarray(rois), ay_gpu, ax_gpu,
+                                  x.shape, 1.0, sampling_ratio, mode, True)
+    np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=1e-9, atol=1e-9)
+
+
 def test_cuda_float16_computes_in_float32(cupy, rng):
     x = rng.standard_normal((1, 4, 16, 16)).astype(np.float16)
     rois = random_rois(rng, 8, 1, 16, 16, 1.0).astype(np.float16)
