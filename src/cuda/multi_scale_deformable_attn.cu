@@ -132,7 +132,11 @@ template <typename T> struct Grads {
 };
 
 /* One warp per (image, query, head): the location and attention weight
- * gradients, and (`atomics`) grad_value. */
+ * gradients, and (`atomics`) grad_value. The warp's samples' locations and
+ * attention weights are loaded 32 at a time, one sample per lane, and
+ * handed to every lane by shuffles as the samples come: each sample's
+ * value loads then wait for no load of its own location (the samples'
+ * loads were a chain, one location's latency then its cells', per sample). */
 template <typename T>
 __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, Grads<T> g,
                                 bool atomics, ErrorSink sink) {
@@ -144,7 +148,9 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
     for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp; w < warps;
          w += step) {
         const int64_t m = w % d.heads, n = w / (d.heads * d.queries);
-        const int64_t first = w * d.levels * d.points, stride = d.heads * d.dims;
+        const int64_t samples = d.levels * d.points, stride = d.heads * d.dims;
+        const int64_t first = w * samples;
+        A lane_x = 0, lane_y = 0, lane_attn = 0;   /* sample (chunk + lane)'s */
         const T *grad = g.output + w * d.dims;
         A held[kHeld];
 #pragma unroll
@@ -157,10 +163,20 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
             const int64_t offset = ((n * d.keys + (level.inside ? level.start : 0)) * d.heads + m) *
                                    d.dims;
             for (int64_t p = 0; p < d.points; ++p) {
-                const int64_t j = first + l * d.points + p;
+                const int64_t local = l * d.points + p, j = first + local;
+                const int src = (int)(local % kWarp);   /* the same in every lane */
+                if (src == 0 && local + lane < samples) {   /* the next 32 samples */
+                    const int64_t mine = j + lane;
+                    lane_x = to_compute(in.locations[2 * mine]);
+                    lane_y = to_compute(in.locations[2 * mine + 1]);
+                    lane_attn = to_compute(in.weights[mine]);
+                }
+                constexpr unsigned kAll = 0xffffffffu;
+                const A loc_x = __shfl_sync(kAll, lane_x, src);
+                const A loc_y = __shfl_sync(kAll, lane_y, src);
+                const A attn = __shfl_sync(kAll, lane_attn, src);
                 mmd_bilinear_sample<A> s;
-                mmd_msda_locate(to_compute(in.locations[2 * j]),
-                                to_compute(in.locations[2 * j + 1]), level.h, level.w, &s);
+                mmd_msda_locate(loc_x, loc_y, level.h, level.w, &s);
                 if (!level.inside || s.undefined) {   /* NaN gradients, none for value */
                     if (lane == 0) {
                         const T nan = from_compute<T>((A)NAN);
@@ -168,7 +184,6 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
                     }
                     continue;
                 }
-                const A attn = to_compute(in.weights[j]);
                 /* grad's dot products with the four corners, from which those with
                  * the sample and its derivatives follow (as on the CPU) */
                 A dots[4] = {0, 0, 0, 0};

@@ -420,16 +420,18 @@ def test_cuda_matches_cpu(cupy, dtype):
 
 
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
-@pytest.mark.parametrize("d", [1, 32, 70])
+@pytest.mark.parametrize("d, p", [(1, 3), (32, 3), (70, 3), (32, 12), (70, 12)])
 def test_emulated_cuda_backward_over_one_warp_of_channels_and_more_equals_the_cpu(
-        cuda_emulator, backend, d):
+        cuda_emulator, backend, d, p):
     """The CUDA backward's warp per (image, query, head): 1 channel (31
     lanes idle), 32 (one per lane, held in registers), 70 (a lane's first
     channel held, the rest read as they come); the four sums over the
-    channels (warp_sum4) equal the CPU's. Run by the emulator."""
+    channels (warp_sum4) equal the CPU's. Its samples' locations come 32 at
+    a time, a lane each: 9 samples (3 levels of 3 points) and 36 (of 12
+    points: a chunk of 32, then 4). Run by the emulator."""
     from cuda_emu import DeviceView
-    rng = np.random.default_rng(d)
-    args = random_case(rng, np.float64, n=2, q=3, m=2, d=d, p=3)
+    rng = np.random.default_rng(d * p)
+    args = random_case(rng, np.float64, n=2, q=3, m=2, d=d, p=p)
     grad = rng.standard_normal((2, 3, 2 * d))
     expected = multi_scale_deformable_attn_backward(*args, grad)
     got = [np.zeros_like(expected[0])] + [np.full_like(e, 7.0) for e in expected[1:]]
