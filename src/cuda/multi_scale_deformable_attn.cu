@@ -3,7 +3,8 @@
  * compute in float32. Launches on ctx->stream, on ctx->device_id.
  *
  * - Forward: one thread per output element (image, query, head, channel),
- *   so a warp reads a cell's channels together.
+ *   so a warp reads a cell's channels together; each sample's location is
+ *   loaded while the previous sample's cells are.
  * - Backward: one warp per (image, query, head); its lanes share the
  *   channels, and the sums over channels for the location and attention
  *   gradients are warp reductions in a fixed order (four at once,
@@ -73,25 +74,39 @@ __global__ void forward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, T 
         const int64_t k = i % d.dims, m = i / d.dims % d.heads;
         const int64_t q = i / (d.dims * d.heads) % d.queries;
         const int64_t n = i / (d.dims * d.heads * d.queries);
-        const int64_t first = ((n * d.queries + q) * d.heads + m) * d.levels * d.points;
+        const int64_t samples = d.levels * d.points;
+        const int64_t first = ((n * d.queries + q) * d.heads + m) * samples;
         const int64_t stride = d.heads * d.dims;
+        /* sample `local`'s location and weight, loaded a sample ahead: their
+         * loads overlap the previous sample's cell loads, where each
+         * sample's were a chain (its location, then its cells) */
+        A next_x = 0, next_y = 0, next_weight = 0;
+        const auto prefetch = [&](int64_t local) {
+            if (local >= samples) return;
+            const int64_t j = first + local;
+            next_x = to_compute(in.locations[2 * j]);
+            next_y = to_compute(in.locations[2 * j + 1]);
+            next_weight = to_compute(in.weights[j]);
+        };
+        prefetch(0);
         A sum = 0;
         for (int64_t l = 0; l < d.levels; ++l) {
             const Level level(levels, l);
             if (!level.inside) {
                 sum = (A)NAN;
+                prefetch((l + 1) * d.points);   /* the next level's first sample */
                 continue;
             }
             const T *cells = in.value + ((n * d.keys + level.start) * d.heads + m) * d.dims + k;
             for (int64_t p = 0; p < d.points; ++p) {
-                const int64_t j = first + l * d.points + p;
+                const A x = next_x, y = next_y, weight = next_weight;
+                prefetch(l * d.points + p + 1);
                 mmd_bilinear_sample<A> s;
-                mmd_msda_locate(to_compute(in.locations[2 * j]),
-                                to_compute(in.locations[2 * j + 1]), level.h, level.w, &s);
+                mmd_msda_locate(x, y, level.h, level.w, &s);
                 A v[4];
                 for (int c = 0; c < 4; ++c)
                     v[c] = s.index[c] >= 0 ? to_compute(cells[s.index[c] * stride]) : (A)0;
-                sum += to_compute(in.weights[j]) * mmd_bilinear_value(s, v);
+                sum += weight * mmd_bilinear_value(s, v);
             }
         }
         output[i] = from_compute<T>(sum);
