@@ -428,12 +428,17 @@ def test_emulated_cuda_backward_over_one_warp_of_channels_and_more_equals_the_cp
     channel held, the rest read as they come); the four sums over the
     channels (warp_sum4) equal the CPU's. Its samples' locations come 32 at
     a time, a lane each: 9 samples (3 levels of 3 points) and 36 (of 12
-    points: a chunk of 32, then 4). Run by the emulator."""
+    points: a chunk of 32, then 4, with NaN locations in both). Run by the
+    emulator."""
     from cuda_emu import DeviceView
     rng = np.random.default_rng(d * p)
     args = random_case(rng, np.float64, n=2, q=3, m=2, d=d, p=p)
+    if p == 12:   # samples 17 and 35 of two warps: NaN gradients, nothing for value
+        args[3][0, 1, 0, 1, 5, 0] = np.nan
+        args[3][1, 2, 1, 2, 11, 1] = np.nan
     grad = rng.standard_normal((2, 3, 2 * d))
     expected = multi_scale_deformable_attn_backward(*args, grad)
+    assert np.isnan(expected[2]).sum() == (2 if p == 12 else 0)   # the NaN samples' weights
     got = [np.zeros_like(expected[0])] + [np.full_like(e, 7.0) for e in expected[1:]]
     # (grad_value is added into: Tensor+)
     with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend):
