@@ -152,7 +152,8 @@ MMD_HOSTDEV inline int mmd_roi_align_geometry(const T roi[5], int64_t batch_size
 }
 
 /* Where bin `bin_index` begins along one axis. */
-template <typename T> MMD_HOSTDEV inline T mmd_roi_align_bin_start(T start, T bin, int64_t bin_index) {
+template <typename T>
+MMD_HOSTDEV inline T mmd_roi_align_bin_start(T start, T bin, int64_t bin_index) {
     return start + (T)bin_index * bin;
 }
 
