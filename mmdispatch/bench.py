@@ -2,6 +2,7 @@
 standard workload (STANDARD below), side by side with torchvision when it is installed.
 
     python -m mmdispatch bench [--quick] [--gpu-only] [--json PATH] [--plot PNG] [--repeat N]
+    python -m mmdispatch bench --compare BASE NEW [--threshold PERCENT]
 
 Every figure is the median of `repeat` timed runs (after one warm-up run).
 Ratios are torchvision / mmdispatch measured in the same run; without
@@ -39,6 +40,15 @@ slower). Where Dask is installed (extra 'dask'), mmdispatch.dask's
 workloads run on a LocalCluster of 1 and then 2 worker processes; their
 ratio column is the speed-up of 2 workers over 1.
 
+--compare runs nothing: it sets two earlier runs side by side (each its
+--json file, or the log of its stderr, which holds every row as it was
+measured), row by row: our figure in each and its change, torchvision's own
+change between the runs (how far the machine drifted), and each run's ratio
+to torchvision. A row whose change exceeds --threshold percent, beyond
+torchvision's drift where it has one, is marked slower or faster. For
+timing a change: the bench of the build before it and of the build with
+it, on one machine (tools/gpu_check.sh's BASELINE does this on a GPU).
+
 --gpu-only runs only the GPU rows (CuPy arrays and mmdispatch.torch on
 CUDA), for a borrowed GPU machine whose time is short: the CPU rows take
 minutes (their numpy and grid_sample references most of it) and measure
@@ -46,7 +56,9 @@ nothing about the GPU.
 """
 import argparse
 import json
+import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -1298,6 +1310,86 @@ def table(report):
     return "\n".join(lines)
 
 
+# a row as result_row prints it on stderr: "bench: = NAME: OURS[, theirs THEIRS (R.RRx)]"
+_VALUE = r"(?:-|[-+0-9.e]+ (?:ns|µs|ms|s|MiB))"
+_PRINTED_ROW = re.compile(rf"^bench: = (?P<name>.+): (?P<ours>{_VALUE})"
+                          rf"(?:, theirs (?P<theirs>{_VALUE}) \([-+0-9.e]+x\))?$")
+_SCALE = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "MiB": 2.0 ** 20}
+
+
+def _printed_value(text):
+    if text is None or text == "-":
+        return None
+    number, unit = text.split(" ")
+    return float(number) * _SCALE[unit]
+
+
+def load_results(path):
+    """{benchmark: row} of a run: its --json file, or the log of its
+    stderr, whose progress lines hold each row as it was measured (a run cut
+    short by its time has those and no JSON). Printed values carry three
+    digits."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("{"):
+        return {row["benchmark"]: row for row in json.loads(text)["results"]}
+    rows = {}
+    for line in text.splitlines():
+        match = _PRINTED_ROW.match(line.strip())
+        if match:
+            ours, theirs = _printed_value(match["ours"]), _printed_value(match["theirs"])
+            rows[match["name"]] = {"benchmark": match["name"], "mmdispatch": ours,
+                                   "torchvision": theirs,
+                                   "unit": "bytes" if match["ours"].endswith("MiB") else "s",
+                                   "ratio": theirs / ours if theirs and ours else None}
+    if not rows:
+        raise ValueError(f"{path}: neither a bench --json file nor a bench log with rows")
+    return rows
+
+
+def _change(new, old):
+    return new / old - 1 if new is not None and old else None
+
+
+def compare_table(base, new, threshold=0.05, names=("base", "new")):
+    """Markdown table of the rows of two runs (load_results), in the new
+    run's order: our figure in each, its change, torchvision's change between
+    the runs (how far the machine itself drifted), and the ratio to
+    torchvision in each. A row whose figure changed by more than `threshold`
+    (a fraction) beyond torchvision's own drift, where it has one, is marked
+    slower or faster (lower is better: every row is a time or a memory)."""
+    def percent(change):
+        return "-" if change is None else f"{change * 100:+.1f} %"
+
+    def ratio(row):
+        return "-" if row.get("ratio") is None else f"{row['ratio']:.2f}x"
+
+    a, b = names
+    lines = [f"| benchmark | {a} | {b} | change | torchvision's change | {a} vs torchvision | "
+             f"{b} vs torchvision | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in new.items():
+        if name not in base:
+            continue
+        old = base[name]
+        ours = _change(row["mmdispatch"], old["mmdispatch"])
+        drift = _change(row.get("torchvision"), old.get("torchvision"))
+        verdict = ""
+        if ours is not None:
+            beyond = (1 + ours) / (1 + drift) - 1 if drift is not None and drift > -1 else ours
+            if beyond > threshold and ours > threshold:
+                verdict = "slower"
+            elif beyond < -threshold and ours < -threshold:
+                verdict = "faster"
+        lines.append(f"| {name} | {format_value(old['mmdispatch'], row['unit'])} | "
+                     f"{format_value(row['mmdispatch'], row['unit'])} | {percent(ours)} | "
+                     f"{percent(drift)} | {ratio(old)} | {ratio(row)} | {verdict} |")
+    for label, only in ((f"only in {a}", [n for n in base if n not in new]),
+                        (f"only in {b}", [n for n in new if n not in base])):
+        if only:
+            lines += ["", f"{label}: " + "; ".join(only)]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mmdispatch bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1309,7 +1401,21 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--plot", default=None,
                         help="write the overhead-fraction plot to this PNG (needs matplotlib)")
+    parser.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), default=None,
+                        help="run nothing: compare two earlier runs, each its --json file or "
+                             "the log of its stderr (a run cut short has only that)")
+    parser.add_argument("--threshold", type=float, default=5.0,
+                        help="with --compare: the change, in percent beyond torchvision's "
+                             "own, that marks a row slower or faster (default 5)")
     args = parser.parse_args(argv)
+    if args.compare:
+        try:
+            base, new = (load_results(path) for path in args.compare)
+        except (OSError, ValueError, KeyError) as e:
+            parser.error(f"--compare: {e}")
+        names = tuple(os.path.basename(path) for path in args.compare)
+        print(compare_table(base, new, args.threshold / 100, names))
+        return 0
     if args.gpu_only and args.plot:
         parser.error("--plot draws the CPU overhead sweep, which --gpu-only leaves out")
     report = run(quick=args.quick, repeat=args.repeat, gpu_only=args.gpu_only)

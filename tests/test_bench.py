@@ -186,3 +186,59 @@ def test_rotated_cases_on_a_device_time_ours_alone_each_call_waiting_for_the_dev
     for _, ours, _, _ in cases:
         ours()
     assert synced == [1, 1]
+
+
+def _run_files(tmp_path, capsys, rows_base, rows_new):
+    """The base run as its --json file, the new one as the stderr log of a
+    run cut short (the rows result_row printed as they were measured)."""
+    report = {"results": [bench.result_row(*row) for row in rows_base]}
+    base = tmp_path / "base.json"
+    base.write_text(__import__("json").dumps(report))
+    capsys.readouterr()
+    for row in rows_new:
+        bench.result_row(*row)
+    new = tmp_path / "new.log"
+    new.write_text("bench: roi_align ...\n" + capsys.readouterr().err + "Terminated\n")
+    return base, new
+
+
+def test_compare_sets_a_json_run_beside_a_log_cut_short_and_judges_beyond_torchvisions_drift(
+        tmp_path, capsys):
+    rows_base = [("CUDA a: forward", "s", 1e-3, 2e-3), ("CUDA b: forward", "s", 1e-3, 1e-3),
+                 ("CUDA c: host", "s/call", 10e-6, None), ("gone", "s", 1.0, None),
+                 ("CPU d: peak memory", "bytes", 2 * 2 ** 20, None)]
+    rows_new = [("CUDA a: forward", "s", 0.5e-3, 2e-3),    # twice as fast, torchvision steady
+                ("CUDA b: forward", "s", 1.2e-3, 1.2e-3),  # the machine drifted: no verdict
+                ("CUDA c: host", "s/call", 12e-6, None),   # slower, nothing to drift against
+                ("CPU d: peak memory", "bytes", 2 * 2 ** 20, None), ("added", "s", 1.0, None)]
+    base, new = _run_files(tmp_path, capsys, rows_base, rows_new)
+    rows = bench.load_results(new)
+    assert rows["CUDA a: forward"]["mmdispatch"] == pytest.approx(0.5e-3)
+    assert rows["CUDA a: forward"]["torchvision"] == pytest.approx(2e-3)
+    assert rows["CPU d: peak memory"]["unit"] == "bytes"
+    text = bench.compare_table(bench.load_results(base), rows, 0.05, ("base", "new"))
+    lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert lines["CUDA a: forward"] == ("| CUDA a: forward | 1 ms | 0.5 ms | -50.0 % | +0.0 % | "
+                                        "2.00x | 4.00x | faster |")
+    assert lines["CUDA b: forward"].endswith("| +20.0 % | +20.0 % | 1.00x | 1.00x |  |")
+    assert lines["CUDA c: host"].endswith("| +20.0 % | - | - | - | slower |")
+    assert lines["CPU d: peak memory"].startswith("| CPU d: peak memory | 2.00 MiB | 2.00 MiB | "
+                                                  "+0.0 % |")
+    assert "only in base: gone" in text and "only in new: added" in text
+    assert text.index("CUDA a") < text.index("CUDA b") < text.index("CUDA c")   # new's order
+
+
+def test_compare_from_the_command_line_runs_nothing_and_refuses_what_is_not_a_run(
+        tmp_path, capsys, monkeypatch):
+    base, new = _run_files(tmp_path, capsys, [("x", "s", 1.0, 1.0)], [("x", "s", 2.0, 1.0)])
+    monkeypatch.setattr(bench, "run", lambda **kw: pytest.fail("--compare ran the benchmarks"))
+    assert bench.main(["--compare", str(base), str(new), "--threshold", "150"]) == 0
+    out = capsys.readouterr().out
+    assert "| benchmark | base.json | new.log |" in out
+    assert "| x | 1.0000 s | 2.0000 s | +100.0 % | +0.0 % | 1.00x | 0.50x |  |" in out
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing measured\n")
+    for paths in ([str(base), str(empty)], [str(base), str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            bench.main(["--compare", *paths])
+        assert "--compare" in capsys.readouterr().err

@@ -31,7 +31,9 @@
 # earlier builds, space-separated (tools/gpu_wheel.sh with REF= and DEST=):
 # the bench's GPU rows run once more on each, in the same run, to time the
 # changes between them (bench-baseline-<the wheel's folder>.txt, e.g.
-# bench-baseline-whl-base.txt for .whl-base/). The last lines of each log
+# bench-baseline-whl-base.txt for .whl-base/); list them oldest first: each
+# run is then compared row by row with the next (mmdispatch bench --compare,
+# compare-to-<the later run>.txt), the last with this build's bench. The last lines of each log
 # are printed at the end; a step cut short by its time leaves its partial log.
 set -uo pipefail
 part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|profile|all}
@@ -80,7 +82,8 @@ bench|all)
     [ "$part" = all ] && flags+=(--gpu-only)
     timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
-    for wheel in ${BASELINE:-}; do   # each earlier build, first on the path
+    runs=()
+    for wheel in ${BASELINE:-}; do   # each earlier build (oldest first), first on the path
         name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
         rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
             "$wheel" > "$out/$name-install.log" 2>&1
@@ -88,7 +91,17 @@ bench|all)
             bench --gpu-only --repeat 5 --json "$out/bench-$name.json" \
             > "$out/bench-$name.txt" 2>&1
         echo "$name bench exit $? ($(( $(date +%s) - began )) s in)"
-        grep "^|" "$out/bench-$name.txt" | tail -40
+        # row by row against the build after it (the next baseline, or this one)
+        [ -s "$out/bench-$name.json" ] && runs+=("$out/bench-$name.json") \
+            || runs+=("$out/bench-$name.txt")
+    done
+    [ -s "$out/bench.json" ] && runs+=("$out/bench.json") || runs+=("$out/bench.txt")
+    for (( i = 0; i + 1 < ${#runs[@]}; i++ )); do
+        to=$(basename "${runs[i+1]}"); to=${to%.*}
+        "$py" -m mmdispatch bench --compare "${runs[i]}" "${runs[i+1]}" \
+            > "$out/compare-to-$to.txt" 2>&1
+        echo "compare $(basename "${runs[i]}") -> $(basename "${runs[i+1]}"):"
+        grep -E "slower|faster|only in|Error|error" "$out/compare-to-$to.txt"
     done
     ;;&
 profile|all)
