@@ -15,7 +15,9 @@
  * pooling: a thread per output element (channel-major, common.cuh's
  * PooledElement), sample by sample.
  *
- * The `default` backward adds into grad_input with atomics, the
+ * The `default` backward adds into grad_input with atomics (float avg on
+ * devices with vector atomics: a row's cells in windows of 4, common.cuh's
+ * CellWindow, one float4 atomic per window and channel), the
  * `deterministic` one gives each band of rows of an (image, channel) plane
  * of grad_input (avg) or each plane (max) to one block, which adds the
  * rois into it in order (the same sums in the same order on every run).
@@ -28,6 +30,8 @@
  * (raised by the next call on the device). In strict mode a check kernel
  * validates every roi first and the call raises, writing nothing. */
 #include <limits.h>
+
+#include <type_traits>
 
 #include "mmdispatch/cuda/rois.cuh"
 #include "mmdispatch/ops/roi_align.h"
@@ -347,6 +351,33 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
                                   to_compute(grads[c * bins]) / divisor);
         }
         if (!walked) continue;
+#if MMD_CUDA_VECTOR_ATOMICS
+        /* float planes a multiple of 4 cells apart (cells in the same place
+         * of their aligned 4 in every plane): a row's columns in windows
+         * of 4, a vector atomic per window and channel */
+        if constexpr (std::is_same<T, float>::value) {
+            if (plane_size % 4 == 0 || w.count == 1) {
+                for_each_cell(row_start, g.bin_h, (int)g.grid_h, (int)height, [&](int y, A wy) {
+                    float *row = planes + (int64_t)y * width;
+                    const auto put = [&](int first, unsigned touched, Float4 weight) {
+                        float *target = row;
+#pragma unroll   /* a window serves the group: (share * wy) * wx, as the cells do */
+                        for (int c = 0; c < kChannelGroup; ++c) {
+                            if (walked >> c & 1u)
+                                add_window(target, (int)width, first, touched, weight,
+                                           share[c] * wy);
+                            if (c + 1 < w.count) target += plane_size;   /* never past the map */
+                        }
+                    };
+                    CellWindow window(row);
+                    for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width,
+                                  [&](int x, A wx) { window.add(x, wx, put); });
+                    window.flush(put);
+                });
+                continue;
+            }
+        }
+#endif
         for_each_cell(row_start, g.bin_h, (int)g.grid_h, (int)height, [&](int y, A wy) {
             T *row = planes + (int64_t)y * width;
             for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, [&](int x, A wx) {

@@ -349,6 +349,50 @@ def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
         assert_same(got, expected)
 
 
+@pytest.mark.parametrize("channels,height,width", [(11, 12, 12), (11, 12, 13), (9, 12, 14),
+                                                    (11, 12, 15), (3, 13, 13), (1, 13, 15)])
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+def test_roi_align_float32_backward_in_windows_of_four_cells_adds_what_the_cpu_adds(
+        emu, channels, height, width, sampling_ratio):
+    """float32 avg backward on devices with vector atomics (the emulator has
+    them): a row's cells in windows of the 4 of an aligned address, one
+    vector atomic per window and channel, where the planes are a multiple of
+    4 cells apart (12 rows) or there is one channel; each row's phase in its
+    4 differs with the width. Rois across the map's edges (windows cut by a
+    row's ends take single atomics). grad_input is accumulated into: the
+    cells no sample reads with a weight keep their bits (-0.0, NaN) although
+    a window adds to them."""
+    rng = np.random.default_rng(channels * 100 + width + sampling_ratio)
+    x = rng.standard_normal((2, channels, height, width)).astype(np.float32)
+    corners = rng.uniform(-3, [width + 2, height + 2], (40, 2, 2))
+    rois = np.concatenate([rng.integers(0, 2, (40, 1)), corners.min(axis=1),
+                           corners.max(axis=1)], axis=1).astype(np.float32)
+    rois[:4, 1:] = [[0, 0, width - 1, height - 1], [0.5, 0.25, 1.75, 1.5],
+                    [width - 2.5, 3, width + 1, 9], [-2, -2, 2.2, 2.6]]
+    rois[4] = [1, width - 3.5, height - 2.5, width + 1, height + 1]   # the map's last cells
+    # negative: a sample's zero weight adds -0.0, so a -0.0 cell that only
+    # such samples read stays -0.0 in any order of the adds, as it does
+    # where a window adds -0.0
+    grad_output = -abs(rng.standard_normal((40, channels, 3, 3))).astype(np.float32)
+    prefill = np.where(rng.random(x.shape) < 0.5, np.float32(-0.0), np.float32(0.25))
+    prefill[0, 0, height - 1, width - 1] = np.nan
+    unused = np.empty(0, np.float32)
+
+    def run(wrap):
+        grad = prefill.copy()
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
+                                                  grad]), 3, 3, 1.0, sampling_ratio, 1, True)
+        return grad
+
+    expected = run(list)
+    got = run(on_gpu)
+    assert_same(got, expected)
+    untouched = expected.view(np.uint32) == prefill.view(np.uint32)
+    assert untouched.any() and (~untouched).any()
+    np.testing.assert_array_equal(got.view(np.uint32)[untouched],
+                                  prefill.view(np.uint32)[untouched])
+
+
 @pytest.mark.parametrize("op_name", ["roi_align_forward_impl", "roi_pool_forward_impl",
                                      "bbox_overlaps_impl", "nms_impl", "soft_nms_impl"])
 def test_float16_kernels_match_the_float32_cpu_kernels(emu, op_name):

@@ -309,6 +309,79 @@ __device__ inline void warp_ordered_add(T *plane, int64_t element, A value) {
     __syncwarp();
 }
 
+/* Whether this device code has vector atomics (atomicAdd of a float4 in
+ * global memory: sm_90 and later). The emulator has them too: it adds the
+ * elements one by one and fails the launch on an address that is not 16-byte
+ * aligned, as a GPU would. Device code only (the host pass sees 0). */
+#if defined(MMD_CUDA_EMULATOR) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+#define MMD_CUDA_VECTOR_ATOMICS 1
+#else
+#define MMD_CUDA_VECTOR_ATOMICS 0
+#endif
+
+/* Four floats by value (a window's weights), kept in registers. */
+struct Float4 {
+    float v0, v1, v2, v3;
+    __device__ float operator[](int j) const { return j == 0 ? v0 : j == 1 ? v1 : j == 2 ? v2 : v3; }
+    __device__ void set(int j, float x) {
+        v0 = j == 0 ? x : v0;
+        v1 = j == 1 ? x : v1;
+        v2 = j == 2 ? x : v2;
+        v3 = j == 3 ? x : v3;
+    }
+};
+
+/* Cells of a row of floats, handed over in increasing order with a weight
+ * each, gathered into windows of the 4 cells of a 16-byte-aligned address,
+ * so that each window takes one vector atomic per target row where single
+ * atomics took one per cell. The phase is where cell 0 falls within its 4
+ * (the same for every row whose address differs by a multiple of 16 bytes). */
+struct CellWindow {
+    int phase, first = 0;   /* the window's first cell (negative before the row) */
+    unsigned touched = 0;   /* bit j: cell first + j was handed over */
+    Float4 weight{0.f, 0.f, 0.f, 0.f};
+
+    __device__ explicit CellWindow(const float *row)
+        : phase((int)(((unsigned long long)(size_t)row >> 2) & 3u)) {}
+
+    /* Cell x's weight; the window before it goes to put(first, touched,
+     * weight) once x lies beyond it. */
+    template <typename Put> __device__ void add(int x, float w, Put put) {
+        const int start = ((x + phase) & ~3) - phase;
+        if (touched != 0 && start != first) flush(put);
+        if (touched == 0) {
+            first = start;
+            weight = Float4{0.f, 0.f, 0.f, 0.f};
+        }
+        weight.set(x - start, w);
+        touched |= 1u << (x - start);
+    }
+    template <typename Put> __device__ void flush(Put put) {
+        if (touched != 0) put(first, touched, weight);
+        touched = 0;
+    }
+};
+
+/* row[first + j] += scale * weight[j] for each bit j of `touched` (a
+ * CellWindow's window): one vector atomic where the device has them, the
+ * window lies within the row's `width` cells and more than one cell is
+ * touched; else an atomic per touched cell. The vector adds -0.0 to the
+ * untouched cells, which leaves every value as it was (-0.0 and NaN too). */
+__device__ inline void add_window(float *row, int width, int first, unsigned touched,
+                                  Float4 weight, float scale) {
+#if MMD_CUDA_VECTOR_ATOMICS
+    if ((touched & (touched - 1)) != 0 && first >= 0 && first <= width - 4) {
+        const auto term = [&](int j) { return (touched >> j & 1u) ? scale * weight[j] : -0.f; };
+        atomicAdd(reinterpret_cast<float4 *>(row + first),
+                  make_float4(term(0), term(1), term(2), term(3)));
+        return;
+    }
+#endif
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        if (touched >> j & 1u) atomicAdd(row + first + j, scale * weight[j]);
+}
+
 inline int launch_status(const char *what) {
     cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? MMD_OK : cuda_error(err, what);

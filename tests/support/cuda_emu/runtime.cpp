@@ -284,6 +284,8 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
     return ok;
 }
 
+void misaligned(const char *what) { fail(cudaErrorMisalignedAddress, what); }
+
 }  // namespace mmd_emu
 
 using namespace mmd_emu;
@@ -307,6 +309,7 @@ const char *cudaGetErrorName(cudaError_t err) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorIllegalInstruction: return "cudaErrorIllegalInstruction";
+    case cudaErrorMisalignedAddress: return "cudaErrorMisalignedAddress";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
     }
     return "cudaErrorUnknown";

@@ -53,6 +53,7 @@ enum cudaError_t {
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
     cudaErrorIllegalInstruction = 715,
+    cudaErrorMisalignedAddress = 716,
     cudaErrorLaunchFailure = 719
 };
 typedef cudaError_t cudaError;
@@ -200,6 +201,27 @@ template <typename T> inline T __shfl_up_sync(unsigned mask, T value, unsigned d
 template <typename T> inline T atomicAdd(T *address, T value) {
     const T old = *address;
     *address = (T)(old + value);
+    return old;
+}
+/* sm_90's vector atomicAdd: atomic element by element, at an address a
+ * GPU requires 16-byte aligned (else the launch fails, as it would there) */
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+namespace mmd_emu {
+void misaligned(const char *what);
+}
+inline float4 atomicAdd(float4 *address, float4 value) {
+    if ((uintptr_t)address % 16 != 0) {
+        mmd_emu::misaligned("a vector atomicAdd at an address not 16-byte aligned");
+        return float4{};
+    }
+    const float4 old = *address;
+    address->x += value.x;
+    address->y += value.y;
+    address->z += value.z;
+    address->w += value.w;
     return old;
 }
 template <typename T> inline T atomicMin(T *address, T value) {
