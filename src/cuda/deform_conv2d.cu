@@ -15,7 +15,9 @@
  * columns' gradient weight^T x grad_output; a thread per (offset group,
  * tap, pixel) sums grad_offset and grad_mask over the group's channels;
  * grad_input gets the columns' gradient at each sample's four cells, with
- * atomics (`default`) or a warp per input channel adding its samples 32 at
+ * atomics (`default`: a thread per (channel, pixel) through the taps, as
+ * im2col; float on sm_90+ adds a sample's cells that share an aligned 4 in
+ * one float4 atomic) or a warp per input channel adding its samples 32 at
  * a time, summed in lane order (`deterministic`: the same bits on every
  * run). In the deterministic backend every product and sum has a fixed
  * order.
@@ -24,6 +26,8 @@
  * grad_bias and grad_input are summed in float32 buffers and written once.
  * Launches on ctx->stream, on ctx->device_id. No data-dependent checks: any
  * offset value is valid (a NaN one gives NaN). */
+#include <limits.h>
+
 #include <type_traits>
 
 #include "mmdispatch/cuda/common.cuh"
@@ -75,49 +79,56 @@ __device__ inline typename Compute<T>::type mask_at(const T *mask, const mmd_dcn
                 : (A)1;
 }
 
-/* Column value i of a chunk, (c * K + t) * count + q: channel c (of offset
- * group g), tap t, pixel p0 + q; its sample and mask. */
-template <typename T>
-__device__ inline void column(const T *offset, const T *mask, const mmd_dcn_shape &d, int64_t n,
-                              int64_t p0, int64_t count, int64_t i, int64_t *c,
-                              Sample<typename Compute<T>::type> *s,
-                              typename Compute<T>::type *m) {
-    const int64_t taps = d.taps(), q = i % count, t = (i / count) % taps;
-    *c = i / count / taps;
-    const int64_t g = *c / d.channels_per_offset_group();
-    locate(offset, d, n, g, t, p0 + q, s);
-    *m = mask_at(mask, d, n, g, t, p0 + q);
-}
+/* A thread of im2col and col2im: channel c, pixel p0 + q, through the K
+ * taps (the index split once, not per tap: a thread per column value took
+ * 199 us per image for im2col on the bench's workload, twice torchvision's
+ * per image, ncu on an H100, 2026-11-26). */
+template <typename T> struct TapWalk {
+    typedef typename Compute<T>::type A;
+    int64_t q, c, oy, ox;
+    const T *dy, *m;   /* tap 0's y offset and mask of the pixel (m null: no mask) */
+
+    __device__ TapWalk(const T *offset, const T *mask, const mmd_dcn_shape &d, int64_t n,
+                       int64_t p0, int64_t count, int64_t i) {
+        const int64_t taps = d.taps(), pixels = d.pixels();
+        q = i % count;
+        c = i / count;
+        const int64_t p = p0 + q, pair = n * d.offset_groups + c / d.channels_per_offset_group();
+        oy = p / d.out_w;
+        ox = p - oy * d.out_w;
+        dy = offset + pair * 2 * taps * pixels + p;
+        m = mask ? mask + pair * taps * pixels + p : nullptr;
+    }
+    /* f(t, sample, mask) for each tap t, in order */
+    template <typename F> __device__ void each(const mmd_dcn_shape &d, F f) const {
+        const int64_t pixels = d.pixels();
+        int64_t t = 0;
+        for (int64_t ki = 0; ki < d.kernel_h; ++ki)
+            for (int64_t kj = 0; kj < d.kernel_w; ++kj, ++t) {
+                Sample<A> s;
+                locate_at(dy + 2 * t * pixels, d, oy, ox, ki, kj, &s);
+                f(t, s, m ? to_compute(m[t * pixels]) : (A)1);
+            }
+    }
+};
 
 /* columns[(c * K + t) * count + q] = mask * sample of channel c, pixel
- * p0 + q, tap t: a thread per (channel, pixel), pixels fastest, through
- * the K taps (the index split once, not per tap: a thread per column value
- * took 199 us per image on the bench's workload, twice torchvision's per
- * image, ncu on an H100, 2026-11-26). */
+ * p0 + q, tap t: a thread per (channel, pixel), pixels fastest. */
 template <typename T>
 __global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mmd_dcn_shape d,
                               int64_t n, int64_t p0, int64_t count,
                               typename Compute<T>::type *columns) {
     typedef typename Compute<T>::type A;
-    const int64_t taps = d.taps(), pixels = d.pixels(), plane = d.height * d.width;
+    const int64_t taps = d.taps(), plane = d.height * d.width;
     MMD_GRID_STRIDE_LOOP(i, d.in_channels * count) {
-        const int64_t q = i % count, c = i / count, p = p0 + q;
-        const int64_t g = c / d.channels_per_offset_group(), oy = p / d.out_w;
-        const int64_t ox = p - oy * d.out_w, pair = n * d.offset_groups + g;
-        const T *dy = offset + pair * 2 * taps * pixels + p;
-        const T *m = mask ? mask + pair * taps * pixels + p : nullptr;
-        const T *x = input + (n * d.in_channels + c) * plane;
-        A *out = columns + c * taps * count + q;
-        int64_t t = 0;
-        for (int64_t ki = 0; ki < d.kernel_h; ++ki)
-            for (int64_t kj = 0; kj < d.kernel_w; ++kj, ++t) {
-                Sample<A> s;
-                A v[4];
-                locate_at(dy + 2 * t * pixels, d, oy, ox, ki, kj, &s);
-                mmd_bilinear_corners(s, x, v);
-                const A weight = m ? to_compute(m[t * pixels]) : (A)1;
-                out[t * count] = weight * mmd_bilinear_value(s, v);
-            }
+        const TapWalk<T> w(offset, mask, d, n, p0, count, i);
+        const T *x = input + (n * d.in_channels + w.c) * plane;
+        A *out = columns + w.c * taps * count + w.q;
+        w.each(d, [&](int64_t t, const Sample<A> &s, A weight) {
+            A v[4];
+            mmd_bilinear_corners(s, x, v);
+            out[t * count] = weight * mmd_bilinear_value(s, v);
+        });
     }
 }
 
@@ -349,23 +360,47 @@ __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T
     }
 }
 
+/* Adds grad times a sample's bilinear weights into its cells of `plane`
+ * (plane_size cells): float on devices with vector atomics, the cells that
+ * share the 4 of an aligned address (a row's two, 3 times in 4) in one
+ * float4 atomic (common.cuh's CellWindow; the window's other cells, of the
+ * same plane, get -0.0, the identity); else an atomic per cell. */
+template <typename A>
+__device__ inline void add_sample(A *plane, int64_t plane_size, const Sample<A> &s, A grad) {
+#if MMD_CUDA_VECTOR_ATOMICS
+    if constexpr (std::is_same<A, float>::value) {
+        if (plane_size <= INT_MAX) {
+            CellWindow window(plane);
+            const auto put = [&](int first, unsigned touched, Float4 weight) {
+                add_window(plane, (int)plane_size, first, touched, weight, grad);
+            };
+            for (int k = 0; k < 4; ++k)   /* the cells come in increasing order */
+                if (s.index[k] >= 0) window.add((int)s.index[k], s.weight[k], put);
+            window.flush(put);
+            return;
+        }
+    }
+#endif
+    for (int k = 0; k < 4; ++k)
+        if (s.index[k] >= 0) atomicAdd(plane + s.index[k], grad * s.weight[k]);
+}
+
 /* grad_input (in A) += the columns' gradient at each sample's cells, with
- * atomics. */
+ * atomics: a thread per (channel, pixel) through the K taps, as im2col. */
 template <typename T>
 __global__ void col2im_atomic_kernel(const T *offset, const T *mask, mmd_dcn_shape d, int64_t n,
                                      int64_t p0, int64_t count,
                                      const typename Compute<T>::type *grad_columns,
                                      typename Compute<T>::type *grad_input) {
     typedef typename Compute<T>::type A;
-    MMD_GRID_STRIDE_LOOP(i, d.in_channels * d.taps() * count) {
-        int64_t c;
-        Sample<A> s;
-        A m;
-        column(offset, mask, d, n, p0, count, i, &c, &s, &m);
-        const A grad = grad_columns[i] * m;
-        A *plane = grad_input + (n * d.in_channels + c) * d.height * d.width;
-        for (int k = 0; k < 4; ++k)
-            if (s.index[k] >= 0) atomicAdd(plane + s.index[k], grad * s.weight[k]);
+    const int64_t taps = d.taps(), plane_size = d.height * d.width;
+    MMD_GRID_STRIDE_LOOP(i, d.in_channels * count) {
+        const TapWalk<T> w(offset, mask, d, n, p0, count, i);
+        A *plane = grad_input + (n * d.in_channels + w.c) * plane_size;
+        const A *grads = grad_columns + w.c * taps * count + w.q;
+        w.each(d, [&](int64_t t, const Sample<A> &s, A weight) {
+            add_sample(plane, plane_size, s, grads[t * count] * weight);
+        });
     }
 }
 
@@ -553,7 +588,8 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
                 col2im_deterministic_kernel<T><<<(unsigned)d.in_channels, 32, 0, stream>>>(
                     offset, mask, d, n, p0, count, columns.as<A>(), grad_input.data);
             else
-                col2im_atomic_kernel<T><<<blocks_for(rows * count), kThreads, 0, stream>>>(
+                col2im_atomic_kernel<T><<<blocks_for(d.in_channels * count), kThreads, 0,
+                                          stream>>>(
                     offset, mask, d, n, p0, count, columns.as<A>(), grad_input.data);
             s = launch_status("deform_conv2d backward launch");
             if (s) return s;

@@ -622,6 +622,35 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("hw", [(9, 4), (9, 5), (9, 6), (9, 7), (1, 3), (6, 2)])
+def test_emulated_float32_input_gradient_in_windows_of_four_cells_equals_the_cpus(
+        cuda_emulator, hw):
+    """The default CUDA backward's float input gradient on devices with
+    vector atomics (the emulator has them): a sample's cells that share the
+    4 cells of an aligned address (two of a row, or on a map 2 wide all four)
+    take one float4 atomic, whatever a row's phase in its 4 (widths 2 to 7);
+    samples across the map's edges and outside it. A launch whose vector
+    atomic is not 16-byte aligned fails in the emulator."""
+    from cuda_emu import DeviceView
+    rng = np.random.default_rng(hw[0] * 10 + hw[1])
+    x, offset, mask, weight, _ = random_case(rng, np.float32, n=2, c_in=3, c_out=4, hw=hw,
+                                             groups=1, offset_groups=1)
+    offset *= 3   # many samples past the edges
+    geometry = (1, 1, 1, 1, 1, 1, 1, 1)
+    grad = rng.standard_normal((2, 4) + hw).astype(np.float32)
+    expected = [np.zeros_like(a) for a in (x, offset, mask, weight)] + [np.zeros(4, np.float32)]
+    mmdispatch.deform_conv2d_backward_impl(grad, x, offset, mask, weight, *expected, *geometry)
+    got = [np.full_like(a, 7.0) for a in expected]
+    with cuda_emulator.active():
+        cuda_emulator.clear_error()
+        mmdispatch.deform_conv2d_backward_impl(*map(DeviceView, (grad, x, offset, mask, weight)),
+                                               *map(DeviceView, got), *geometry)
+        assert cuda_emulator.synchronize() == (0, "")
+    assert np.abs(expected[0]).max() > 0
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-5 * np.abs(e).max())
+
+
 def test_a_cupy_call_has_cupy_load_its_cublas_once_before_the_first_product(monkeypatch):
     """CuPy loads cuBLAS lazily (its cupy.cuda.cublas attribute); the CUDA
     kernels take the process's cuBLAS at their first product and load
