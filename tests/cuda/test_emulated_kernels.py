@@ -14,7 +14,7 @@ import mmdispatch
 
 import cuda_emu
 import fuzz_cases
-from properties import assert_same
+from properties import assert_same, in_signalling_guards
 
 OnGpu = cuda_emu.DeviceView
 SEEDS = range(16)
@@ -323,22 +323,23 @@ def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backe
             assert_same(got, want)
 
 
+@pytest.mark.parametrize("channels", [3])
 @pytest.mark.parametrize("width", [60, 70])
 @pytest.mark.parametrize("sampling_ratio", [0, 24])
 def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
-        emu, sampling_ratio, width):
+        emu, sampling_ratio, width, channels):
     """One bin per roi, 40 to 55 cells a side: the avg kernels walk many
     rows and columns of merged weights (nothing caps them), and on a map
     wider than the emulator's walk limit (64; INT_MAX on a GPU) they sum
-    sample by sample."""
+    sample by sample; 20 channels: the forward's transposed kernels."""
     rng = np.random.default_rng(sampling_ratio)
-    x = rng.standard_normal((1, 3, 50, width))
+    x = rng.standard_normal((1, channels, 50, width))
     rois = np.array([[0, 0, 0, 45, 48], [0, 5, 2, 60, 50], [0, 1, 1, 3, 3]], np.float64)
-    grad_output = rng.standard_normal((3, 3, 1, 1))
+    grad_output = rng.standard_normal((3, channels, 1, 1))
     unused = np.empty(0)
 
     def run(wrap):
-        out, grad = np.zeros((3, 3, 1, 1)), np.zeros_like(x)
+        out, grad = np.zeros((3, channels, 1, 1)), np.zeros_like(x)
         mmdispatch.roi_align_forward_impl(*wrap([x, rois, out, unused, unused.copy()]), 1, 1,
                                           1.0, sampling_ratio, 1, True)
         mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
@@ -349,11 +350,12 @@ def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
         assert_same(got, expected)
 
 
+@pytest.mark.parametrize("lead", [0, 1, 2, 3])
 @pytest.mark.parametrize("channels,height,width", [(11, 12, 12), (11, 12, 13), (9, 12, 14),
                                                     (11, 12, 15), (3, 13, 13), (1, 13, 15)])
 @pytest.mark.parametrize("sampling_ratio", [0, 2])
 def test_roi_align_float32_backward_in_windows_of_four_cells_adds_what_the_cpu_adds(
-        emu, channels, height, width, sampling_ratio):
+        emu, channels, height, width, sampling_ratio, lead):
     """float32 avg backward on devices with vector atomics (the emulator has
     them): a row's cells in windows of the 4 of an aligned address, one
     vector atomic per window and channel, where the planes are a multiple of
@@ -361,7 +363,8 @@ def test_roi_align_float32_backward_in_windows_of_four_cells_adds_what_the_cpu_a
     4 differs with the width. Rois across the map's edges (windows cut by a
     row's ends take single atomics). grad_input is accumulated into: the
     cells no sample reads with a weight keep their bits (-0.0, NaN) although
-    a window adds to them."""
+    a window adds to them; grad_input starts 0 to 3 floats past a 16-byte
+    boundary, and no window reaches the cells before or after it."""
     rng = np.random.default_rng(channels * 100 + width + sampling_ratio)
     x = rng.standard_normal((2, channels, height, width)).astype(np.float32)
     corners = rng.uniform(-3, [width + 2, height + 2], (40, 2, 2))
@@ -378,14 +381,15 @@ def test_roi_align_float32_backward_in_windows_of_four_cells_adds_what_the_cpu_a
     prefill[0, 0, height - 1, width - 1] = np.nan
     unused = np.empty(0, np.float32)
 
-    def run(wrap):
-        grad = prefill.copy()
+    def run(wrap, grad):
         mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
                                                   grad]), 3, 3, 1.0, sampling_ratio, 1, True)
         return grad
 
-    expected = run(list)
-    got = run(on_gpu)
+    expected = run(list, prefill.copy())
+    got, guards_untouched = in_signalling_guards(prefill, lead)
+    run(on_gpu, got)
+    assert guards_untouched()
     assert_same(got, expected)
     untouched = expected.view(np.uint32) == prefill.view(np.uint32)
     assert untouched.any() and (~untouched).any()

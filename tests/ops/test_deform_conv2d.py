@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import mmdispatch
 from mmdispatch.ops import deform_conv2d, deform_conv2d_backward
-from properties import OpProperties, assert_close, float_arrays, guarded, sentinel
+from properties import (OpProperties, assert_close, float_arrays, guarded,
+                        in_signalling_guards, sentinel)
 
 deform_module = importlib.import_module("mmdispatch.ops.deform_conv2d")
 DTYPES = [np.float32, np.float64]
@@ -622,15 +623,18 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("lead", [0, 1, 2, 3])
 @pytest.mark.parametrize("hw", [(9, 4), (9, 5), (9, 6), (9, 7), (1, 3), (6, 2)])
 def test_emulated_float32_input_gradient_in_windows_of_four_cells_equals_the_cpus(
-        cuda_emulator, hw):
+        cuda_emulator, hw, lead):
     """The default CUDA backward's float input gradient on devices with
     vector atomics (the emulator has them): a sample's cells that share the
     4 cells of an aligned address (two of a row, or on a map 2 wide all four)
     take one float4 atomic, whatever a row's phase in its 4 (widths 2 to 7);
     samples across the map's edges and outside it. A launch whose vector
-    atomic is not 16-byte aligned fails in the emulator."""
+    atomic is not 16-byte aligned fails in the emulator. grad_input starts 0
+    to 3 floats past a 16-byte boundary, and no window reaches the cells
+    before or after it."""
     from cuda_emu import DeviceView
     rng = np.random.default_rng(hw[0] * 10 + hw[1])
     x, offset, mask, weight, _ = random_case(rng, np.float32, n=2, c_in=3, c_out=4, hw=hw,
@@ -641,12 +645,13 @@ def test_emulated_float32_input_gradient_in_windows_of_four_cells_equals_the_cpu
     expected = [np.zeros_like(a) for a in (x, offset, mask, weight)] + [np.zeros(4, np.float32)]
     mmdispatch.deform_conv2d_backward_impl(grad, x, offset, mask, weight, *expected, *geometry)
     got = [np.full_like(a, 7.0) for a in expected]
+    got[0], guards_untouched = in_signalling_guards(got[0], lead)
     with cuda_emulator.active():
         cuda_emulator.clear_error()
         mmdispatch.deform_conv2d_backward_impl(*map(DeviceView, (grad, x, offset, mask, weight)),
                                                *map(DeviceView, got), *geometry)
         assert cuda_emulator.synchronize() == (0, "")
-    assert np.abs(expected[0]).max() > 0
+    assert np.abs(expected[0]).max() > 0 and guards_untouched()
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-5 * np.abs(e).max())
 

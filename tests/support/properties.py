@@ -69,6 +69,24 @@ def strided_copy(values, how):
     raise ValueError(how)
 
 
+def in_signalling_guards(prefill, lead):
+    """float32 `prefill`'s values in a buffer, `lead` floats (0 to 3) past a
+    16-byte boundary, between guard cells holding a signalling NaN, which
+    any add, even of -0.0 (a vector atomic's untouched lanes), makes quiet:
+    the view, and a function that says whether every guard kept its bits."""
+    signalling = np.array([0x7FA00000], np.uint32).view(np.float32)[0]
+    buffer = np.full(prefill.size + 8, signalling, np.float32)
+    offset = (-buffer.ctypes.data // 4) % 4 + lead   # 16-byte aligned, then the lead
+    view = buffer[offset:offset + prefill.size].reshape(prefill.shape)
+    view[...] = prefill
+
+    def guards_untouched():
+        bits = buffer.view(np.uint32)
+        outside = np.r_[bits[:offset], bits[offset + prefill.size:]]
+        return bool((outside == 0x7FA00000).all())
+    return view, guards_untouched
+
+
 class ArrayInterfaceOnly:
     """Only numpy's __array_interface__, which the dispatcher does not take."""
 

@@ -312,11 +312,15 @@ __device__ inline void warp_ordered_add(T *plane, int64_t element, A value) {
 /* Whether this device code has vector atomics (atomicAdd of a float4 in
  * global memory: sm_90 and later). The emulator has them too: it adds the
  * elements one by one and fails the launch on an address that is not 16-byte
- * aligned, as a GPU would. Device code only (the host pass sees 0). */
+ * aligned, as a GPU would. Device code only (the host pass sees 0). A build
+ * may switch them off (-DMMD_CUDA_VECTOR_ATOMICS=0: the single atomics
+ * everywhere, to time one against the other or to compare their bits). */
+#ifndef MMD_CUDA_VECTOR_ATOMICS
 #if defined(MMD_CUDA_EMULATOR) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
 #define MMD_CUDA_VECTOR_ATOMICS 1
 #else
 #define MMD_CUDA_VECTOR_ATOMICS 0
+#endif
 #endif
 
 /* Four floats by value (a window's weights), kept in registers. */
@@ -335,7 +339,9 @@ struct Float4 {
  * each, gathered into windows of the 4 cells of a 16-byte-aligned address,
  * so that each window takes one vector atomic per target row where single
  * atomics took one per cell. The phase is where cell 0 falls within its 4
- * (the same for every row whose address differs by a multiple of 16 bytes). */
+ * (the same for every row whose address differs by a multiple of 16 bytes).
+ * A cell handed over twice in a row has its weights summed; cells out of
+ * order cost a window each, and add the same. Cells below 2^31 - 4. */
 struct CellWindow {
     int phase, first = 0;   /* the window's first cell (negative before the row) */
     unsigned touched = 0;   /* bit j: cell first + j was handed over */
@@ -347,14 +353,15 @@ struct CellWindow {
     /* Cell x's weight; the window before it goes to put(first, touched,
      * weight) once x lies beyond it. */
     template <typename Put> __device__ void add(int x, float w, Put put) {
-        const int start = ((x + phase) & ~3) - phase;
+        const int start = (int)(((unsigned)x + (unsigned)phase) & ~3u) - phase;
         if (touched != 0 && start != first) flush(put);
         if (touched == 0) {
             first = start;
             weight = Float4{0.f, 0.f, 0.f, 0.f};
         }
-        weight.set(x - start, w);
-        touched |= 1u << (x - start);
+        const unsigned bit = 1u << (x - start);
+        weight.set(x - start, (touched & bit) ? weight[x - start] + w : w);
+        touched |= bit;
     }
     template <typename Put> __device__ void flush(Put put) {
         if (touched != 0) put(first, touched, weight);
@@ -366,7 +373,9 @@ struct CellWindow {
  * CellWindow's window): one vector atomic where the device has them, the
  * window lies within the row's `width` cells and more than one cell is
  * touched; else an atomic per touched cell. The vector adds -0.0 to the
- * untouched cells, which leaves every value as it was (-0.0 and NaN too). */
+ * untouched cells of the window, which leaves their values as they were,
+ * -0.0 included, but for what a GPU's float atomic add does to any operand:
+ * a subnormal flushed to zero (atom.add.f32 flushes), a NaN made quiet. */
 __device__ inline void add_window(float *row, int width, int first, unsigned touched,
                                   Float4 weight, float scale) {
 #if MMD_CUDA_VECTOR_ATOMICS
