@@ -11,7 +11,11 @@
  * an axis in registers (no list in local memory), once for the group: each
  * cell it reaches serves the 8 channels (a walk per channel would redo a
  * row's column interpolations 8 times, for bins of many samples more than
- * the atomics). The roi's geometry is worked out once per group. max
+ * the atomics). The roi's geometry is worked out once per group. Forwards
+ * whose bins read the map's cells twice over or more, on 16 channels or
+ * more, take the transposed kernels instead (avg_forward_transposed_kernel:
+ * the map 32 channels at a time transposed into scratch, a warp per bin and
+ * a lane per channel, each cell one coalesced load of its 32 channels). max
  * pooling: a thread per output element (channel-major, common.cuh's
  * PooledElement), sample by sample.
  *
@@ -250,6 +254,117 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
                 divisor);
         }
     }
+}
+
+/* The transposed avg forward, for calls whose bins read the map's cells
+ * many times over: the map a chunk of kLanes channels at a time, first
+ * transposed into scratch as (batch, height, width, kLanes), so that a
+ * cell's channels of the chunk lie in one line; then a block per roi, a
+ * warp per bin (8 bins at a time), a lane per channel. The warp walks its
+ * bin's cells once, the walk's arithmetic the same in every lane (one issue
+ * serves the chunk's channels), and reads each cell's channels with one
+ * coalesced load, where avg_forward_kernel's lanes are 32 bins, each load a
+ * sector of its own (on an H100 at sr=2 that forward moved about 3 GB
+ * between L2 and the SMs for a 124 MB map). The bins' sums collect in
+ * shared memory and leave as the chunk's contiguous block of output. */
+constexpr int kLanes = 32;
+
+/* chunk[((n * cells + i) * kLanes + c] = input[n, c0 + c, i] for the
+ * chunk's `count` channels (0 in the lanes past them): a block of 32 x 8
+ * threads per tile of 32 cells of an image, through shared memory, so that
+ * both the reads (along cells) and the writes (along channels) coalesce. */
+template <typename T>
+__global__ void transpose_chunk_kernel(const T *input, T *chunk, int64_t batch,
+                                       int64_t channels, int64_t cells, int64_t c0,
+                                       int64_t count) {
+    typedef typename Compute<T>::type A;
+    __shared__ A tile[kLanes][kLanes + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t tiles = (cells + kLanes - 1) / kLanes;
+    for (int64_t t = blockIdx.x; t < batch * tiles; t += gridDim.x) {
+        const int64_t n = t / tiles, cell0 = (t % tiles) * kLanes;
+        for (int c = ty; c < kLanes; c += blockDim.y)
+            tile[c][tx] = c < count && cell0 + tx < cells
+                              ? to_compute(input[(n * channels + c0 + c) * cells + cell0 + tx])
+                              : (A)0;
+        __syncthreads();
+        for (int j = ty; j < kLanes; j += blockDim.y)
+            if (cell0 + j < cells)
+                chunk[(n * cells + cell0 + j) * kLanes + tx] = from_compute<T>(tile[tx][j]);
+        __syncthreads();
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *output,
+                              int64_t num_rois, int64_t channels, int64_t c0, int64_t count,
+                              int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w,
+                              int64_t batch, typename Compute<T>::type scale,
+                              int64_t sampling_ratio, int aligned, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    extern __shared__ unsigned char shared_bytes[];
+    A *sums = reinterpret_cast<A *>(shared_bytes);   /* [channel][bin] of the chunk */
+    const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
+    const int warps = blockDim.x / kLanes;
+    const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
+    const bool walk = height <= MMD_CUDA_CELL_WALK_MAX && width <= MMD_CUDA_CELL_WALK_MAX;
+    for (int64_t k = blockIdx.x; k < num_rois; k += gridDim.x) {
+        Geometry<A> g;
+        const bool good = geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                      aligned, c0 == 0 && threadIdx.x == 0, sink, &g);
+        if (good) {
+            const T *cells = chunk + g.batch * plane_size * kLanes + lane;
+            /* the lane's channel's plane (lanes past the chunk's channels read none) */
+            const T *plane = lane < count ? input + (g.batch * channels + c0 + lane) * plane_size
+                                          : input;
+            const int64_t samples = g.grid_h * g.grid_w;
+            const A divisor = (A)(samples > 1 ? samples : 1);
+            for (int64_t b = warp; b < bins; b += warps) {
+                const int64_t ph = b / pooled_w, pw = b % pooled_w;
+                A sum = 0;
+                if (walk)
+                    for_each_cell(mmd_roi_align_bin_start(g.start_h, g.bin_h, ph), g.bin_h,
+                                  (int)g.grid_h, (int)height, [&](int y, A wy) {
+                        const T *row = cells + (int64_t)y * width * kLanes;
+                        A dot = 0;
+                        for_each_cell(mmd_roi_align_bin_start(g.start_w, g.bin_w, pw), g.bin_w,
+                                      (int)g.grid_w, (int)width, [&](int x, A wx) {
+                            dot += wx * to_compute(row[(int64_t)x * kLanes]);
+                        });
+                        sum += wy * dot;
+                    });
+                /* an inf or NaN cell (or a map past the walk's limit): the
+                 * definition, sample by sample, from the map itself */
+                if ((!walk || !isfinite(sum)) && lane < count)
+                    sum = sum_samples<T, A>(plane, height, width, g, ph, pw);
+                sums[lane * bins + b] = sum / divisor;
+            }
+        }
+        __syncthreads();
+        T *out = output + (k * channels + c0) * bins;   /* the chunk's channels, contiguous */
+        for (int64_t i = threadIdx.x; i < count * bins; i += blockDim.x)
+            out[i] = from_compute<T>(good ? sums[i] : (A)NAN);
+        __syncthreads();
+    }
+}
+
+/* Whether a forward takes the transposed kernels: a chunk's channels fill
+ * half a warp or more, its sums fit in 48 KB of shared memory, and the
+ * bins' samples (sampling_ratio 0 counted as 2 x 2 a bin) read at least
+ * MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the transposition
+ * reads and writes the map once). */
+#ifndef MMD_CUDA_TRANSPOSED_MIN_READS
+#define MMD_CUDA_TRANSPOSED_MIN_READS 2
+#endif
+inline bool transposed_forward(int64_t num_rois, int64_t channels, int64_t batch, int64_t height,
+                               int64_t width, int64_t pooled_h, int64_t pooled_w,
+                               int64_t sampling_ratio, size_t compute_size) {
+    const int64_t bins = pooled_h * pooled_w, grid = sampling_ratio > 0 ? sampling_ratio : 2;
+    if (channels < kLanes / 2 || bins > (int64_t)(48 * 1024 / (kLanes * compute_size)))
+        return false;
+    const double reads = (double)num_rois * (double)bins * (double)(grid * grid) * 4;
+    return reads >= MMD_CUDA_TRANSPOSED_MIN_READS * (double)batch * (double)height * (double)width;
 }
 
 /* max: a thread per output element (common.cuh, PooledElement: channel-major),
@@ -661,6 +776,32 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             (T *)argmax_y->data, (T *)argmax_x->data, total, rois->shape[0], input->shape[1],
             input->shape[2], input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
             sampling_ratio, aligned, sink);
+    } else if (transposed_forward(rois->shape[0], input->shape[1], batch, input->shape[2],
+                                  input->shape[3], pooled_h, pooled_w, sampling_ratio,
+                                  sizeof(A))) {
+        const int64_t channels = input->shape[1], cells = input->shape[2] * input->shape[3];
+        StreamBuffer chunk(stream);
+        const cudaError_t err = chunk.allocate(sizeof(T) * (size_t)(batch * cells * kLanes));
+        if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk");
+        const int64_t tiles = batch * ((cells + kLanes - 1) / kLanes);
+        const unsigned transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
+        const unsigned roi_blocks =
+            (unsigned)(rois->shape[0] < kMaxBlocks ? rois->shape[0] : kMaxBlocks);
+        const size_t shared = sizeof(A) * kLanes * (size_t)(pooled_h * pooled_w);
+        for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
+            const int64_t count = channels - c0 < kLanes ? channels - c0 : kLanes;
+            transpose_chunk_kernel<T><<<transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
+                (const T *)input->data, chunk.as<T>(), batch, channels, cells, c0, count);
+            s = launch_status("roi_align transpose launch");
+            if (s) return s;
+            avg_forward_transposed_kernel<T><<<roi_blocks, kThreads, shared, stream>>>(
+                (const T *)input->data, chunk.as<T>(), (const T *)rois->data, (T *)output->data,
+                rois->shape[0], channels, c0, count, input->shape[2], input->shape[3], pooled_h,
+                pooled_w, batch, (A)spatial_scale, sampling_ratio, aligned, sink);
+            s = launch_status("roi_align forward launch");
+            if (s) return s;
+        }
+        return MMD_OK;
     } else {
         const int64_t threads = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
         avg_forward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(

@@ -323,7 +323,7 @@ def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backe
             assert_same(got, want)
 
 
-@pytest.mark.parametrize("channels", [3])
+@pytest.mark.parametrize("channels", [3, 20])
 @pytest.mark.parametrize("width", [60, 70])
 @pytest.mark.parametrize("sampling_ratio", [0, 24])
 def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
@@ -348,6 +348,65 @@ def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
 
     for got, expected in zip(run(on_gpu), run(list)):
         assert_same(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("channels", [16, 45, 70])
+@pytest.mark.parametrize("sampling_ratio", [0, 2, 20])
+def test_roi_align_transposed_avg_forward_matches_the_cpu_in_chunks_of_32_channels(
+        emu, dtype, channels, sampling_ratio):
+    """Avg forwards of 16 channels or more take the transposed kernels (in
+    the emulator's build whatever the call's size; on a GPU where the bins'
+    samples read the map's cells twice over or more): the map 32 channels at
+    a time in (n, h, w, 32) scratch, a warp per bin and a lane per channel,
+    the last chunk partial (45, 70), the output written chunk by chunk. Rois
+    of all sizes across the edges; an inf and a NaN cell (their bins summed
+    sample by sample from the map, as the definition gives them)."""
+    rng = np.random.default_rng(channels + sampling_ratio)
+    x, rois = roi_workload(rng, dtype, channels=channels, num_rois=9, size=(11, 14))
+    x[1, channels - 1, 3, 4] = np.inf
+    x[0, 17 % channels, 5, 5] = np.nan
+    rois[:2] = [[0, 4, 4, 16, 14], [1, 2, 2, 12, 12]]   # over both cells
+    # at sampling_ratio 2, bin (1, 0)'s samples at x = 3.0 (weight 0 on the
+    # inf cell's column 4: 0 * inf is NaN) and x = 4.0 (weight 1): NaN, where
+    # the walk's merged weight 1 would give inf
+    rois[2] = [1, 6, 5, 14, 11]
+    shape = (len(rois), channels, 3, 2)
+    unused = np.empty(0, dtype)
+
+    def run(wrap):
+        out = np.full(shape, 5.0, dtype)
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, out, unused, unused.copy()]), 3, 2,
+                                          0.5, sampling_ratio, 1, True)
+        return out
+
+    expected = run(list)
+    assert np.isnan(expected).any() and np.isinf(expected).any() and np.isfinite(expected).any()
+    assert np.isnan(expected[2, -1, 1, 0]) or sampling_ratio == 20
+    assert_same(run(on_gpu), expected)
+
+
+def test_roi_align_transposed_avg_forward_gives_a_bad_rois_bins_nan_in_every_chunk(emu):
+    """The transposed kernels (40 channels: two chunks) give every bin of a
+    bad roi NaN in both chunks, the good rois the CPU's values, and the
+    call's deferred error names the roi."""
+    x = np.random.default_rng(8).random((2, 40, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [2, 2, 1, 8, 6.5], [1, 1, 1, 7, 8]], np.float32)
+    unused = np.empty(0, np.float32)
+
+    def run(wrap, rois):
+        out = np.zeros((len(rois), 40, 2, 2), np.float32)
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, out, unused, unused.copy()]), 2, 2,
+                                          1.0, 2, 1, True)
+        return out
+
+    expected = run(list, rois[[0, 2]])
+    with mmdispatch.strict(False):
+        got = run(on_gpu, rois)
+        status, message = emu.synchronize()
+    assert status != 0 and message.startswith("roi_align_forward_impl: rois[1, 0] (batch index)")
+    assert np.isnan(got[1]).all()
+    assert_same(got[[0, 2]], expected)
 
 
 @pytest.mark.parametrize("lead", [0, 1, 2, 3])
