@@ -15,7 +15,9 @@
  * whose bins read the map's cells twice over or more, on 16 channels or
  * more, take the transposed kernels instead (avg_forward_transposed_kernel:
  * the map 32 channels at a time transposed into scratch, a warp per bin and
- * a lane per channel, each cell one coalesced load of its 32 channels). max
+ * a lane per channel, each cell one coalesced load of its 32 channels);
+ * the default backward likewise adds into scratch of that layout
+ * (avg_backward_transposed_kernel), then into grad_input. max
  * pooling: a thread per output element (channel-major, common.cuh's
  * PooledElement), sample by sample.
  *
@@ -269,6 +271,51 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
  * shared memory and leave as the chunk's contiguous block of output. */
 constexpr int kLanes = 32;
 
+/* A thread of the transposed kernels: its lane (the chunk's channel c0 +
+ * lane) and warp; the bins and the map's cells; whether the map is walked;
+ * the block's [channel][bin] values of the chunk in shared memory. */
+struct ChunkThread {
+    int lane, warp, warps;
+    int64_t bins, plane_size;
+    bool walk;
+    __device__ ChunkThread(int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w)
+        : lane(threadIdx.x % kLanes), warp(threadIdx.x / kLanes), warps(blockDim.x / kLanes),
+          bins(pooled_h * pooled_w), plane_size(height * width),
+          walk(height <= MMD_CUDA_CELL_WALK_MAX && width <= MMD_CUDA_CELL_WALK_MAX) {}
+    template <typename A> __device__ A *shared() const {
+        extern __shared__ unsigned char shared_bytes[];
+        return reinterpret_cast<A *>(shared_bytes);
+    }
+};
+
+/* f(k, good, geometry) for each roi of the block (a grid-stride loop over
+ * the rois; uniform in the block); the first chunk's first thread reports
+ * a bad roi (once per call). */
+template <typename T, typename A, typename F>
+__device__ inline void for_each_block_roi(const T *rois, int64_t num_rois, int64_t batch, A scale,
+                                          int64_t pooled_h, int64_t pooled_w,
+                                          int64_t sampling_ratio, int aligned, int64_t c0,
+                                          const ErrorSink &sink, F f) {
+    for (int64_t k = blockIdx.x; k < num_rois; k += gridDim.x) {
+        Geometry<A> g;
+        const bool good = geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
+                                      aligned, c0 == 0 && threadIdx.x == 0, sink, &g);
+        f(k, good, g);
+    }
+}
+
+/* f(y, wy, columns) for each row bin (ph, pw)'s walk reaches (for_each_cell),
+ * where columns(h) calls h(x, wx) for each column of the bin. */
+template <typename A, typename F>
+__device__ inline void walk_bin(const Geometry<A> &g, int64_t ph, int64_t pw, int64_t height,
+                                int64_t width, F f) {
+    const A col_start = mmd_roi_align_bin_start(g.start_w, g.bin_w, pw);
+    for_each_cell(mmd_roi_align_bin_start(g.start_h, g.bin_h, ph), g.bin_h, (int)g.grid_h,
+                  (int)height, [&](int y, A wy) {
+        f(y, wy, [&](auto h) { for_each_cell(col_start, g.bin_w, (int)g.grid_w, (int)width, h); });
+    });
+}
+
 /* chunk[((n * cells + i) * kLanes + c] = input[n, c0 + c, i] for the
  * chunk's `count` channels (0 in the lanes past them): a block of 32 x 8
  * threads per tile of 32 cells of an image, through shared memory, so that
@@ -303,42 +350,36 @@ avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *
                               int64_t batch, typename Compute<T>::type scale,
                               int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    extern __shared__ unsigned char shared_bytes[];
-    A *sums = reinterpret_cast<A *>(shared_bytes);   /* [channel][bin] of the chunk */
-    const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
-    const int warps = blockDim.x / kLanes;
-    const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
-    const bool walk = height <= MMD_CUDA_CELL_WALK_MAX && width <= MMD_CUDA_CELL_WALK_MAX;
-    for (int64_t k = blockIdx.x; k < num_rois; k += gridDim.x) {
-        Geometry<A> g;
-        const bool good = geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
-                                      aligned, c0 == 0 && threadIdx.x == 0, sink, &g);
+    const ChunkThread t(height, width, pooled_h, pooled_w);
+    const int64_t bins = t.bins, plane_size = t.plane_size;
+    const bool walk = t.walk;
+    A *sums = t.shared<A>();
+    for_each_block_roi(rois, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                       c0, sink, [&](int64_t k, bool good, const Geometry<A> &g) {
         if (good) {
-            const T *cells = chunk + g.batch * plane_size * kLanes + lane;
+            const T *cells = chunk + g.batch * plane_size * kLanes + t.lane;
             /* the lane's channel's plane (lanes past the chunk's channels read none) */
-            const T *plane = lane < count ? input + (g.batch * channels + c0 + lane) * plane_size
-                                          : input;
+            const T *plane =
+                t.lane < count ? input + (g.batch * channels + c0 + t.lane) * plane_size : input;
             const int64_t samples = g.grid_h * g.grid_w;
             const A divisor = (A)(samples > 1 ? samples : 1);
-            for (int64_t b = warp; b < bins; b += warps) {
+            for (int64_t b = t.warp; b < bins; b += t.warps) {
                 const int64_t ph = b / pooled_w, pw = b % pooled_w;
                 A sum = 0;
                 if (walk)
-                    for_each_cell(mmd_roi_align_bin_start(g.start_h, g.bin_h, ph), g.bin_h,
-                                  (int)g.grid_h, (int)height, [&](int y, A wy) {
+                    walk_bin(g, ph, pw, height, width, [&](int y, A wy, auto columns) {
                         const T *row = cells + (int64_t)y * width * kLanes;
                         A dot = 0;
-                        for_each_cell(mmd_roi_align_bin_start(g.start_w, g.bin_w, pw), g.bin_w,
-                                      (int)g.grid_w, (int)width, [&](int x, A wx) {
+                        columns([&](int x, A wx) {
                             dot += wx * to_compute(row[(int64_t)x * kLanes]);
                         });
                         sum += wy * dot;
                     });
                 /* an inf or NaN cell (or a map past the walk's limit): the
                  * definition, sample by sample, from the map itself */
-                if ((!walk || !isfinite(sum)) && lane < count)
+                if ((!walk || !isfinite(sum)) && t.lane < count)
                     sum = sum_samples<T, A>(plane, height, width, g, ph, pw);
-                sums[lane * bins + b] = sum / divisor;
+                sums[t.lane * bins + b] = sum / divisor;
             }
         }
         __syncthreads();
@@ -346,10 +387,10 @@ avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *
         for (int64_t i = threadIdx.x; i < count * bins; i += blockDim.x)
             out[i] = from_compute<T>(good ? sums[i] : (A)NAN);
         __syncthreads();
-    }
+    });
 }
 
-/* Whether a forward takes the transposed kernels: a chunk's channels fill
+/* Whether an avg forward or default backward takes the transposed kernels: a chunk's channels fill
  * half a warp or more, its sums fit in 48 KB of shared memory, and the
  * bins' samples (sampling_ratio 0 counted as 2 x 2 a bin) read at least
  * MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the transposition
@@ -357,7 +398,7 @@ avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *
 #ifndef MMD_CUDA_TRANSPOSED_MIN_READS
 #define MMD_CUDA_TRANSPOSED_MIN_READS 2
 #endif
-inline bool transposed_forward(int64_t num_rois, int64_t channels, int64_t batch, int64_t height,
+inline bool transposed_pays(int64_t num_rois, int64_t channels, int64_t batch, int64_t height,
                                int64_t width, int64_t pooled_h, int64_t pooled_w,
                                int64_t sampling_ratio, size_t compute_size) {
     const int64_t bins = pooled_h * pooled_w, grid = sampling_ratio > 0 ? sampling_ratio : 2;
@@ -504,6 +545,88 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
                 }
             });
         });
+    }
+}
+
+/* The transposed avg backward (the `default` backend, where
+ * transposed_pays): per chunk of kLanes channels, the bins' gradients are
+ * added into zeroed scratch laid out (batch, h, w, kLanes) in the compute
+ * type, by a block per roi, a warp per bin, a lane per channel, so that a
+ * warp's atomic adds to a cell are 32 neighbouring values in one line (the
+ * per-bin kernel's lanes add to 32 cells far apart, a request each); the
+ * chunk's bin gradients are staged in shared memory (read coalesced). Then
+ * transpose_add_kernel adds the scratch into grad_input. A bin gradient
+ * that is not finite, and maps past the walk's limit, are added sample by
+ * sample straight into grad_input, as the per-bin kernel adds them. */
+template <typename T>
+__global__ void avg_backward_transposed_kernel(const T *grad_output, const T *rois, T *grad_input,
+                               typename Compute<T>::type *chunk, int64_t num_rois,
+                               int64_t channels, int64_t c0, int64_t count, int64_t height,
+                               int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
+                               typename Compute<T>::type scale, int64_t sampling_ratio,
+                               int aligned, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    const ChunkThread t(height, width, pooled_h, pooled_w);
+    const int64_t bins = t.bins, plane_size = t.plane_size;
+    const bool walk = t.walk;
+    A *shares = t.shared<A>();
+    for_each_block_roi(rois, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                       c0, sink, [&](int64_t k, bool good, const Geometry<A> &g) {
+        if (good) {   /* a bad roi adds nothing */
+            const T *grads = grad_output + (k * channels + c0) * bins;   /* contiguous */
+            for (int64_t i = threadIdx.x; i < kLanes * bins; i += blockDim.x)
+                shares[i] = i < count * bins ? to_compute(grads[i]) : (A)0;
+        }
+        __syncthreads();
+        if (good) {
+            A *cells = chunk + g.batch * plane_size * kLanes + t.lane;
+            /* the lane's channel's plane (lanes past the chunk's channels add none) */
+            T *plane = t.lane < count ? grad_input + (g.batch * channels + c0 + t.lane) * plane_size
+                                      : grad_input;
+            const int64_t samples = g.grid_h * g.grid_w;
+            const A divisor = (A)(samples > 1 ? samples : 1);
+            for (int64_t b = t.warp; b < bins; b += t.warps) {
+                const int64_t ph = b / pooled_w, pw = b % pooled_w;
+                const A share = shares[t.lane * bins + b] / divisor;
+                const bool mine = t.lane < count, walked = walk && isfinite(share);
+                if (mine && !walked)
+                    scatter_samples<T, A>(plane, height, width, g, ph, pw, share);
+                if (!walk) continue;   /* uniform: the walk is the warp's */
+                walk_bin(g, ph, pw, height, width, [&](int y, A wy, auto columns) {
+                    A *row = cells + (int64_t)y * width * kLanes;
+                    columns([&](int x, A wx) {   /* (share * wy) * wx, as the per-bin kernel's */
+                        if (mine && walked) atomicAdd(row + (int64_t)x * kLanes, share * wy * wx);
+                    });
+                });
+            }
+        }
+        __syncthreads();
+    });
+}
+
+/* grad_input[n, c0 + c, i] += chunk[(n * cells + i) * kLanes + c] for the
+ * chunk's `count` channels, where the chunk holds anything but zero (a
+ * cell no bin added into keeps its bits, -0.0 included): transpose_chunk_
+ * kernel's tiles the other way round. */
+template <typename T, typename A>
+__global__ void transpose_add_kernel(const A *chunk, T *grad_input, int64_t batch,
+                                     int64_t channels, int64_t cells, int64_t c0, int64_t count) {
+    __shared__ A tile[kLanes][kLanes + 1];   /* [cell][channel] */
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t tiles = (cells + kLanes - 1) / kLanes;
+    for (int64_t t = blockIdx.x; t < batch * tiles; t += gridDim.x) {
+        const int64_t n = t / tiles, cell0 = (t % tiles) * kLanes;
+        for (int j = ty; j < kLanes; j += blockDim.y)
+            tile[j][tx] = cell0 + j < cells ? chunk[(n * cells + cell0 + j) * kLanes + tx] : (A)0;
+        __syncthreads();
+        for (int c = ty; c < count; c += blockDim.y) {
+            const A add = tile[tx][c];
+            if (cell0 + tx < cells && add != (A)0) {
+                T *cell = grad_input + (n * channels + c0 + c) * cells + cell0 + tx;
+                *cell = from_compute<T>(to_compute(*cell) + add);
+            }
+        }
+        __syncthreads();
     }
 }
 
@@ -754,6 +877,31 @@ __global__ void deterministic_max_backward_kernel(
     }
 }
 
+/* The transposed kernels' launches for a (batch, channels, height, width)
+ * map and num_rois rois of `bins` bins: each(f) calls f(c0, count) for
+ * each chunk of kLanes channels, [c0, c0 + count), until one fails. */
+struct ChunkPlan {
+    int64_t channels, cells;
+    unsigned transpose_blocks, roi_blocks;
+    size_t shared;   /* the [channel][bin] values of a chunk, in the compute type */
+
+    ChunkPlan(int64_t batch, int64_t channels_, int64_t height, int64_t width, int64_t num_rois,
+              int64_t bins, size_t compute_size)
+        : channels(channels_), cells(height * width) {
+        const int64_t tiles = batch * ((cells + kLanes - 1) / kLanes);
+        transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
+        roi_blocks = (unsigned)(num_rois < kMaxBlocks ? num_rois : kMaxBlocks);
+        shared = compute_size * kLanes * (size_t)bins;
+    }
+    template <typename F> int each(F f) const {
+        for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
+            const int s = f(c0, channels - c0 < kLanes ? channels - c0 : kLanes);
+            if (s) return s;
+        }
+        return MMD_OK;
+    }
+};
+
 template <typename T>
 int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *rois,
             const mmd_tensor *output, const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
@@ -776,32 +924,26 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             (T *)argmax_y->data, (T *)argmax_x->data, total, rois->shape[0], input->shape[1],
             input->shape[2], input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
             sampling_ratio, aligned, sink);
-    } else if (transposed_forward(rois->shape[0], input->shape[1], batch, input->shape[2],
+    } else if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
                                   input->shape[3], pooled_h, pooled_w, sampling_ratio,
                                   sizeof(A))) {
-        const int64_t channels = input->shape[1], cells = input->shape[2] * input->shape[3];
+        const ChunkPlan plan(batch, input->shape[1], input->shape[2], input->shape[3],
+                             rois->shape[0], pooled_h * pooled_w, sizeof(A));
         StreamBuffer chunk(stream);
-        const cudaError_t err = chunk.allocate(sizeof(T) * (size_t)(batch * cells * kLanes));
+        const cudaError_t err = chunk.allocate(sizeof(T) * (size_t)(batch * plan.cells * kLanes));
         if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk");
-        const int64_t tiles = batch * ((cells + kLanes - 1) / kLanes);
-        const unsigned transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
-        const unsigned roi_blocks =
-            (unsigned)(rois->shape[0] < kMaxBlocks ? rois->shape[0] : kMaxBlocks);
-        const size_t shared = sizeof(A) * kLanes * (size_t)(pooled_h * pooled_w);
-        for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
-            const int64_t count = channels - c0 < kLanes ? channels - c0 : kLanes;
-            transpose_chunk_kernel<T><<<transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
-                (const T *)input->data, chunk.as<T>(), batch, channels, cells, c0, count);
-            s = launch_status("roi_align transpose launch");
+        return plan.each([&](int64_t c0, int64_t count) {
+            transpose_chunk_kernel<T><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
+                (const T *)input->data, chunk.as<T>(), batch, plan.channels, plan.cells, c0,
+                count);
+            const int s = launch_status("roi_align transpose launch");
             if (s) return s;
-            avg_forward_transposed_kernel<T><<<roi_blocks, kThreads, shared, stream>>>(
+            avg_forward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
                 (const T *)input->data, chunk.as<T>(), (const T *)rois->data, (T *)output->data,
-                rois->shape[0], channels, c0, count, input->shape[2], input->shape[3], pooled_h,
-                pooled_w, batch, (A)spatial_scale, sampling_ratio, aligned, sink);
-            s = launch_status("roi_align forward launch");
-            if (s) return s;
-        }
-        return MMD_OK;
+                rois->shape[0], plan.channels, c0, count, input->shape[2], input->shape[3],
+                pooled_h, pooled_w, batch, (A)spatial_scale, sampling_ratio, aligned, sink);
+            return launch_status("roi_align forward launch");
+        });
     } else {
         const int64_t threads = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
         avg_forward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
@@ -887,6 +1029,30 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             (const T *)argmax_x->data, (T *)grad_input->data, total, rois->shape[0], channels,
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
+    } else if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
+                               grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
+                               sizeof(A))) {
+        const ChunkPlan plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
+                             rois->shape[0], pooled_h * pooled_w, sizeof(A));
+        const size_t chunk_bytes = sizeof(A) * (size_t)(batch * plan.cells * kLanes);
+        StreamBuffer chunk(stream);
+        const cudaError_t err = chunk.allocate(chunk_bytes);
+        if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk");
+        return plan.each([&](int64_t c0, int64_t count) {
+            const cudaError_t zeroed = cudaMemsetAsync(chunk.as<A>(), 0, chunk_bytes, stream);
+            if (zeroed != cudaSuccess)
+                return cuda_error(zeroed, "roi_align transposed chunk zeroing");
+            avg_backward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
+                (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
+                chunk.as<A>(), rois->shape[0], channels, c0, count, grad_input->shape[2],
+                grad_input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
+                sampling_ratio, aligned, sink);
+            const int s = launch_status("roi_align backward launch");
+            if (s) return s;
+            transpose_add_kernel<T, A><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
+                chunk.as<A>(), (T *)grad_input->data, batch, channels, plan.cells, c0, count);
+            return launch_status("roi_align transpose launch");
+        });
     } else {
         const int64_t threads = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
         avg_backward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(

@@ -386,6 +386,63 @@ def test_roi_align_transposed_avg_forward_matches_the_cpu_in_chunks_of_32_channe
     assert_same(run(on_gpu), expected)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("channels", [16, 45, 70])
+@pytest.mark.parametrize("sampling_ratio", [0, 2, 20])
+def test_roi_align_transposed_avg_backward_adds_what_the_cpu_adds_in_chunks_of_32_channels(
+        emu, dtype, channels, sampling_ratio):
+    """The default avg backward of 16 channels or more takes the transposed
+    kernels (as the forward): each chunk's bins add into (n, h, w, 32)
+    scratch, a lane per channel, then the scratch into grad_input, which is
+    accumulated into. Bins whose gradient is inf or NaN are added sample by
+    sample straight into grad_input; a bad roi adds nothing and is reported.
+    With negative gradients (a zero weight adds -0.0) the cells no sample
+    weighs keep their bits, -0.0 and a signalling NaN included."""
+    rng = np.random.default_rng(channels * 7 + sampling_ratio)
+    x = np.zeros((2, channels, 11, 14), dtype)
+    rois = np.array([[0, 0, 0, 10, 8], [1, 2, 2, 14, 12], [0, -6, -4, 6, 6],
+                     [5, 2, 2, 20, 16],   # a bad roi (batch index), on the map
+                     [1, 0, 0, 16, 12], [0, 10, 6, 30, 24], [0, 4, 4, 12, 10],
+                     [1, 1, 1, 3, 3], [0, 14, 2, 22, 18]], dtype)   # image 1's far corner: none
+    grad_output = -abs(rng.standard_normal((len(rois), channels, 3, 2))).astype(dtype)
+    grad_output[1, channels - 1, 2, 1] = -np.inf
+    grad_output[6, 17 % channels, 0, 0] = np.nan
+    prefill = np.where(rng.random(x.shape) < 0.5, -0.0, 0.25).astype(dtype)
+    nan_bits = {np.float32: (np.uint32, 0x7FA00000), np.float64: (np.uint64, 0x7FF4000000000000)}
+    bits, signalling = nan_bits[dtype]
+    unused = np.empty(0, dtype)
+
+    def run(wrap, rois):
+        grad = prefill.copy()
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
+                                                  grad]), 3, 2, 0.5, sampling_ratio, 1, True)
+        return grad
+
+    good = rois.copy()
+    good[3, 0] = 0
+    expected_all = run(list, good)
+    # roi 3 adds nothing: the CPU's sum without it
+    without = grad_output.copy()
+    grad_output[3] = 0
+    expected = run(list, good)
+    grad_output[3] = without[3]
+    assert np.isnan(expected).any() and np.isfinite(expected).any()
+    assert not np.array_equal(expected, expected_all, equal_nan=True)
+    # a signalling NaN in a cell no sample weighs, which any add would quiet
+    quiet = np.flatnonzero(expected.view(bits) == prefill.view(bits))
+    prefill.view(bits).flat[quiet[len(quiet) // 2]] = signalling
+    expected = np.where(prefill.view(bits) == signalling, prefill, expected)
+    with mmdispatch.strict(False):
+        got = run(on_gpu, rois)
+        status, message = emu.synchronize()
+    assert status != 0 and message.startswith("roi_align_backward_impl: rois[3, 0] (batch index)")
+    signalling_cell = prefill.view(bits) == signalling
+    assert_same(np.where(signalling_cell, 0, got), np.where(signalling_cell, 0, expected))
+    untouched = expected.view(bits) == prefill.view(bits)
+    assert (prefill.view(bits) == signalling).sum() == 1 and (~untouched).any()
+    np.testing.assert_array_equal(got.view(bits)[untouched], prefill.view(bits)[untouched])
+
+
 def test_roi_align_transposed_avg_forward_gives_a_bad_rois_bins_nan_in_every_chunk(emu):
     """The transposed kernels (40 channels: two chunks) give every bin of a
     bad roi NaN in both chunks, the good rois the CPU's values, and the

@@ -326,7 +326,9 @@ __device__ inline void warp_ordered_add(T *plane, int64_t element, A value) {
 /* Four floats by value (a window's weights), kept in registers. */
 struct Float4 {
     float v0, v1, v2, v3;
-    __device__ float operator[](int j) const { return j == 0 ? v0 : j == 1 ? v1 : j == 2 ? v2 : v3; }
+    __device__ float operator[](int j) const {
+        return j == 0 ? v0 : j == 1 ? v1 : j == 2 ? v2 : v3;
+    }
     __device__ void set(int j, float x) {
         v0 = j == 0 ? x : v0;
         v1 = j == 1 ? x : v1;
