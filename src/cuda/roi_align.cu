@@ -390,19 +390,27 @@ avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *
     });
 }
 
-/* Whether an avg forward or default backward takes the transposed kernels: a chunk's channels fill
- * half a warp or more, its sums fit in 48 KB of shared memory, and the
- * bins' samples (sampling_ratio 0 counted as 2 x 2 a bin) read at least
+/* Whether an avg forward or default backward takes the transposed kernels:
+ * a map with cells, MMD_CUDA_TRANSPOSED_MIN_ROIS rois or more (fewer leave
+ * most of a GPU's SMs idle in each of the chunks' launches, where the
+ * per-bin kernel spreads them over one launch), a chunk's channels filling
+ * half a warp or more, its sums fitting in 48 KB of shared memory, and the
+ * bins' samples (sampling_ratio 0 counted as 2 x 2 a bin) reading at least
  * MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the transposition
  * reads and writes the map once). */
 #ifndef MMD_CUDA_TRANSPOSED_MIN_READS
 #define MMD_CUDA_TRANSPOSED_MIN_READS 2
 #endif
+#ifndef MMD_CUDA_TRANSPOSED_MIN_ROIS
+#define MMD_CUDA_TRANSPOSED_MIN_ROIS 256
+#endif
 inline bool transposed_pays(int64_t num_rois, int64_t channels, int64_t batch, int64_t height,
-                               int64_t width, int64_t pooled_h, int64_t pooled_w,
-                               int64_t sampling_ratio, size_t compute_size) {
+                            int64_t width, int64_t pooled_h, int64_t pooled_w,
+                            int64_t sampling_ratio, size_t compute_size) {
     const int64_t bins = pooled_h * pooled_w, grid = sampling_ratio > 0 ? sampling_ratio : 2;
-    if (channels < kLanes / 2 || bins > (int64_t)(48 * 1024 / (kLanes * compute_size)))
+    if (batch <= 0 || height <= 0 || width <= 0 || num_rois <= 0 ||
+        num_rois < MMD_CUDA_TRANSPOSED_MIN_ROIS || channels < kLanes / 2 ||
+        bins > (int64_t)(48 * 1024 / (kLanes * compute_size)))
         return false;
     const double reads = (double)num_rois * (double)bins * (double)(grid * grid) * 4;
     return reads >= MMD_CUDA_TRANSPOSED_MIN_READS * (double)batch * (double)height * (double)width;
@@ -877,6 +885,14 @@ __global__ void deterministic_max_backward_kernel(
     }
 }
 
+/* Allocates the transposed kernels' scratch; false (the error cleared)
+ * where the device has no memory for it: the per-bin kernels need none. */
+inline bool scratch_for(StreamBuffer *chunk, size_t bytes) {
+    if (chunk->allocate(bytes) == cudaSuccess) return true;
+    cudaGetLastError();
+    return false;
+}
+
 /* The transposed kernels' launches for a (batch, channels, height, width)
  * map and num_rois rois of `bins` bins: each(f) calls f(c0, count) for
  * each chunk of kLanes channels, [c0, c0 + count), until one fails. */
@@ -902,6 +918,50 @@ struct ChunkPlan {
     }
 };
 
+/* One chunk's transposed forward: the chunk of the map into scratch, then
+ * its bins. */
+template <typename T>
+int forward_chunk(const ChunkPlan &plan, T *chunk, int64_t c0, int64_t count,
+                  const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
+                  int64_t pooled_h, int64_t pooled_w, typename Compute<T>::type scale,
+                  int64_t sampling_ratio, int aligned, const ErrorSink &sink,
+                  cudaStream_t stream) {
+    const int64_t batch = input->shape[0];
+    transpose_chunk_kernel<T><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
+        (const T *)input->data, chunk, batch, plan.channels, plan.cells, c0, count);
+    const int s = launch_status("roi_align transpose launch");
+    if (s) return s;
+    avg_forward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
+        (const T *)input->data, chunk, (const T *)rois->data, (T *)output->data, rois->shape[0],
+        plan.channels, c0, count, input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
+        scale, sampling_ratio, aligned, sink);
+    return launch_status("roi_align forward launch");
+}
+
+/* One chunk's transposed backward: its bins into zeroed scratch, then the
+ * scratch into grad_input. */
+template <typename T>
+int backward_chunk(const ChunkPlan &plan, typename Compute<T>::type *chunk, int64_t c0,
+                   int64_t count, const mmd_tensor *grad_output, const mmd_tensor *rois,
+                   const mmd_tensor *grad_input, int64_t pooled_h, int64_t pooled_w,
+                   typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
+                   const ErrorSink &sink, cudaStream_t stream) {
+    typedef typename Compute<T>::type A;
+    const int64_t batch = grad_input->shape[0];
+    const cudaError_t err =
+        cudaMemsetAsync(chunk, 0, sizeof(A) * (size_t)(batch * plan.cells * kLanes), stream);
+    if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk zeroing");
+    avg_backward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
+        (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, chunk,
+        rois->shape[0], plan.channels, c0, count, grad_input->shape[2], grad_input->shape[3],
+        pooled_h, pooled_w, batch, scale, sampling_ratio, aligned, sink);
+    const int s = launch_status("roi_align backward launch");
+    if (s) return s;
+    transpose_add_kernel<T, A><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
+        chunk, (T *)grad_input->data, batch, plan.channels, plan.cells, c0, count);
+    return launch_status("roi_align transpose launch");
+}
+
 template <typename T>
 int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *rois,
             const mmd_tensor *output, const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
@@ -924,27 +984,18 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             (T *)argmax_y->data, (T *)argmax_x->data, total, rois->shape[0], input->shape[1],
             input->shape[2], input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
             sampling_ratio, aligned, sink);
-    } else if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
-                                  input->shape[3], pooled_h, pooled_w, sampling_ratio,
-                                  sizeof(A))) {
+    } else {
         const ChunkPlan plan(batch, input->shape[1], input->shape[2], input->shape[3],
                              rois->shape[0], pooled_h * pooled_w, sizeof(A));
         StreamBuffer chunk(stream);
-        const cudaError_t err = chunk.allocate(sizeof(T) * (size_t)(batch * plan.cells * kLanes));
-        if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk");
-        return plan.each([&](int64_t c0, int64_t count) {
-            transpose_chunk_kernel<T><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
-                (const T *)input->data, chunk.as<T>(), batch, plan.channels, plan.cells, c0,
-                count);
-            const int s = launch_status("roi_align transpose launch");
-            if (s) return s;
-            avg_forward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
-                (const T *)input->data, chunk.as<T>(), (const T *)rois->data, (T *)output->data,
-                rois->shape[0], plan.channels, c0, count, input->shape[2], input->shape[3],
-                pooled_h, pooled_w, batch, (A)spatial_scale, sampling_ratio, aligned, sink);
-            return launch_status("roi_align forward launch");
-        });
-    } else {
+        if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
+                            input->shape[3], pooled_h, pooled_w, sampling_ratio, sizeof(A)) &&
+            scratch_for(&chunk, sizeof(T) * (size_t)(batch * plan.cells * kLanes)))
+            return plan.each([&](int64_t c0, int64_t count) {
+                return forward_chunk<T>(plan, chunk.as<T>(), c0, count, input, rois, output,
+                                        pooled_h, pooled_w, (A)spatial_scale, sampling_ratio,
+                                        aligned, sink, stream);
+            });
         const int64_t threads = bin_groups(rois->shape[0], input->shape[1], pooled_h, pooled_w);
         avg_forward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
             (const T *)input->data, (const T *)rois->data, (T *)output->data, threads,
@@ -1029,31 +1080,19 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             (const T *)argmax_x->data, (T *)grad_input->data, total, rois->shape[0], channels,
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
-    } else if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
-                               grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
-                               sizeof(A))) {
+    } else {
         const ChunkPlan plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
                              rois->shape[0], pooled_h * pooled_w, sizeof(A));
-        const size_t chunk_bytes = sizeof(A) * (size_t)(batch * plan.cells * kLanes);
         StreamBuffer chunk(stream);
-        const cudaError_t err = chunk.allocate(chunk_bytes);
-        if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk");
-        return plan.each([&](int64_t c0, int64_t count) {
-            const cudaError_t zeroed = cudaMemsetAsync(chunk.as<A>(), 0, chunk_bytes, stream);
-            if (zeroed != cudaSuccess)
-                return cuda_error(zeroed, "roi_align transposed chunk zeroing");
-            avg_backward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
-                (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
-                chunk.as<A>(), rois->shape[0], channels, c0, count, grad_input->shape[2],
-                grad_input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
-                sampling_ratio, aligned, sink);
-            const int s = launch_status("roi_align backward launch");
-            if (s) return s;
-            transpose_add_kernel<T, A><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
-                chunk.as<A>(), (T *)grad_input->data, batch, channels, plan.cells, c0, count);
-            return launch_status("roi_align transpose launch");
-        });
-    } else {
+        if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
+                            grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
+                            sizeof(A)) &&
+            scratch_for(&chunk, sizeof(A) * (size_t)(batch * plan.cells * kLanes)))
+            return plan.each([&](int64_t c0, int64_t count) {
+                return backward_chunk<T>(plan, chunk.as<A>(), c0, count, grad_output, rois,
+                                         grad_input, pooled_h, pooled_w, (A)spatial_scale,
+                                         sampling_ratio, aligned, sink, stream);
+            });
         const int64_t threads = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
         avg_backward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, threads,

@@ -443,6 +443,79 @@ def test_roi_align_transposed_avg_backward_adds_what_the_cpu_adds_in_chunks_of_3
     np.testing.assert_array_equal(got.view(bits)[untouched], prefill.view(bits)[untouched])
 
 
+@pytest.mark.parametrize("shape", [(1, 32, 0, 5), (1, 32, 5, 0), (0, 32, 5, 5)])
+def test_roi_align_on_a_map_without_cells_and_many_channels_launches_nothing_it_cannot(
+        emu, shape):
+    """A map with no cells (or no image) and 32 channels takes the per-bin
+    kernels, as with fewer channels: the transposed kernels' grids would be
+    empty (a launch CUDA refuses). Every bin reads zeros outside the map."""
+    x = np.zeros(shape, np.float32)
+    rois = np.array([[0, 0, 0, 3, 3]] * 2, np.float32)
+    unused = np.empty(0, np.float32)
+    if shape[0] == 0:
+        rois = rois[:0]
+    out = np.full((len(rois), 32, 2, 2), 5.0, np.float32)
+    expected = out.copy()
+    mmdispatch.roi_align_forward_impl(x, rois, expected, unused, unused.copy(), 2, 2, 1.0, 2, 1,
+                                      True)
+    grad = np.zeros_like(x)
+    with mmdispatch.strict(False):
+        mmdispatch.roi_align_forward_impl(*on_gpu([x, rois, out, unused, unused.copy()]), 2, 2,
+                                          1.0, 2, 1, True)
+        mmdispatch.roi_align_backward_impl(*on_gpu([out, rois, unused, unused.copy(), grad]),
+                                           2, 2, 1.0, 2, 1, True)
+        assert emu.synchronize() == (0, "")
+    assert_same(out, expected)
+
+
+@pytest.mark.parametrize("dtype,pooled", [(np.float32, (16, 24)), (np.float32, (20, 20)),
+                                          (np.float64, (12, 16)), (np.float64, (1, 193))])
+def test_roi_align_avg_with_many_bins_matches_the_cpu_on_either_side_of_the_shared_limit(
+        emu, dtype, pooled):
+    """The transposed kernels hold a chunk's 32 channels of bins in 48 KB of
+    shared memory: 384 float bins (16 x 24) or 192 double bins (12 x 16)
+    fit, and more (20 x 20, 1 x 193) take the per-bin kernels."""
+    rng = np.random.default_rng(pooled[0] * pooled[1])
+    x, rois = roi_workload(rng, dtype, channels=20, num_rois=3, size=(9, 11))
+    grad_output = rng.standard_normal((3, 20, *pooled)).astype(dtype)
+    unused = np.empty(0, dtype)
+
+    def run(wrap):
+        out, grad = np.zeros((3, 20, *pooled), dtype), np.zeros_like(x)
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, out, unused, unused.copy()]),
+                                          *pooled, 0.5, 2, 1, True)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
+                                                  grad]), *pooled, 0.5, 2, 1, True)
+        return out, grad
+
+    for got, expected in zip(run(on_gpu), run(list)):
+        assert_same(got, expected)
+
+
+@pytest.mark.parametrize("channels", [20, 40])
+def test_roi_align_transposed_float16_matches_the_cpu_in_float32(emu, channels):
+    """float16 maps (computed in float32, the backward summed in float32
+    scratch) through the transposed kernels: the CPU's float32 results on
+    the same values, to float16's rounding."""
+    rng = np.random.default_rng(channels)
+    x, rois = roi_workload(rng, np.float16, channels=channels, num_rois=7, size=(10, 12))
+    grad_output = rng.standard_normal((7, channels, 3, 3)).astype(np.float16)
+
+    def run(wrap, dtype):
+        unused = np.empty(0, dtype)
+        out, grad = np.zeros((7, channels, 3, 3), dtype), np.zeros(x.shape, dtype)
+        mmdispatch.roi_align_forward_impl(*wrap([x.astype(dtype), rois.astype(dtype), out,
+                                                 unused, unused.copy()]), 3, 3, 0.5, 0, 1, True)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output.astype(dtype), rois.astype(dtype),
+                                                  unused, unused.copy(), grad]), 3, 3, 0.5, 0,
+                                           1, True)
+        return out, grad
+
+    for got, expected in zip(run(on_gpu, np.float16), run(list, np.float32)):
+        assert got.dtype == np.float16
+        assert_same(got, expected.astype(np.float16))
+
+
 def test_roi_align_transposed_avg_forward_gives_a_bad_rois_bins_nan_in_every_chunk(emu):
     """The transposed kernels (40 channels: two chunks) give every bin of a
     bad roi NaN in both chunks, the good rois the CPU's values, and the

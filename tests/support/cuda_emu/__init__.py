@@ -52,13 +52,16 @@ SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-po
 # its reduction's words in global memory, fewer in shared memory;
 # MMD_CUDA_CELL_WALK_MAX (roi_align.cu): roi_align's avg kernels sum maps
 # wider or taller than 64 sample by sample;
-# MMD_CUDA_TRANSPOSED_MIN_READS (roi_align.cu): every avg forward of 16
-# channels or more takes the transposed kernels, whatever its size;
+# MMD_CUDA_TRANSPOSED_MIN_READS and _MIN_ROIS (roi_align.cu): every avg
+# forward and default backward of 16 channels or more takes the transposed
+# kernels, whatever its size; MMD_CUDA_MAX_BLOCKS (common.cuh): grids of at
+# most 3 blocks, so that every grid-stride loop runs more than once;
 # MMD_CUDA_EMULATOR (cublas.cu): the products take the emulator's cuBLAS
 # stand-in, while a test switches it on (Emulator.cublas)
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_MAX_GRID_Y=2",
             "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8",
             "-DMMD_CUDA_CELL_WALK_MAX=64", "-DMMD_CUDA_TRANSPOSED_MIN_READS=0",
+            "-DMMD_CUDA_TRANSPOSED_MIN_ROIS=0", "-DMMD_CUDA_MAX_BLOCKS=3",
             "-DMMD_CUDA_EMULATOR", *SANITIZE]
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 

@@ -449,8 +449,11 @@ cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep) {
 }
 
 /* A freed block of the pool at least `size` bytes and at most twice that,
- * else new memory (counted); filled with 0xff either way, so that a kernel
- * reading scratch it has not written reads NaN-like bytes. */
+ * else new memory (counted); filled either way with bytes 0x41, so that a
+ * kernel reading scratch it has not written reads garbage that is finite
+ * (12.08 as a float, 8.0e5 as a double): a NaN would pass unseen through a
+ * kernel that recomputes non-finite results another way. */
+#define MMD_EMU_SCRATCH_FILL 0x41
 cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool, cudaStream_t) {
     const size_t rounded = ((size ? size : 1) + 255) / 256 * 256;
     {
@@ -465,13 +468,13 @@ cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool,
             MMD_EMU_UNPOISON(*ptr, block);
             g_pool_blocks[*ptr] = {pool, block};
             g_allocations.insert(*ptr);
-            memset(*ptr, 0xff, block);
+            memset(*ptr, MMD_EMU_SCRATCH_FILL, block);
             return cudaSuccess;
         }
     }
     *ptr = aligned_alloc(256, rounded);
     if (!*ptr) return t_last_error = cudaErrorMemoryAllocation;
-    memset(*ptr, 0xff, rounded);
+    memset(*ptr, MMD_EMU_SCRATCH_FILL, rounded);
     std::lock_guard<std::mutex> lock(g_memory_lock);
     ++g_pool_maps;
     g_pool_blocks[*ptr] = {pool, rounded};
