@@ -343,12 +343,11 @@ __global__ void transpose_chunk_kernel(const T *input, T *chunk, int64_t batch,
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *output,
-                              int64_t num_rois, int64_t channels, int64_t c0, int64_t count,
-                              int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w,
-                              int64_t batch, typename Compute<T>::type scale,
-                              int64_t sampling_ratio, int aligned, ErrorSink sink) {
+__global__ void avg_forward_transposed_kernel(
+    const T *input, const T *chunk, const T *rois, T *output, int64_t num_rois,
+    int64_t channels, int64_t c0, int64_t count, int64_t height, int64_t width, int64_t pooled_h,
+    int64_t pooled_w, int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio,
+    int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const ChunkThread t(height, width, pooled_h, pooled_w);
     const int64_t bins = t.bins, plane_size = t.plane_size;
@@ -370,9 +369,32 @@ avg_forward_transposed_kernel(const T *input, const T *chunk, const T *rois, T *
                     walk_bin(g, ph, pw, height, width, [&](int y, A wy, auto columns) {
                         const T *row = cells + (int64_t)y * width * kLanes;
                         A dot = 0;
+                        /* a row's columns 4 at a time (in registers: no
+                         * arrays), their loads in flight together (a warp's
+                         * walk is otherwise one chain of loads), then their
+                         * terms in the walk's order */
+                        int x0 = 0, x1 = 0, x2 = 0, x3 = 0, n = 0;
+                        A w0 = 0, w1 = 0, w2 = 0, w3 = 0;
+                        const auto load = [&](int x) {
+                            return to_compute(row[(int64_t)x * kLanes]);
+                        };
+                        const auto drain = [&]() {
+                            const A v0 = load(x0), v1 = n > 1 ? load(x1) : (A)0;
+                            const A v2 = n > 2 ? load(x2) : (A)0, v3 = n > 3 ? load(x3) : (A)0;
+                            dot += w0 * v0;
+                            if (n > 1) dot += w1 * v1;
+                            if (n > 2) dot += w2 * v2;
+                            if (n > 3) dot += w3 * v3;
+                            n = 0;
+                        };
                         columns([&](int x, A wx) {
-                            dot += wx * to_compute(row[(int64_t)x * kLanes]);
+                            if (n == 0) x0 = x, w0 = wx;
+                            else if (n == 1) x1 = x, w1 = wx;
+                            else if (n == 2) x2 = x, w2 = wx;
+                            else x3 = x, w3 = wx;
+                            if (++n == 4) drain();
                         });
+                        if (n > 0) drain();
                         sum += wy * dot;
                     });
                 /* an inf or NaN cell (or a map past the walk's limit): the
@@ -567,12 +589,11 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
  * that is not finite, and maps past the walk's limit, are added sample by
  * sample straight into grad_input, as the per-bin kernel adds them. */
 template <typename T>
-__global__ void avg_backward_transposed_kernel(const T *grad_output, const T *rois, T *grad_input,
-                               typename Compute<T>::type *chunk, int64_t num_rois,
-                               int64_t channels, int64_t c0, int64_t count, int64_t height,
-                               int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
-                               typename Compute<T>::type scale, int64_t sampling_ratio,
-                               int aligned, ErrorSink sink) {
+__global__ void avg_backward_transposed_kernel(
+    const T *grad_output, const T *rois, T *grad_input, typename Compute<T>::type *chunk,
+    int64_t num_rois, int64_t channels, int64_t c0, int64_t count, int64_t height, int64_t width,
+    int64_t pooled_h, int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
+    int64_t sampling_ratio, int aligned, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const ChunkThread t(height, width, pooled_h, pooled_w);
     const int64_t bins = t.bins, plane_size = t.plane_size;
