@@ -7,6 +7,10 @@ Environment:
   MMDISPATCH_CUDA_ARCH_LIST  e.g. "7.5;8.0;9.0+PTX" (SASS for each, PTX for
                              the ones marked +PTX). No GPU is needed.
   CUDA_HOME / CUDA_PATH      where to look for nvcc first.
+  MMDISPATCH_NVCC_DEFINES    macros for the CUDA kernels, e.g.
+                             "MMD_CUDA_VECTOR_ATOMICS=0": a variant built
+                             to time one code path against another (the
+                             build info records them).
 """
 import os
 import re
@@ -118,6 +122,10 @@ def tool_version(cmd):
 
 NVCC, NO_CUDA_REASON = cuda_config()
 CUDA_ARCH_SPEC = os.environ.get("MMDISPATCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+NVCC_DEFINES = os.environ.get("MMDISPATCH_NVCC_DEFINES", "").split()
+for _define in NVCC_DEFINES:
+    if not re.fullmatch(r"[A-Za-z_]\w*(=[\w.+-]*)?", _define):
+        raise SystemExit(f"MMDISPATCH_NVCC_DEFINES: {_define!r} is not NAME or NAME=VALUE")
 CUDA_SOURCES = sorted((ROOT / "src" / "cuda").glob("*.cu")) if NVCC else []
 
 
@@ -227,7 +235,8 @@ class BuildExt(build_ext):
         # -fmad=false: no fused multiply-adds, so kernels that share their
         # math with the CPU (IoU in nms) round the same way and agree exactly.
         options = ["-O3", "-std=c++17", "-fmad=false", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                   "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags]
+                   "-I", str(ROOT / "include"), "-I", str(GEN_DIR), *flags,
+                   *(f"-D{define}" for define in NVCC_DEFINES)]
         headers = list((ROOT / "include").rglob("*")) + list(GEN_DIR.glob("*.h"))
         newest_header = max(p.stat().st_mtime for p in headers if p.is_file())
         stamp = CUDA_OBJ_DIR / "flags.txt"
@@ -265,6 +274,7 @@ class BuildExt(build_ext):
             "version": VERSION,
             "cuda": NVCC is not None,
             "cuda_archs": archs,
+            "cuda_defines": NVCC_DEFINES if NVCC else [],
             "cuda_runtime": "static" if NVCC else None,
             "nvcc": tool_version([str(NVCC), "--version"]) if NVCC else None,
             "no_cuda_reason": NO_CUDA_REASON,

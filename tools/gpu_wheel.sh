@@ -13,7 +13,9 @@
 # MMDISPATCH_CUDA_ARCH_LIST (default 9.0: the H100 and H200), REF (a commit
 # to build instead of HEAD) and DEST (the folder written, default .whl):
 # REF=<commit> DEST=.whl-base builds the baseline that gpu_check.sh's
-# BASELINE= benches beside HEAD in the same run.
+# BASELINE= benches beside HEAD in the same run; MMDISPATCH_NVCC_DEFINES
+# (setup.py) with DEST builds a variant of one code path, e.g.
+# MMDISPATCH_NVCC_DEFINES=MMD_CUDA_VECTOR_ATOMICS=0 DEST=.whl-novec.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$(ls -d /root/.pyenv/versions/3.12.*/bin/python 2>/dev/null | tail -1)}
