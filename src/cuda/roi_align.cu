@@ -580,7 +580,7 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
 
 /* The transposed avg backward (the `default` backend, where
  * transposed_pays): per chunk of kLanes channels, the bins' gradients are
- * added into zeroed scratch laid out (batch, h, w, kLanes) in the compute
+ * added into scratch laid out (batch, h, w, kLanes) in the compute
  * type, by a block per roi, a warp per bin, a lane per channel, so that a
  * warp's atomic adds to a cell are 32 neighbouring values in one line (the
  * per-bin kernel's lanes add to 32 cells far apart, a request each); the
@@ -633,24 +633,40 @@ __global__ void avg_backward_transposed_kernel(
     });
 }
 
+/* The scratch's "nothing added": -0.0, which adding any value turns into
+ * that value (+0.0 turns -0.0 into +0.0), so that a sum still -0.0 is a
+ * cell no bin reached, and one that is +0.0 had adds (a zero gradient's),
+ * which the CPU and the per-bin kernel add too. */
+template <typename A> __global__ void fill_untouched_kernel(A *chunk, int64_t size) {
+    MMD_GRID_STRIDE_LOOP(i, size) chunk[i] = -(A)0;
+}
+
 /* grad_input[n, c0 + c, i] += chunk[(n * cells + i) * kLanes + c] for the
- * chunk's `count` channels, where the chunk holds anything but zero (a
- * cell no bin added into keeps its bits, -0.0 included): transpose_chunk_
- * kernel's tiles the other way round. */
+ * chunk's `count` channels, where a bin added anything (a cell no bin
+ * reached keeps its bits, -0.0 and a signalling NaN included); the scratch
+ * is left -0.0 again for the next chunk: transpose_chunk_kernel's tiles the
+ * other way round. */
 template <typename T, typename A>
-__global__ void transpose_add_kernel(const A *chunk, T *grad_input, int64_t batch,
-                                     int64_t channels, int64_t cells, int64_t c0, int64_t count) {
+__global__ void transpose_add_kernel(A *chunk, T *grad_input, int64_t batch, int64_t channels,
+                                     int64_t cells, int64_t c0, int64_t count) {
     __shared__ A tile[kLanes][kLanes + 1];   /* [cell][channel] */
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int64_t tiles = (cells + kLanes - 1) / kLanes;
     for (int64_t t = blockIdx.x; t < batch * tiles; t += gridDim.x) {
         const int64_t n = t / tiles, cell0 = (t % tiles) * kLanes;
-        for (int j = ty; j < kLanes; j += blockDim.y)
-            tile[j][tx] = cell0 + j < cells ? chunk[(n * cells + cell0 + j) * kLanes + tx] : (A)0;
+        for (int j = ty; j < kLanes; j += blockDim.y) {
+            A value = -(A)0;
+            if (cell0 + j < cells) {
+                A *at = chunk + (n * cells + cell0 + j) * kLanes + tx;
+                value = *at;
+                *at = -(A)0;
+            }
+            tile[j][tx] = value;
+        }
         __syncthreads();
         for (int c = ty; c < count; c += blockDim.y) {
             const A add = tile[tx][c];
-            if (cell0 + tx < cells && add != (A)0) {
+            if (cell0 + tx < cells && !(add == (A)0 && signbit(add))) {
                 T *cell = grad_input + (n * channels + c0 + c) * cells + cell0 + tx;
                 *cell = from_compute<T>(to_compute(*cell) + add);
             }
@@ -959,8 +975,9 @@ int forward_chunk(const ChunkPlan &plan, T *chunk, int64_t c0, int64_t count,
     return launch_status("roi_align forward launch");
 }
 
-/* One chunk's transposed backward: its bins into zeroed scratch, then the
- * scratch into grad_input. */
+/* One chunk's transposed backward: its bins into the scratch (all -0.0,
+ * fill_untouched_kernel), then the scratch into grad_input, which leaves it
+ * -0.0 again. */
 template <typename T>
 int backward_chunk(const ChunkPlan &plan, typename Compute<T>::type *chunk, int64_t c0,
                    int64_t count, const mmd_tensor *grad_output, const mmd_tensor *rois,
@@ -969,9 +986,6 @@ int backward_chunk(const ChunkPlan &plan, typename Compute<T>::type *chunk, int6
                    const ErrorSink &sink, cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t batch = grad_input->shape[0];
-    const cudaError_t err =
-        cudaMemsetAsync(chunk, 0, sizeof(A) * (size_t)(batch * plan.cells * kLanes), stream);
-    if (err != cudaSuccess) return cuda_error(err, "roi_align transposed chunk zeroing");
     avg_backward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
         (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, chunk,
         rois->shape[0], plan.channels, c0, count, grad_input->shape[2], grad_input->shape[3],
@@ -1108,12 +1122,18 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
         if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
                             grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
                             sizeof(A)) &&
-            scratch_for(&chunk, sizeof(A) * (size_t)(batch * plan.cells * kLanes)))
+            scratch_for(&chunk, sizeof(A) * (size_t)(batch * plan.cells * kLanes))) {
+            const int64_t size = batch * plan.cells * kLanes;
+            fill_untouched_kernel<A><<<blocks_for(size), kThreads, 0, stream>>>(chunk.as<A>(),
+                                                                            size);
+            s = launch_status("roi_align transposed chunk fill");
+            if (s) return s;
             return plan.each([&](int64_t c0, int64_t count) {
                 return backward_chunk<T>(plan, chunk.as<A>(), c0, count, grad_output, rois,
                                          grad_input, pooled_h, pooled_w, (A)spatial_scale,
                                          sampling_ratio, aligned, sink, stream);
             });
+        }
         const int64_t threads = bin_groups(rois->shape[0], channels, pooled_h, pooled_w);
         avg_backward_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, threads,

@@ -443,6 +443,36 @@ def test_roi_align_transposed_avg_backward_adds_what_the_cpu_adds_in_chunks_of_3
     np.testing.assert_array_equal(got.view(bits)[untouched], prefill.view(bits)[untouched])
 
 
+@pytest.mark.parametrize("channels", [15, 16])
+def test_roi_align_avg_backward_zero_gradients_give_the_cpus_signs_of_zero(emu, channels):
+    """Zero bin gradients (rois masked out of a loss) add +0.0, which turns
+    a -0.0 cell into +0.0 on the CPU: the per-bin kernel (15 channels) and
+    the transposed one (16: its scratch starts at -0.0, so that a sum of
+    +0.0 is told from a cell no bin reached) give the CPU's bits, the cells
+    no bin reached staying -0.0. (Where gradients cancel, the sign of the
+    zero depends on the order of the adds, on the CPU too.)"""
+    rng = np.random.default_rng(channels)
+    x = np.zeros((1, channels, 9, 11), np.float32)
+    rois = np.array([[0, 2, 2, 12, 10], [0, 1, 1, 5, 6], [0, 6, 4, 18, 16]], np.float32)
+    grad_output = rng.standard_normal((3, channels, 3, 2)).astype(np.float32)
+    grad_output[2] = 0
+    prefill = np.full(x.shape, -0.0, np.float32)
+    unused = np.empty(0, np.float32)
+
+    def run(wrap):
+        grad = prefill.copy()
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(),
+                                                  grad]), 3, 2, 0.5, 2, 1, True)
+        return grad
+
+    expected = run(list)
+    got = run(on_gpu)
+    zeros = expected == 0
+    assert np.signbit(expected[zeros]).any() and not np.signbit(expected[zeros]).all()
+    np.testing.assert_array_equal(np.signbit(got[zeros]), np.signbit(expected[zeros]))
+    assert_same(got, expected)
+
+
 @pytest.mark.parametrize("shape", [(1, 32, 0, 5), (1, 32, 5, 0), (0, 32, 5, 5)])
 def test_roi_align_on_a_map_without_cells_and_many_channels_launches_nothing_it_cannot(
         emu, shape):
