@@ -469,6 +469,33 @@ def test_cuda_matches_cpu_over_a_partial_channel_group_and_bins_of_many_cells(
     np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-10), (np.float32, 1e-4),
+                                        (np.float16, 2e-2)])
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+def test_cuda_transposed_avg_kernels_match_cpu_on_many_rois_and_channels(
+        cupy, sampling_ratio, dtype, tol, rng):
+    """300 rois over a 40-channel map whose bins read its cells many times
+    over: the avg forward and default backward take the transposed kernels
+    on a GPU (chunks of 32 channels, the second partial; 256 rois or more),
+    which the smaller cases above do not reach. float16 against the CPU's
+    float32 on the same values."""
+    x = rng.standard_normal((2, 40, 30, 36)).astype(dtype)
+    rois = random_rois(rng, 300, 2, 30, 36, 0.5).astype(dtype)
+    compute = np.float32 if dtype == np.float16 else dtype
+    out, ay, ax = roi_align_forward(x.astype(compute), rois.astype(compute), 7, 0.5,
+                                    sampling_ratio, "avg", True)
+    out_gpu, ay_gpu, ax_gpu = roi_align_forward(cupy.asarray(x), cupy.asarray(rois), 7, 0.5,
+                                                sampling_ratio, "avg", True)
+    np.testing.assert_allclose(cupy.asnumpy(out_gpu).astype(compute), out, rtol=tol, atol=tol)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grad = roi_align_backward(grad_out.astype(compute), rois.astype(compute), ay, ax, x.shape,
+                              0.5, sampling_ratio, "avg", True)
+    grad_gpu = roi_align_backward(cupy.asarray(grad_out), cupy.asarray(rois), ay_gpu, ax_gpu,
+                                  x.shape, 0.5, sampling_ratio, "avg", True)
+    np.testing.assert_allclose(cupy.asnumpy(grad_gpu).astype(compute), grad, rtol=tol * 10,
+                               atol=tol * 10 * max(1.0, float(np.abs(grad).max())))
+
+
 def test_cuda_float16_computes_in_float32(cupy, rng):
     x = rng.standard_normal((1, 4, 16, 16)).astype(np.float16)
     rois = random_rois(rng, 8, 1, 16, 16, 1.0).astype(np.float16)
