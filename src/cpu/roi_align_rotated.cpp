@@ -57,7 +57,7 @@ int forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *o
     HeapArray<mmd_rotated_roi<T>> g(num_rois);
     if (!g) return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld rois", (long long)num_rois);
     int s = geometries(rois, input->shape[0], p, g.get());
-    if (s) return s;
+    if (s || num_rois * channels * bins == 0) return s;   /* no output: no samples to walk */
     const T *in = (const T *)input->data;
     T *out = (T *)output->data;
     mmd_parallel_for(num_rois, 1, mmd_worth_threads(num_rois, num_rois * channels * bins * 4),

@@ -213,6 +213,18 @@ def test_no_rois_give_an_empty_output_and_a_zero_gradient():
                                           x.shape).any()
 
 
+def test_no_channels_give_an_empty_output_at_once_whatever_the_sampling_ratio():
+    """A map without channels has no output to compute: the call returns at
+    once, where the CPU forward walked every bin's 32768 x 32768 samples for
+    nothing (the fuzz harness's hang, 2026-11-27). Its rois are still
+    checked."""
+    x = np.zeros((1, 0, 5, 4), np.float32)
+    rois = np.array([[0, 2, 2, 3, 3, 0.5]] * 2, np.float32)
+    assert roi_align_rotated(x, rois, 8, 1.0, 32768).shape == (2, 0, 8, 8)
+    with pytest.raises(ValueError, match="rois"):
+        roi_align_rotated(x, np.array([[3, 2, 2, 3, 3, 0.5]], np.float32), 8, 1.0, 32768)
+
+
 # --- the PyTorch layer -----------------------------------------------------------------------
 
 def test_mmcv_drop_in_and_module_with_autograd():
