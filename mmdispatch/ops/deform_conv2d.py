@@ -15,6 +15,10 @@ deform_conv2d_backward_impl.
   (out_w alike), and offset and mask must have that size.
 - samples are bilinear with zeros outside the map; a NaN offset gives a
   NaN sample.
+- offset gradients are the floor rule's, as torchvision's: a sample at
+  y == -1 exactly reads 0, but its y gradient is row 0 interpolated at x
+  (x == -1 alike, column 0). Zero offsets with padding 1 put the first
+  row's and column's taps there. MMCV's kernels give 0 there.
 - the CPU kernel's matrix products call a BLAS (gemm.h), which may skip a
   product by zero: a NaN or inf in weight (or in grad_output, backward)
   then need not reach an output that IEEE arithmetic would make NaN. NaN

@@ -118,7 +118,7 @@ template <typename T> struct Call {
      * in [r0, r1) here, all of them in locate. */
     void locate_rows(int64_t n, int64_t p0, int64_t count, Sample<T> *table, int64_t r0,
                      int64_t r1) const {
-        const int64_t taps = d.taps(), rows = samples(), pixels = d.pixels(), off_map = plane();
+        const int64_t taps = d.taps(), rows = samples(), pixels = d.pixels();
         for (int64_t r = r0; r < r1; ++r) {
             const int64_t g = r / taps, t = r % taps, i = t / d.kernel_w, j = t % d.kernel_w;
             const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels;
@@ -129,12 +129,30 @@ template <typename T> struct Call {
                 const T y = mmd_dcn_base<T>(oy, i, d.stride_h, d.pad_h, d.dilation_h) + dy[p];
                 const T x = mmd_dcn_base<T>(ox, j, d.stride_w, d.pad_w, d.dilation_w) + dx[p];
                 Sample<T> &s = table[q * rows + r];
-                mmd_bilinear_locate(y, x, d.height, d.width, &s);
-                for (int k = 0; k < 4; ++k)
-                    if (s.index[k] < 0) s.index[k] = off_map + k;   /* weight 0, value 0 */
+                place(y, x, &s);
                 s.mask = m ? m[p] : (T)1;
             }
         }
+    }
+    /* mmd_bilinear_locate, with the cells off the map at rows plane() + k */
+    void place(T y, T x, Sample<T> *s) const {
+        mmd_bilinear_locate(y, x, d.height, d.width, s);
+        for (int k = 0; k < 4; ++k)
+            if (s->index[k] < 0) s->index[k] = plane() + k;   /* weight 0, value 0 */
+    }
+    /* Sample (g, t) of image n's pixel p at mmd_bilinear_edge_shift's
+     * position for `edge`: where an edge sample takes its one derivative. */
+    Sample<T> edge_sample(int64_t n, int64_t g, int64_t t, int64_t p, unsigned char edge) const {
+        const int64_t taps = d.taps(), pixels = d.pixels();
+        const T *dy = offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p;
+        T y = mmd_dcn_base<T>(p / d.out_w, t / d.kernel_w, d.stride_h, d.pad_h, d.dilation_h) +
+              dy[0];
+        T x = mmd_dcn_base<T>(p % d.out_w, t % d.kernel_w, d.stride_w, d.pad_w, d.dilation_w) +
+              dy[pixels];
+        mmd_bilinear_edge_shift(edge, &y, &x);
+        Sample<T> s;
+        place(y, x, &s);
+        return s;
     }
     void locate(int64_t n, int64_t p0, int64_t count, Sample<T> *table) const {
         const int64_t rows = samples();
@@ -393,6 +411,22 @@ void offset_and_mask_grads(const Call<T> &call, const Workspace<T> &work, int64_
                         gy += masked * (wy * (e[c] - a[c]) + s.lx * (f[c] - b[c]));
                         gx += masked * (wx * (b[c] - a[c]) + s.ly * (f[c] - e[c]));
                     }
+                }
+                if (s.edge) {   /* its one derivative that is not 0 (bilinear.h) */
+                    const Sample<T> at = call.edge_sample(n, g, t, p0 + q, s.edge);
+                    T ge = 0;
+                    for (int64_t k = 0; k < work.nsegs; ++k) {
+                        const Segment &sg = work.segs[k];
+                        if (sg.offset_group != g) continue;
+                        const T *gc = gq + sg.column + t * step;
+                        for (int64_t c = 0; c < sg.c1 - sg.c0; ++c) {
+                            T v[4];
+                            for (int e = 0; e < 4; ++e)
+                                v[e] = image[at.index[e] * channels + sg.c0 + c];
+                            ge += gc[c] * s.mask * mmd_bilinear_edge_derivative(s.edge, at, v);
+                        }
+                    }
+                    (s.edge == MMD_BILINEAR_EDGE_Y ? gy : gx) = ge;
                 }
                 if (s.undefined) gy = gx = gm = (T)NAN;
                 const int64_t at = ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p0 + q;

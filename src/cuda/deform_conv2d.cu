@@ -52,23 +52,26 @@ int64_t chunk_of(const mmd_dcn_shape &d) {
 }
 
 /* Where tap (ki, kj) of output pixel (oy, ox) samples; dy points at the
- * tap's y offset for the pixel, its x offset `pixels` further. */
+ * tap's y offset for the pixel, its x offset `pixels` further. `edge` not
+ * 0: at mmd_bilinear_edge_shift's position instead. */
 template <typename T, typename A>
 __device__ inline void locate_at(const T *dy, const mmd_dcn_shape &d, int64_t oy, int64_t ox,
-                                 int64_t ki, int64_t kj, Sample<A> *s) {
-    const A y = mmd_dcn_base<A>(oy, ki, d.stride_h, d.pad_h, d.dilation_h) + to_compute(dy[0]);
-    const A x = mmd_dcn_base<A>(ox, kj, d.stride_w, d.pad_w, d.dilation_w) +
-                to_compute(dy[d.pixels()]);
+                                 int64_t ki, int64_t kj, Sample<A> *s,
+                                 unsigned char edge = 0) {
+    A y = mmd_dcn_base<A>(oy, ki, d.stride_h, d.pad_h, d.dilation_h) + to_compute(dy[0]);
+    A x = mmd_dcn_base<A>(ox, kj, d.stride_w, d.pad_w, d.dilation_w) +
+          to_compute(dy[d.pixels()]);
+    mmd_bilinear_edge_shift(edge, &y, &x);
     mmd_bilinear_locate(y, x, d.height, d.width, s);
 }
 
 /* Where tap t of pixel p (of image n, offset group g) samples. */
 template <typename T, typename A>
 __device__ inline void locate(const T *offset, const mmd_dcn_shape &d, int64_t n, int64_t g,
-                              int64_t t, int64_t p, Sample<A> *s) {
+                              int64_t t, int64_t p, Sample<A> *s, unsigned char edge = 0) {
     const int64_t pixels = d.pixels();
     const T *dy = offset + ((n * d.offset_groups + g) * 2 * d.taps() + 2 * t) * pixels + p;
-    locate_at(dy, d, p / d.out_w, p % d.out_w, t / d.kernel_w, t % d.kernel_w, s);
+    locate_at(dy, d, p / d.out_w, p % d.out_w, t / d.kernel_w, t % d.kernel_w, s, edge);
 }
 
 template <typename T>
@@ -352,6 +355,18 @@ __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T
             /* the mask in each channel's term, as the CPU kernel has it */
             gy += gc * m * mmd_bilinear_dvalue_dy(s, v);
             gx += gc * m * mmd_bilinear_dvalue_dx(s, v);
+        }
+        if (s.edge) {   /* its one derivative that is not 0 (mmdispatch/bilinear.h) */
+            Sample<A> at;
+            locate(offset, d, n, g, t, p, &at, s.edge);
+            A ge = 0;
+            for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+                A v[4];
+                mmd_bilinear_corners(at, input + (n * d.in_channels + c) * plane, v);
+                ge += grad_columns[(c * taps + t) * count + q] * m *
+                      mmd_bilinear_edge_derivative(s.edge, at, v);
+            }
+            (s.edge == MMD_BILINEAR_EDGE_Y ? gy : gx) = ge;
         }
         T *out = grad_offset + ((n * d.offset_groups + g) * 2 * taps + 2 * t) * pixels + p;
         out[0] = from_compute<T>(gy);

@@ -59,10 +59,32 @@ def sample(plane, y, x):
             wx = 1 - np.abs(y - row)
             dvy += np.where(valid, np.where(np.isclose(row, y0), -wy, wy) * v, 0.0)
             dvx += np.where(valid, np.where(np.isclose(col, x0), -wx, wx) * v, 0.0)
+    # On the low edges the floor rule gives one derivative although the value
+    # is 0 (torchvision's backward): at y == -1, d/dy is row 0 interpolated
+    # at x; at x == -1, d/dx is column 0 interpolated at y.
+    h, w = plane.shape
+    on_y_edge = (y == -1) & (x > -1) & (x < w)
+    on_x_edge = (x == -1) & (y > -1) & (y < h)
+    with np.errstate(invalid="ignore"):
+        dvy = np.where(on_y_edge, interpolate(plane[:1].reshape(-1), x), dvy)
+        dvx = np.where(on_x_edge, interpolate(plane[:, :1].reshape(-1), y), dvx)
     undefined = np.isnan(y) | np.isnan(x)
     for a in (value, dvy, dvx):
         a[undefined] = np.nan
     return value, dvy, dvx
+
+
+def interpolate(line, at):
+    """A line of cells (zeros off it) interpolated at positions `at` by the
+    floor rule: (1 - f) line[floor] + f line[floor + 1]."""
+    if line.size == 0:
+        return np.zeros(at.shape)
+    inside = np.isfinite(at)
+    first = np.floor(np.where(inside, at, 0)).astype(np.int64)
+    frac = np.where(inside, at, 0) - first
+    cells = [np.where((k >= 0) & (k < line.size), line[np.clip(k, 0, line.size - 1)], 0.0)
+             for k in (first, first + 1)]
+    return (1 - frac) * cells[0] + frac * cells[1]
 
 
 def positions(offset, n, g, i, j, kw, taps, out_hw, stride, pad, dilation):
@@ -236,6 +258,35 @@ def test_samples_outside_the_map_read_zero_and_a_nan_offset_reads_nan():
     assert math.isnan(out[2, 2]) and out[3, 3] == 1
 
 
+def test_on_the_maps_low_edges_the_offset_gradient_is_the_floor_rules():
+    """A sample at y == -1 exactly reads 0, but its y gradient is row 0
+    interpolated at x (row 0 enters with weight y + 1), as torchvision's
+    backward has it; x == -1 alike; at (-1, -1) both are 0. Zero offsets with
+    padding 1 put every first-row and first-column tap there."""
+    x = np.arange(16.0).reshape(1, 1, 4, 4) + 1
+    x[0, 0, 1:] = np.inf      # rows past 0 never enter a y-edge gradient
+    weight = np.ones((1, 1, 1, 1))
+    offset = np.zeros((1, 2, 4, 4))
+    offset[0, :, 0, 0] = (-1, 0)         # (-1, 0): d/dy = x[0, 0]
+    offset[0, :, 0, 1] = (-1, 0.25)      # (-1, 1.25): 0.75 x[0, 1] + 0.25 x[0, 2]
+    offset[0, :, 0, 2] = (-1, -3)        # (-1, -1): both 0
+    offset[0, :, 0, 3] = (-1, 1)         # (-1, 4): outside, both 0
+    out = deform_conv2d(x, offset, weight)
+    assert (out[0, 0, 0] == 0).all()
+    grad_input, grad_offset, *_ = deform_conv2d_backward(np.ones_like(out), x, offset, weight)
+    dy, dx = grad_offset[0, 0, 0], grad_offset[0, 1, 0]
+    assert dy.tolist() == [1.0, 0.75 * 2 + 0.25 * 3, 0.0, 0.0]
+    assert dx.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert (grad_input[0, 0, 0] == 0).all()   # an edge sample adds nothing to row 0
+    x = np.arange(16.0).reshape(1, 1, 4, 4) + 1
+    offset = np.zeros((1, 2, 4, 4))
+    offset[0, :, 1, 0] = (0.5, -1)       # (1.5, -1): d/dx = 0.5 x[1, 0] + 0.5 x[2, 0]
+    offset[0, :, 2, 1] = (0, -2)         # (2, -1): d/dx = x[2, 0]
+    grad_offset = deform_conv2d_backward(np.ones((1, 1, 4, 4)), x, offset, weight)[1]
+    assert grad_offset[0, 1, 1, 0] == 0.5 * 5 + 0.5 * 9 and grad_offset[0, 0, 1, 0] == 0
+    assert grad_offset[0, 1, 2, 1] == 9 and grad_offset[0, 0, 2, 1] == 0
+
+
 def test_zero_size_batches_and_channels_give_empty_results():
     rng = np.random.default_rng(0)
     x, offset, mask, weight, bias = random_case(rng, np.float64, n=0)
@@ -254,7 +305,8 @@ def test_zero_size_batches_and_channels_give_empty_results():
 @pytest.mark.parametrize("with_mask", [True, False])
 @pytest.mark.parametrize("geometry", [
     dict(), dict(stride=(2, 1), pad=(0, 2), dilation=(1, 2), offset_groups=1),
-    dict(c_in=6, c_out=3, groups=3, offset_groups=3, kernel=(2, 3))])
+    dict(c_in=6, c_out=3, groups=3, offset_groups=3, kernel=(2, 3)),
+    dict(spread=0.0), dict(spread=0.0, kernel=(2, 3), pad=(1, 1), stride=(1, 2))])
 def test_backward_matches_the_chain_rule_of_the_definition(dtype, with_mask, geometry):
     rng = np.random.default_rng(7 + with_mask)
     x, offset, mask, weight, _ = random_case(rng, dtype, **geometry)
@@ -502,6 +554,34 @@ def test_forward_and_gradients_equal_torchvisions(with_mask):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("with_mask", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_zero_offsets_with_padding_give_torchvisions_gradients(with_mask, dtype):
+    """Deformable convolution's usual start: zero offsets and padding 1 put
+    the first row's and column's taps at -1 exactly, where the offset
+    gradient is the floor rule's (mmdispatch/bilinear.h), as torchvision's."""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    from mmdispatch.torch import deform_conv2d as torch_deform_conv2d
+
+    gen = torch.Generator().manual_seed(5)
+    dt = getattr(torch, dtype)
+    x = torch.randn(2, 4, 6, 7, generator=gen, dtype=dt)
+    weight = torch.randn(6, 2, 3, 3, generator=gen, dtype=dt)
+    offset = torch.zeros(2, 2 * 2 * 9, 6, 7, dtype=dt)
+    mask = torch.rand(2, 2 * 9, 6, 7, generator=gen, dtype=dt) if with_mask else None
+    grads = []
+    for fn in (torch_deform_conv2d, torchvision.ops.deform_conv2d):
+        leaves = [t.clone().requires_grad_(True) for t in (x, offset, weight)]
+        m = mask.clone().requires_grad_(True) if with_mask else None
+        out = fn(leaves[0], leaves[1], leaves[2], padding=1, mask=m)
+        g = torch.ones_like(out)
+        grads.append(torch.autograd.grad(out, leaves + ([m] if with_mask else []), g))
+    assert grads[1][1][:, :, 0].abs().sum() > 0   # torchvision's edge gradients exist
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_the_module_equals_torchvisions_module_with_its_parameters():
     torch = pytest.importorskip("torch")
     torchvision = pytest.importorskip("torchvision")
@@ -654,6 +734,34 @@ def test_emulated_float32_input_gradient_in_windows_of_four_cells_equals_the_cpu
     assert np.abs(expected[0]).max() > 0 and guards_untouched()
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-5 * np.abs(e).max())
+
+
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_cuda_offset_gradients_on_the_maps_low_edges_equal_the_cpus(
+        cuda_emulator, backend, dtype):
+    """Zero or whole-number offsets with padding 1 put taps at y == -1 or
+    x == -1 exactly, where the offset gradient is the floor rule's
+    (mmdispatch/bilinear.h): the CUDA kernels' edge samples, with a mask and
+    two offset groups, against the CPU's. Run by the emulator."""
+    from cuda_emu import DeviceView
+    rng = np.random.default_rng(31)
+    x, offset, mask, weight, _ = random_case(rng, dtype, n=2, c_in=4, c_out=4, hw=(5, 6))
+    offset[:] = rng.integers(-2, 3, offset.shape)   # whole numbers: many edge samples
+    offset[0] = 0
+    offset[1, :, 0, 0] = 0.5                        # edges at fractional positions too
+    geometry = (1, 1, 1, 1, 1, 1, 2, 2)
+    grad = rng.standard_normal((2, 4, 5, 6)).astype(dtype)
+    expected = [np.zeros_like(a) for a in (x, offset, mask, weight)] + [np.zeros(4, dtype)]
+    mmdispatch.deform_conv2d_backward_impl(grad, x, offset, mask, weight, *expected, *geometry)
+    assert np.abs(expected[1][0, 0::2, 0]).max() > 0   # y gradients on row 0's edge exist
+    got = [np.full_like(a, 7.0) for a in expected]
+    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend):
+        mmdispatch.deform_conv2d_backward_impl(*map(DeviceView, (grad, x, offset, mask, weight)),
+                                               *map(DeviceView, got), *geometry)
+        assert cuda_emulator.synchronize() == (0, "")
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, **tolerance(dtype))
 
 
 def test_a_cupy_call_has_cupy_load_its_cublas_once_before_the_first_product(monkeypatch):
