@@ -759,7 +759,7 @@ def test_outputs_given_as_none_are_allocated_by_the_signatures_allocation_lines(
     mine = np.empty((2, 3, 2, 3))
     assert mmdispatch.roi_align_forward_impl(x, rois, mine, None, None, 2, 3, 1.0, 0, 1,
                                              True)[0] is mine
-    pool, argmax = mmdispatch.roi_pool_forward_impl(x, rois, None, None, 2, 2, 1.0)
+    pool, argmax = mmdispatch.roi_pool_forward_impl(x, rois, None, None, 2, 2, 1.0, 0)
     assert pool.shape == argmax.shape == (2, 3, 2, 2) and argmax.dtype == np.int64
     boxes = np.array([[0, 0, 2, 2], [0, 0, 2, 2.1], [5, 5, 6, 6]], np.float32)
     keep = mmdispatch.nms_impl(boxes, np.array([0.9, 0.8, 0.7], np.float32), None, None, None,
@@ -830,7 +830,7 @@ def _allocation_cases():
         ("roi_align_forward_impl", (x, rois, None, None, None, 2, 3, 1.0, 0, 0, True)),
         ("roi_align_forward_impl", (x, rois, None, None, None, 2, 3, 1.0, 0, 1, True)),
         ("roi_align_forward_impl", (x, rois, None, None, None, -4, 3, 1.0, 0, 0, True)),
-        ("roi_pool_forward_impl", (x, rois, None, None, 3, 1, 1.0)),
+        ("roi_pool_forward_impl", (x, rois, None, None, 3, 1, 1.0, 0)),
         ("nms_impl", (boxes, boxes[:, 0], None, None, None, 0.5, 0)),
         ("bbox_overlaps_impl", (boxes, boxes[:2], None, 0, False, 0)),
         ("bbox_overlaps_impl", (boxes, boxes, None, 0, True, 0)),

@@ -6,9 +6,12 @@ place of `from torchvision.ops import roi_align`.
 Where our semantics differ from torchvision's they are documented on the
 function (box_iou of boxes with no area is 0, not NaN).
 """
+import operator
+
 import torch
 from torch import nn
 
+from mmdispatch.ops.roi_pool import CONVENTIONS
 from mmdispatch.torch._library import DERIVED
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
@@ -21,15 +24,19 @@ _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 _AVG = 1
 
 
-def _pair(op, value):
-    """(h, w) from an int or a pair of ints (torchvision's output_size)."""
-    if isinstance(value, int):
-        return value, value
+def _pair(op, value, name="output_size"):
+    """(h, w) from an int or a pair of ints (torchvision's output_size;
+    anything with __index__, numpy's integers included, counts as an int)."""
+    try:
+        size = operator.index(value)
+        return size, size
+    except TypeError:
+        pass
     try:
         h, w = value
-        return int(h), int(w)
+        return operator.index(h), operator.index(w)
     except (TypeError, ValueError):
-        raise TypeError(f"{op}: output_size must be an int or a pair of ints, got "
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got "
                         f"{value!r}") from None
 
 
@@ -84,7 +91,7 @@ def roi_pool(input, boxes, output_size, spatial_scale=1.0):
     differentiable with respect to input."""
     h, w = _pair("roi_pool", output_size)
     rois = rois_of("roi_pool", boxes, input)
-    return _ROI_POOL(input, rois, h, w, float(spatial_scale))[0]
+    return _ROI_POOL(input, rois, h, w, float(spatial_scale), CONVENTIONS["torchvision"])[0]
 
 
 def ps_roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1):
@@ -179,11 +186,7 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
 
 def _int_pair(op, name, value):
     """(h, w) from an int or a pair of ints (stride, padding, dilation)."""
-    try:
-        h, w = (value, value) if isinstance(value, int) else value
-        return int(h), int(w)
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from None
+    return _pair(op, value, name)
 
 
 def deform_groups(op, input, offset, weight):

@@ -11,6 +11,7 @@ from torch import nn
 from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
 from mmdispatch.ops.multi_scale_deformable_attn import _im2col_step
 from mmdispatch.ops.roi_align import _POOL_MODES
+from mmdispatch.ops.roi_pool import CONVENTIONS as _ROI_POOL_CONVENTIONS
 from mmdispatch.ops.soft_nms import METHODS as _SOFT_NMS_METHODS
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
@@ -28,6 +29,7 @@ __all__ = ["DeformConv2d", "ModulatedDeformConv2d", "MultiScaleDeformableAttenti
            "soft_nms", "softmax_focal_loss"]
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
+_ROI_POOL = DERIVED["roi_pool_forward_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _FOCAL_LOSS = DERIVED["sigmoid_focal_loss_forward_impl"]
 _SOFTMAX_FOCAL_LOSS = DERIVED["softmax_focal_loss_forward_impl"]
@@ -57,8 +59,16 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
                       bool(aligned))[0]
 
 
-# mmcv.ops.roi_pool has torchvision's signature and defaults
-roi_pool = _vision.roi_pool
+def roi_pool(input, rois, output_size, spatial_scale=1.0):
+    """mmcv.ops.roi_pool: (K, C, *output_size), with MMCV's bins (convention
+    "mmcv" of mmdispatch.ops.roi_pool: the roi spans x1 * spatial_scale to
+    (x2 + 1) * spatial_scale, not rounded; a roi of no width gives zeros).
+    torchvision's roi_pool, which rounds the corners, differs wherever a
+    scaled corner is not a whole number. Differentiable with respect to
+    input."""
+    h, w = _pair("roi_pool", output_size)
+    rois = _rois_of("roi_pool", rois, input)
+    return _ROI_POOL(input, rois, h, w, float(spatial_scale), _ROI_POOL_CONVENTIONS["mmcv"])[0]
 
 
 def _detections(boxes, scores, idxs, iou_threshold, offset, score_threshold, max_num):
@@ -269,11 +279,20 @@ class RoIAlign(nn.Module):
                 f"use_torchvision={self.use_torchvision})")
 
 
-class RoIPool(_vision.RoIPool):
-    """mmcv.ops.RoIPool (torchvision's, with spatial_scale 1.0 by default)."""
+class RoIPool(nn.Module):
+    """mmcv.ops.RoIPool: roi_pool above, with MMCV's bins."""
 
     def __init__(self, output_size, spatial_scale=1.0):
-        super().__init__(output_size, float(spatial_scale))
+        super().__init__()
+        self.output_size = _pair("RoIPool", output_size)
+        self.spatial_scale = float(spatial_scale)
+
+    def forward(self, input, rois):
+        return roi_pool(input, rois, self.output_size, self.spatial_scale)
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
+                f"spatial_scale={self.spatial_scale})")
 
 
 class SigmoidFocalLoss(nn.Module):

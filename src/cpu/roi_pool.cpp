@@ -19,11 +19,12 @@ namespace {
 /* Validates every roi before anything is written. */
 template <typename T>
 int check_rois(const mmd_tensor *rois, int64_t batch, T spatial_scale, int64_t pooled_h,
-               int64_t pooled_w) {
+               int64_t pooled_w, int64_t convention) {
     const T *r = (const T *)rois->data;
     for (int64_t k = 0; k < rois->shape[0]; ++k) {
         mmd_pool_geometry<T> g{};
-        int code = mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
+        int code = mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                         convention, &g);
         if (code != MMD_ROI_OK) return mmd_roi_error(code, k, batch);
     }
     return MMD_OK;
@@ -216,11 +217,11 @@ MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
                                T *__restrict col_max, Row *__restrict col_row) {
     const Row none = std::numeric_limits<Row>::max();
     int64_t lo, hi, last;
-    mmd_roi_pool_bin(g.start_w, g.bin_w, 0, width, &lo, &last);
-    mmd_roi_pool_bin(g.start_w, g.bin_w, pooled_w - 1, width, &last, &hi);
+    mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, 0, width, &lo, &last);
+    mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, pooled_w - 1, width, &last, &hi);
     for (int64_t ph = 0; ph < pooled_h; ++ph) {
         int64_t h0, h1;
-        mmd_roi_pool_bin(g.start_h, g.bin_h, ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_h, g.offset_h, g.bin_h, ph, height, &h0, &h1);
         T *bin_out = out + ph * pooled_w;
         int64_t *bin_arg = argmax + ph * pooled_w;
         if (h0 >= h1 || lo >= hi) {  /* the whole row of bins is off the map */
@@ -233,7 +234,7 @@ MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
         column_maxima(plane, width, h0, h1, lo, hi, col_max, col_row);
         for (int64_t pw = 0; pw < pooled_w; ++pw) {
             int64_t w0, w1;
-            mmd_roi_pool_bin(g.start_w, g.bin_w, pw, width, &w0, &w1);
+            mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, pw, width, &w0, &w1);
             const int64_t w = best_column(col_max, col_row, w0, w1);
             if (w < 0) {  /* an empty bin */
                 bin_out[pw] = 0;
@@ -256,7 +257,8 @@ MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
 template <typename T, typename Row>
 int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t num_rois,
                 int64_t batch, int64_t channels, int64_t height, int64_t width, T spatial_scale,
-                int64_t pooled_h, int64_t pooled_w, T *out, int64_t *argmax) {
+                int64_t convention, int64_t pooled_h, int64_t pooled_w, T *out,
+                int64_t *argmax) {
     const HeapArray<T> col_max(width);
     const HeapArray<Row> col_row(width);
     if (!col_max || !col_row)
@@ -266,7 +268,8 @@ int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t 
     for (int64_t i = begin; i < end; ++i) {
         const int64_t c = i / num_rois, k = i % num_rois, p = k * channels + c;
         mmd_pool_geometry<T> g{};
-        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
+        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
+                              &g);
         pool_plane(in + (g.batch * channels + c) * height * width, height, width, g, pooled_h,
                    pooled_w, out + p * bins, argmax + p * bins, col_max.get(), col_row.get());
     }
@@ -275,12 +278,12 @@ int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t 
 
 template <typename T>
 int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
-                     const mmd_tensor *argmax, T spatial_scale) {
+                     const mmd_tensor *argmax, T spatial_scale, int64_t convention) {
     const int64_t batch = input->shape[0], channels = input->shape[1];
     const int64_t height = input->shape[2], width = input->shape[3];
     const int64_t pooled_h = output->shape[2], pooled_w = output->shape[3];
     const int64_t bins = pooled_h * pooled_w;
-    int s = check_rois(rois, batch, spatial_scale, pooled_h, pooled_w);
+    int s = check_rois(rois, batch, spatial_scale, pooled_h, pooled_w, convention);
     if (s || mmd_numel(output) == 0) return s;
     const T *in = (const T *)input->data, *r = (const T *)rois->data;
     T *out = (T *)output->data;
@@ -291,10 +294,11 @@ int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_
         planes, 16, mmd_worth_threads(planes, planes * bins), [&](int64_t begin, int64_t end) {
             if (narrow_rows)
                 return pool_planes<T, int32_t>(begin, end, in, r, num_rois, batch, channels,
-                                               height, width, spatial_scale, pooled_h, pooled_w,
-                                               out, am);
+                                               height, width, spatial_scale, convention,
+                                               pooled_h, pooled_w, out, am);
             return pool_planes<T, int64_t>(begin, end, in, r, num_rois, batch, channels, height,
-                                           width, spatial_scale, pooled_h, pooled_w, out, am);
+                                           width, spatial_scale, convention, pooled_h,
+                                           pooled_w, out, am);
         });
 }
 
@@ -309,12 +313,13 @@ constexpr int64_t kRowsAhead = 8, kCellsAhead = 2;
  * order (deterministic, race-free). */
 template <typename T>
 int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
-                      const mmd_tensor *argmax, const mmd_tensor *grad_input, T spatial_scale) {
+                      const mmd_tensor *argmax, const mmd_tensor *grad_input, T spatial_scale,
+                      int64_t convention) {
     const int64_t batch = grad_input->shape[0], channels = grad_input->shape[1];
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
     const int64_t pooled_h = grad_output->shape[2], pooled_w = grad_output->shape[3];
     const int64_t bins = pooled_h * pooled_w, num_rois = rois->shape[0];
-    int s = check_rois(rois, batch, spatial_scale, pooled_h, pooled_w);
+    int s = check_rois(rois, batch, spatial_scale, pooled_h, pooled_w, convention);
     if (s) return s;
     const int64_t *am = (const int64_t *)argmax->data;
     const int64_t total = mmd_numel(argmax);
@@ -330,7 +335,8 @@ int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
         return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld rois", (long long)num_rois);
     for (int64_t k = 0; k < num_rois; ++k) {
         mmd_pool_geometry<T> g{};
-        mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, &g);
+        mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
+                              &g);
         image_of[k] = g.batch;
     }
     /* roi k's grad_input plane of channel c */
@@ -364,28 +370,31 @@ int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
 int roi_pool_forward_cpu(const mmd_tensor *input, const mmd_tensor *rois,
                          const mmd_tensor *output, const mmd_tensor *argmax,
                          int64_t pooled_height, int64_t pooled_width, double spatial_scale,
-                         const mmd_context *ctx) {
+                         int64_t convention, const mmd_context *ctx) {
     (void)ctx;
     int s = mmd_roi_pool_forward_check(input, rois, output, argmax, pooled_height, pooled_width,
-                                       spatial_scale, MMD_FLOAT32_64);
+                                       spatial_scale, convention, MMD_FLOAT32_64);
     if (s) return s;
     if (input->dtype == MMD_FLOAT32)
-        return roi_pool_forward<float>(input, rois, output, argmax, (float)spatial_scale);
-    return roi_pool_forward<double>(input, rois, output, argmax, spatial_scale);
+        return roi_pool_forward<float>(input, rois, output, argmax, (float)spatial_scale,
+                                       convention);
+    return roi_pool_forward<double>(input, rois, output, argmax, spatial_scale, convention);
 }
 
 int roi_pool_backward_cpu(const mmd_tensor *grad_output, const mmd_tensor *rois,
                           const mmd_tensor *argmax, const mmd_tensor *grad_input,
                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
-                          const mmd_context *ctx) {
+                          int64_t convention, const mmd_context *ctx) {
     (void)ctx;
     int s = mmd_roi_pool_backward_check(grad_output, rois, argmax, grad_input, pooled_height,
-                                        pooled_width, spatial_scale, MMD_FLOAT32_64);
+                                        pooled_width, spatial_scale, convention,
+                                        MMD_FLOAT32_64);
     if (s) return s;
     if (grad_input->dtype == MMD_FLOAT32)
         return roi_pool_backward<float>(grad_output, rois, argmax, grad_input,
-                                        (float)spatial_scale);
-    return roi_pool_backward<double>(grad_output, rois, argmax, grad_input, spatial_scale);
+                                        (float)spatial_scale, convention);
+    return roi_pool_backward<double>(grad_output, rois, argmax, grad_input, spatial_scale,
+                                     convention);
 }
 
 }  // namespace

@@ -29,11 +29,11 @@ enum { kBadArgmax = 0x80 };
 /* The geometry of roi k, in the compute type A of storage type T. */
 template <typename T, typename A = typename Compute<T>::type>
 __device__ inline int roi_geometry(const T *rois, int64_t k, int64_t batch, A scale,
-                                   int64_t pooled_h, int64_t pooled_w,
+                                   int convention, int64_t pooled_h, int64_t pooled_w,
                                    mmd_pool_geometry<A> *g) {
     A roi[5];
     for (int i = 0; i < 5; ++i) roi[i] = to_compute(rois[5 * k + i]);
-    return mmd_roi_pool_geometry(roi, batch, scale, pooled_h, pooled_w, g);
+    return mmd_roi_pool_geometry(roi, batch, scale, pooled_h, pooled_w, convention, g);
 }
 
 template <typename T> using Geometry = mmd_pool_geometry<typename Compute<T>::type>;
@@ -42,13 +42,14 @@ template <typename T> using Geometry = mmd_pool_geometry<typename Compute<T>::ty
  * roi errors have lower item numbers, so they are reported first. */
 template <typename T>
 __global__ void check_kernel(const T *rois, int64_t num_rois, int64_t batch,
-                             typename Compute<T>::type scale,
+                             typename Compute<T>::type scale, int convention,
                              int64_t pooled_h, int64_t pooled_w, const int64_t *argmax,
                              int64_t num_argmax, int64_t plane_size, ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(item, num_rois + num_argmax) {
         if (item < num_rois) {
             Geometry<T> g;
-            int code = roi_geometry(rois, item, batch, scale, pooled_h, pooled_w, &g);
+            int code = roi_geometry(rois, item, batch, scale, convention, pooled_h, pooled_w,
+                                    &g);
             if (code != MMD_ROI_OK) sink.report(item, code);
         } else {
             const int64_t a = argmax[item - num_rois];
@@ -74,13 +75,13 @@ int format_error(const mmd_deferred_call *call, int64_t item, int code) {
  * an error whatever the output's size, as on the CPU. */
 template <typename T>
 int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
-                 typename Compute<T>::type scale,
+                 typename Compute<T>::type scale, int convention,
                  int64_t pooled_h, int64_t pooled_w, const int64_t *argmax, int64_t num_argmax,
                  int64_t plane_size, cudaStream_t stream, bool work, ErrorSink *sink) {
     const int64_t num_rois = rois->shape[0];
     auto launch_check = [&](ErrorSink check) {
         check_kernel<T><<<blocks_for(num_rois + num_argmax), kThreads, 0, stream>>>(
-            (const T *)rois->data, num_rois, batch, scale, pooled_h, pooled_w, argmax,
+            (const T *)rois->data, num_rois, batch, scale, convention, pooled_h, pooled_w, argmax,
             num_argmax, plane_size, check);
     };
     int s = MMD_OK;
@@ -116,12 +117,13 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
                                int64_t total, int64_t num_rois, int64_t channels,
                                int64_t height, int64_t width, int64_t pooled_h,
                                int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
-                               ErrorSink sink) {
+                               int convention, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     MMD_GRID_STRIDE_LOOP(index, total) {
         const PooledElement<I> e(index, num_rois, channels, pooled_h, pooled_w);
         Geometry<T> g;
-        const int code = roi_geometry(rois, e.k, batch, scale, pooled_h, pooled_w, &g);
+        const int code = roi_geometry(rois, e.k, batch, scale, convention, pooled_h, pooled_w,
+                                      &g);
         if (code != MMD_ROI_OK) {
             if (e.first) sink.report(e.k, code);
             output[e.at] = from_compute<T>((A)NAN);
@@ -129,8 +131,8 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
             continue;
         }
         int64_t h0, h1, w0, w1;
-        mmd_roi_pool_bin(g.start_h, g.bin_h, e.ph, height, &h0, &h1);
-        mmd_roi_pool_bin(g.start_w, g.bin_w, e.pw, width, &w0, &w1);
+        mmd_roi_pool_bin(g.start_h, g.offset_h, g.bin_h, e.ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, e.pw, width, &w0, &w1);
         const T *plane = input + (g.batch * channels + e.c) * height * width;
         A best = 0;
         int64_t best_index = -1;
@@ -159,11 +161,13 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const int64
                                 T *grad_input, int64_t total, int64_t num_rois,
                                 int64_t channels, int64_t plane_size, int64_t pooled_h,
                                 int64_t pooled_w, int64_t batch,
-                                typename Compute<T>::type scale, ErrorSink sink) {
+                                typename Compute<T>::type scale, int convention,
+                                ErrorSink sink) {
     MMD_GRID_STRIDE_LOOP(index, total) {
         const PooledElement<I> e(index, num_rois, channels, pooled_h, pooled_w);
         Geometry<T> g;
-        const int code = roi_geometry(rois, e.k, batch, scale, pooled_h, pooled_w, &g);
+        const int code = roi_geometry(rois, e.k, batch, scale, convention, pooled_h, pooled_w,
+                                      &g);
         if (code != MMD_ROI_OK) {
             if (e.first) sink.report(e.k, code);
             continue;
@@ -189,7 +193,8 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
                                               int64_t num_rois, int64_t channels,
                                               int64_t plane_size, int64_t pooled_h,
                                               int64_t pooled_w, int64_t batch,
-                                              typename Compute<T>::type scale, ErrorSink sink) {
+                                              typename Compute<T>::type scale, int convention,
+                                              ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
     const int lane = threadIdx.x;
@@ -197,7 +202,8 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
     T *plane = grad_input + (int64_t)blockIdx.x * plane_size;
     for (int64_t k = 0; k < num_rois; ++k) {
         Geometry<T> g;
-        const int code = roi_geometry(rois, k, batch, scale, pooled_h, pooled_w, &g);
+        const int code = roi_geometry(rois, k, batch, scale, convention, pooled_h, pooled_w,
+                                      &g);
         if (code != MMD_ROI_OK) {
             if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
             continue;
@@ -224,17 +230,19 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
 int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                           const mmd_tensor *output, const mmd_tensor *argmax,
                           int64_t pooled_height, int64_t pooled_width, double spatial_scale,
-                          const mmd_context *ctx) {
+                          int64_t convention, const mmd_context *ctx) {
     int s = mmd_roi_pool_forward_check(input, rois, output, argmax, pooled_height, pooled_width,
-                                       spatial_scale, MMD_FLOAT16_BF16_32_64);
+                                       spatial_scale, convention, MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     const int64_t batch = input->shape[0], total = mmd_numel(output);
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
+            typedef typename Compute<T>::type A;
             ErrorSink sink;
-            int s = check_inputs<T>(ctx, rois, batch, (typename Compute<T>::type)spatial_scale, pooled_height,
-                                    pooled_width, nullptr, 0, 0, stream, total > 0, &sink);
+            int s = check_inputs<T>(ctx, rois, batch, (A)spatial_scale, (int)convention,
+                                    pooled_height, pooled_width, nullptr, 0, 0, stream,
+                                    total > 0, &sink);
             if (s || total == 0) return s;
             auto kernel = total <= INT32_MAX ? forward_kernel<T, int32_t>
                                              : forward_kernel<T, int64_t>;
@@ -242,7 +250,7 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                 (const T *)input->data, (const T *)rois->data, (T *)output->data,
                 (int64_t *)argmax->data, total, rois->shape[0], input->shape[1],
                 input->shape[2], input->shape[3], pooled_height, pooled_width, batch,
-                (typename Compute<T>::type)spatial_scale, sink);
+                (A)spatial_scale, (int)convention, sink);
             return launch_status("roi_pool forward launch");
         });
     });
@@ -250,10 +258,11 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
 
 int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
                   const mmd_tensor *argmax, const mmd_tensor *grad_input, int64_t pooled_height,
-                  int64_t pooled_width, double spatial_scale, bool deterministic,
-                  const mmd_context *ctx) {
+                  int64_t pooled_width, double spatial_scale, int64_t convention,
+                  bool deterministic, const mmd_context *ctx) {
     int s = mmd_roi_pool_backward_check(grad_output, rois, argmax, grad_input, pooled_height,
-                                        pooled_width, spatial_scale, MMD_FLOAT16_BF16_32_64);
+                                        pooled_width, spatial_scale, convention,
+                                        MMD_FLOAT16_BF16_32_64);
     if (s) return s;
     const int64_t batch = grad_input->shape[0], total = mmd_numel(grad_output);
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
@@ -265,10 +274,12 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
     return on_device(ctx, [&](cudaStream_t stream) {
         return by_dtype(grad_input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
+            typedef typename Compute<T>::type A;
             const int64_t *am = (const int64_t *)argmax->data;
             ErrorSink sink;
-            int s = check_inputs<T>(ctx, rois, batch, (typename Compute<T>::type)spatial_scale, pooled_height,
-                                    pooled_width, am, total, plane_size, stream, work, &sink);
+            int s = check_inputs<T>(ctx, rois, batch, (A)spatial_scale, (int)convention,
+                                    pooled_height, pooled_width, am, total, plane_size, stream,
+                                    work, &sink);
             if (s || !work) return s;
             auto kernel = total <= INT32_MAX ? backward_kernel<T, int32_t>
                                              : backward_kernel<T, int64_t>;
@@ -276,13 +287,14 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
                 deterministic_backward_kernel<T><<<(unsigned)planes, 32, 0, stream>>>(
                     (const T *)grad_output->data, (const T *)rois->data, am,
                     (T *)grad_input->data, rois->shape[0], grad_input->shape[1], plane_size,
-                    pooled_height, pooled_width, batch, (typename Compute<T>::type)spatial_scale, sink);
+                    pooled_height, pooled_width, batch, (A)spatial_scale, (int)convention,
+                    sink);
             else
                 kernel<<<blocks_for(total), kThreads, 0, stream>>>(
                     (const T *)grad_output->data, (const T *)rois->data, am,
                     (T *)grad_input->data, total, rois->shape[0], grad_input->shape[1],
-                    plane_size, pooled_height, pooled_width, batch,
-                    (typename Compute<T>::type)spatial_scale, sink);
+                    plane_size, pooled_height, pooled_width, batch, (A)spatial_scale,
+                    (int)convention, sink);
             return launch_status("roi_pool backward launch");
         });
     });
@@ -291,17 +303,18 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
 int roi_pool_backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *rois,
                            const mmd_tensor *argmax, const mmd_tensor *grad_input,
                            int64_t pooled_height, int64_t pooled_width, double spatial_scale,
-                           const mmd_context *ctx) {
+                           int64_t convention, const mmd_context *ctx) {
     return backward_cuda(grad_output, rois, argmax, grad_input, pooled_height, pooled_width,
-                         spatial_scale, false, ctx);
+                         spatial_scale, convention, false, ctx);
 }
 
 int roi_pool_backward_cuda_deterministic(const mmd_tensor *grad_output, const mmd_tensor *rois,
                                          const mmd_tensor *argmax, const mmd_tensor *grad_input,
                                          int64_t pooled_height, int64_t pooled_width,
-                                         double spatial_scale, const mmd_context *ctx) {
+                                         double spatial_scale, int64_t convention,
+                                         const mmd_context *ctx) {
     return backward_cuda(grad_output, rois, argmax, grad_input, pooled_height, pooled_width,
-                         spatial_scale, true, ctx);
+                         spatial_scale, convention, true, ctx);
 }
 
 }  // namespace

@@ -113,10 +113,10 @@ def test_roi_pools_bad_roi_is_deferred_and_its_bins_are_nan_with_no_argmax(emu):
     expected, expected_argmax = (np.zeros((3, 3, 2, 3), np.float32),
                                  np.zeros((3, 3, 2, 3), np.int64))
     good = rois[[0, 2, 2]]
-    mmdispatch.roi_pool_forward_impl(x, good, expected, expected_argmax, 2, 3, 1.0)
+    mmdispatch.roi_pool_forward_impl(x, good, expected, expected_argmax, 2, 3, 1.0, 0)
     output, argmax = np.zeros_like(expected), np.zeros_like(expected_argmax)
     with mmdispatch.strict(False):
-        mmdispatch.roi_pool_forward_impl(*on_gpu([x, rois, output, argmax]), 2, 3, 1.0)
+        mmdispatch.roi_pool_forward_impl(*on_gpu([x, rois, output, argmax]), 2, 3, 1.0, 0)
     assert np.isnan(output[1]).all() and (argmax[1] == -1).all()
     np.testing.assert_array_equal(output[[0, 2]], expected[[0, 2]])
     np.testing.assert_array_equal(argmax[[0, 2]], expected_argmax[[0, 2]])
@@ -174,15 +174,15 @@ def test_roi_pools_bad_argmax_entry_is_deferred_under_its_flat_index_and_adds_no
     x = np.random.default_rng(4).random((2, 3, 9, 9), dtype=np.float32)
     rois = np.array([[0, 0, 0, 5, 5], [1, 2, 1, 8, 6.5], [1, 1, 2, 8, 8]], np.float32)
     output, argmax = np.zeros((3, 3, 2, 3), np.float32), np.zeros((3, 3, 2, 3), np.int64)
-    mmdispatch.roi_pool_forward_impl(x, rois, output, argmax, 2, 3, 1.0)
+    mmdispatch.roi_pool_forward_impl(x, rois, output, argmax, 2, 3, 1.0, 0)
     grad_output = np.random.default_rng(5).random(output.shape, dtype=np.float32)
     expected, grad = np.zeros_like(x), np.zeros_like(x)
     skipped = argmax.copy()
     skipped[0, 2, 0, 0] = -1
-    mmdispatch.roi_pool_backward_impl(grad_output, rois, skipped, expected, 2, 3, 1.0)
+    mmdispatch.roi_pool_backward_impl(grad_output, rois, skipped, expected, 2, 3, 1.0, 0)
     argmax[0, 2, 0, 0] = 10 ** 6
     with mmdispatch.strict(False):
-        mmdispatch.roi_pool_backward_impl(*on_gpu([grad_output, rois, argmax, grad]), 2, 3, 1.0)
+        mmdispatch.roi_pool_backward_impl(*on_gpu([grad_output, rois, argmax, grad]), 2, 3, 1.0, 0)
     assert_same(grad, expected)
     status, message = emu.synchronize()
     assert status != 0 and message.startswith(
@@ -302,9 +302,11 @@ def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_th
     assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
+@pytest.mark.parametrize("convention", [0, 1])
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
-def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backend):
-    """11 channels: the forward's groups of 8 channels, one of them partial."""
+def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backend, convention):
+    """11 channels: the forward's groups of 8 channels, one of them partial;
+    torchvision's and MMCV's conventions at spatial_scale 0.5."""
     rng = np.random.default_rng(11)
     x, rois = roi_workload(rng, np.float32, channels=11)
     shape = (len(rois), x.shape[1], 3, 4)
@@ -312,9 +314,10 @@ def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backe
 
     def run(wrap):
         out, argmax = np.zeros(shape, np.float32), np.zeros(shape, np.int64)
-        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), 3, 4, 0.5)
+        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), 3, 4, 0.5, convention)
         grad = np.zeros_like(x)
-        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), 3, 4, 0.5)
+        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), 3, 4, 0.5,
+                                          convention)
         return out, argmax, grad
 
     expected = run(list)
@@ -633,7 +636,7 @@ def test_float16_kernels_match_the_float32_cpu_kernels(emu, op_name):
                                               np.zeros(pooled, dt), np.zeros(pooled, dt),
                                               3, 3, 0.5, 2, 1, True],
         "roi_pool_forward_impl": lambda dt: [x.astype(dt), rois.astype(dt), np.zeros(pooled, dt),
-                                             np.zeros(pooled, np.int64), 3, 3, 0.5],
+                                             np.zeros(pooled, np.int64), 3, 3, 0.5, 1],
         "bbox_overlaps_impl": lambda dt: [boxes.astype(dt), boxes[:17].astype(dt),
                                           np.zeros((60, 17), dt), 0, False, 0],
         "nms_impl": lambda dt: [boxes.astype(dt), scores.astype(dt), None, np.zeros(60, np.int64),

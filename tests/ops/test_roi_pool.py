@@ -1,9 +1,10 @@
-"""roi_pool (Fast R-CNN RoIPool, MMCV semantics): published values, a slow
-independent reference, finite differences, properties, bad input, device
-consistency and CPU/CUDA agreement."""
+"""roi_pool (Fast R-CNN RoIPool, torchvision's and MMCV's conventions):
+published values, a slow independent reference, finite differences,
+properties, bad input, device consistency and CPU/CUDA agreement."""
 import importlib
 import math
 import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from properties import (OpProperties, assert_close, bad_rois, float_arrays, guar
 
 roi_pool_module = importlib.import_module("mmdispatch.ops.roi_pool")
 DTYPES = [np.float32, np.float64]
+NAMES = {code: name for name, code in roi_pool_module.CONVENTIONS.items()}
 
 # MMCV tests/test_ops/test_roi_pool.py: (input, rois) -> (output, grad of sum(output)),
 # output size (2, 2), spatial_scale 1.
@@ -34,9 +36,10 @@ MMCV_CASES = [
 ]
 
 
-# --- slow reference, straight from the Fast R-CNN / MMCV definition ------------
+# --- slow reference, straight from the Fast R-CNN / MMCV definitions ----------
 # Geometry is computed with scalars of the kernel's dtype (np.float32 /
 # np.float64), because the definition is "in the dtype", as in MMCV.
+# convention 0 is torchvision's (rounded corners), 1 MMCV's CUDA kernel's.
 
 def round_half_away(v):
     """C round(): nearest integer, halves away from zero."""
@@ -47,36 +50,53 @@ def round_half_away(v):
     return r
 
 
-def ref_geometry(roi, scale, pooled_h, pooled_w, t):
-    """(batch, start_h, start_w, bin_h, bin_w) of one roi, in dtype t."""
+def fused(a, b, c, t):
+    """a * b + c rounded once to dtype t (a fused multiply-add)."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = t(float(exact))
+    candidates = [near, np.nextafter(near, t(-np.inf)), np.nextafter(near, t(np.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                          int(np.frombuffer(v.tobytes(), np.uint8)[0]) & 1))
+
+
+def ref_geometry(roi, scale, pooled_h, pooled_w, t, convention=0):
+    """(batch, start_h, start_w, offset_h, offset_w, bin_h, bin_w) of one roi
+    in dtype t: bin k starts at floor(k * bin + offset) + start."""
     s = t(scale)
+    if convention == 1:
+        x1, y1 = t(roi[1]) * s, t(roi[2]) * s
+        width, height = (t(roi[3]) + t(1)) * s - x1, (t(roi[4]) + t(1)) * s - y1
+        if not (width > 0 and height > 0):
+            return int(roi[0]), t(0), t(0), t(0), t(0), t(0), t(0)
+        return (int(roi[0]), t(0), t(0), y1, x1, height / t(pooled_h), width / t(pooled_w))
     x1, y1, x2, y2 = (t(round_half_away(float(t(v) * s))) for v in roi[1:])
     width = max(t(x2 - x1) + t(1), t(1))
     height = max(t(y2 - y1) + t(1), t(1))
-    return int(roi[0]), y1, x1, height / t(pooled_h), width / t(pooled_w)
+    return int(roi[0]), y1, x1, t(0), t(0), height / t(pooled_h), width / t(pooled_w)
 
 
-def ref_bin(start, bin_size, k, size, t):
+def ref_bin(start, offset, bin_size, k, size, t):
     """Cells [lo, hi) of bin k along an axis of `size` cells."""
-    lo = t(math.floor(t(k) * bin_size)) + start
-    hi = t(math.ceil(t(k + 1) * bin_size)) + start
+    lo = t(math.floor(fused(t(k), bin_size, offset, t))) + start
+    hi = t(math.ceil(fused(t(k + 1), bin_size, offset, t))) + start
     lo = min(max(lo, t(0)), t(size))
     hi = min(max(hi, t(0)), t(size))
     return int(lo), int(hi)
 
 
-def ref_forward(x, rois, pooled_h, pooled_w, scale):
+def ref_forward(x, rois, pooled_h, pooled_w, scale, convention=0):
     t = x.dtype.type
     n, c, h, w = x.shape
     out = np.zeros((len(rois), c, pooled_h, pooled_w), dtype=x.dtype)
     arg = np.full(out.shape, -1, dtype=np.int64)
     for k, roi in enumerate(rois):
-        b, start_h, start_w, bin_h, bin_w = ref_geometry(roi, scale, pooled_h, pooled_w, t)
+        b, start_h, start_w, off_h, off_w, bin_h, bin_w = ref_geometry(
+            roi, scale, pooled_h, pooled_w, t, convention)
         for ch in range(c):
             for ph in range(pooled_h):
-                h0, h1 = ref_bin(start_h, bin_h, ph, h, t)
+                h0, h1 = ref_bin(start_h, off_h, bin_h, ph, h, t)
                 for pw in range(pooled_w):
-                    w0, w1 = ref_bin(start_w, bin_w, pw, w, t)
+                    w0, w1 = ref_bin(start_w, off_w, bin_w, pw, w, t)
                     best, best_index, saw_nan = None, -1, False
                     for hh in range(h0, h1):
                         for ww in range(w0, w1):
@@ -167,21 +187,63 @@ def test_forward_and_backward_match_mmcv_published_values(case, dtype):
 
 # --- against the slow reference -----------------------------------------------
 
+@pytest.mark.parametrize("convention", ["torchvision", "mmcv"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(32))
-def test_forward_and_backward_match_slow_reference(seed, dtype):
+def test_forward_and_backward_match_slow_reference(seed, dtype, convention):
     rng, x, rois, scale, pooled_h, pooled_w = case_arrays(seed, dtype)
-    expected, expected_arg = ref_forward(x, rois, pooled_h, pooled_w, scale)
-    out, argmax = roi_pool_forward(x, rois, (pooled_h, pooled_w), scale)
+    code = roi_pool_module.CONVENTIONS[convention]
+    expected, expected_arg = ref_forward(x, rois, pooled_h, pooled_w, scale, code)
+    out, argmax = roi_pool_forward(x, rois, (pooled_h, pooled_w), scale, convention)
     assert out.shape == expected.shape and out.dtype == dtype
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(argmax, expected_arg)
     grad_out = rng.standard_normal(out.shape).astype(dtype)
-    grad = roi_pool_backward(grad_out, rois, argmax, x.shape, scale)
+    grad = roi_pool_backward(grad_out, rois, argmax, x.shape, scale, convention)
     assert grad.shape == x.shape and grad.dtype == dtype
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(grad, ref_backward(grad_out, rois, expected_arg, x.shape),
                                rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mmcv_convention_takes_unrounded_corners_and_end_plus_one(dtype):
+    """mmcv.ops.roi_pool's CUDA kernel: the roi spans x1 * scale to
+    (x2 + 1) * scale, unrounded; torchvision's rounds the scaled corners and
+    counts x2 - x1 + 1 cells. Values worked out by hand on an 8 x 8 ramp."""
+    x = np.arange(64, dtype=dtype).reshape(1, 1, 8, 8)
+    cases = [  # roi, scale, MMCV's 2 x 2 bins, torchvision's
+        ([0, 0, 0, 7, 7], 0.5, [9, 11, 25, 27], [18, 20, 34, 36]),       # 0..4 vs 0..4 cells
+        ([0, 16, 16, 63, 63], 0.0625, [18, 19, 26, 27], [18, 20, 34, 36]),
+        ([0, 1, 1, 2, 2], 1.0, [9, 10, 17, 18], [9, 10, 17, 18]),        # whole: the same
+    ]
+    for roi, scale, mmcv, torchvision in cases:
+        rois = np.array([roi], dtype)
+        assert roi_pool(x, rois, 2, scale, "mmcv").ravel().tolist() == mmcv
+        assert roi_pool(x, rois, 2, scale).ravel().tolist() == torchvision
+
+
+def test_mmcv_convention_gives_a_roi_of_no_width_zeros_and_no_gradient():
+    """A roi with x2 + 1 <= x1 (or y alike) has only empty bins under MMCV's
+    convention: 0 with argmax -1, so no gradient (MMCV's kernel leaves argmax
+    0 there); torchvision's makes it one cell."""
+    x = np.arange(64.0).reshape(1, 1, 8, 8)
+    rois = np.array([[0, 3, 3, 1, 1], [0, 3, 3, 1.999, 5]])
+    out, argmax = roi_pool_forward(x, rois, (2, 2), 1.0, "mmcv")
+    assert (out == 0).all() and (argmax == -1).all()
+    grad = roi_pool_backward(np.ones_like(out), rois, argmax, x.shape, 1.0, "mmcv")
+    assert (grad == 0).all()
+    assert (roi_pool(x, rois[:1], 2) == 27).all()
+
+
+def test_an_unknown_convention_is_a_clear_error():
+    x, rois = good_call()
+    with pytest.raises(ValueError, match="roi_pool_forward: convention must be one of "
+                       "'torchvision', 'mmcv', got 'caffe'"):
+        roi_pool(x, rois, 2, 1.0, "caffe")
+    with pytest.raises(ValueError, match=re.escape(
+            "roi_pool_forward_impl: convention must be 0 (torchvision's) or 1 (MMCV's), got 2")):
+        mmdispatch.roi_pool_forward_impl(x, rois, None, None, 2, 2, 1.0, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -371,7 +433,7 @@ def test_impl_backward_accumulates_into_grad_input():
     x, rois = good_call()
     out, argmax = roi_pool_forward(x, rois, 2)
     grad_input = np.full(x.shape, 0.5)
-    mmdispatch.roi_pool_backward_impl(np.ones_like(out), rois, argmax, grad_input, 2, 2, 1.0)
+    mmdispatch.roi_pool_backward_impl(np.ones_like(out), rois, argmax, grad_input, 2, 2, 1.0, 0)
     np.testing.assert_array_equal(grad_input, 0.5 + roi_pool_backward(np.ones_like(out), rois,
                                                                         argmax, x.shape))
 
@@ -501,13 +563,13 @@ def test_bad_rois_raise_and_write_nothing(bad_roi, message, dtype):
     output = filled((3, 3, 2, 2), dtype)
     argmax = filled((3, 3, 2, 2), np.int64)
     with pytest.raises(ValueError, match=re.escape("roi_pool_forward_impl: " + message)):
-        mmdispatch.roi_pool_forward_impl(x, rois, output, argmax, 2, 2, 1.0)
+        mmdispatch.roi_pool_forward_impl(x, rois, output, argmax, 2, 2, 1.0, 0)
     assert np.all(output == 7) and np.all(argmax == 7)
     grad_input = filled(x.shape, dtype)
     with pytest.raises(ValueError, match=re.escape("roi_pool_backward_impl: " + message)):
         mmdispatch.roi_pool_backward_impl(np.ones((3, 3, 2, 2), dtype=dtype), rois,
                                           np.zeros((3, 3, 2, 2), dtype=np.int64), grad_input, 2,
-                                          2, 1.0)
+                                          2, 1.0, 0)
     assert np.all(grad_input == 7)
     with pytest.raises(ValueError, match=re.escape(message)):
         roi_pool(x, rois, 2)
@@ -525,7 +587,7 @@ def test_float32_rois_that_overflow_are_rejected(roi, scale):
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_forward_impl: rois[0] contains NaN or inf (or overflows once scaled)")):
         mmdispatch.roi_pool_forward_impl(x, np.array([roi], dtype=np.float32), output, argmax,
-                                         2, 2, scale)
+                                         2, 2, scale, 0)
     assert np.all(output == 7) and np.all(argmax == 7)
 
 
@@ -539,7 +601,7 @@ def test_backward_rejects_argmax_out_of_range_and_writes_nothing(value, position
             f"roi_pool_backward_impl: argmax holds {value} at flat index {position}; entries "
             f"must be -1 or in [0, 25) (H * W of grad_input)")):
         mmdispatch.roi_pool_backward_impl(np.ones((2, 3, 2, 2)), rois, argmax, grad_input, 2,
-                                          2, 1.0)
+                                          2, 1.0, 0)
     assert np.all(grad_input == 7)
 
 
@@ -634,30 +696,30 @@ def impl_arrays(dtype=np.float64):
 def test_impl_rejects_bad_pooled_size_and_wrong_output_arrays():
     x, rois, out, argmax = impl_arrays()
     cases = [
-        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax, 0, 2, 1.0), ValueError,
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax, 0, 2, 1.0, 0), ValueError,
          "roi_pool_forward_impl: pooled_height and pooled_width must be >= 1, got 0 and 2"),
-        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax, 2, 1, 1.0), ValueError,
+        (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax, 2, 1, 1.0, 0), ValueError,
          "roi_pool_forward_impl: output must have shape (2, 3, 2, 1), got (2, 3, 2, 2)"),
-        (lambda: mmdispatch.roi_pool_backward_impl(out, rois, argmax, x.copy(), 2, -1, 1.0),
+        (lambda: mmdispatch.roi_pool_backward_impl(out, rois, argmax, x.copy(), 2, -1, 1.0, 0),
          ValueError, "roi_pool_backward_impl: pooled_height and pooled_width must be >= 1, got "
                      "2 and -1"),
         (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out.astype(np.float32), argmax, 2, 2,
-                                                  1.0), TypeError,
+                                                  1.0, 0), TypeError,
          "roi_pool_forward_impl: output has dtype float32 but input has dtype float64"),
         (lambda: mmdispatch.roi_pool_forward_impl(x, rois, out, argmax.astype(np.int32), 2, 2,
-                                                  1.0), TypeError,
+                                                  1.0, 0), TypeError,
          "roi_pool_forward_impl: argmax has dtype int32 on this device; supported: int64"),
         (lambda: mmdispatch.roi_pool_forward_impl(x, rois, np.full((2, 3, 2, 4), 7.0)[..., ::2],
-                                                  argmax, 2, 2, 1.0), ValueError,
+                                                  argmax, 2, 2, 1.0, 0), ValueError,
          "roi_pool_forward_impl: output must be C-contiguous"),
         (lambda: mmdispatch.roi_pool_backward_impl(out, rois, argmax, np.zeros((2, 3, 5)), 2, 2,
-                                                   1.0), ValueError,
+                                                   1.0, 0), ValueError,
          "roi_pool_backward_impl: grad_input must have shape (*, *, *, *), got (2, 3, 5)"),
-        (lambda: mmdispatch.roi_pool_forward_impl(x.tolist(), rois, out, argmax, 2, 2, 1.0),
+        (lambda: mmdispatch.roi_pool_forward_impl(x.tolist(), rois, out, argmax, 2, 2, 1.0, 0),
          TypeError, "roi_pool_forward_impl: at param 0 (input), expected an array"),
         # an output left to the entry point to allocate: the other one is still checked
         (lambda: mmdispatch.roi_pool_forward_impl(x, rois, None, argmax.astype(np.int32), 2, 2,
-                                                  1.0), TypeError,
+                                                  1.0, 0), TypeError,
          "roi_pool_forward_impl: argmax has dtype int32 on this device; supported: int64"),
     ]
     for call, error, message in cases:
@@ -676,15 +738,15 @@ def test_impl_rejects_read_only_outputs():
     x, rois, out, argmax = impl_arrays()
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_forward_impl: at param 2 (output), output array is read-only")):
-        mmdispatch.roi_pool_forward_impl(x, rois, readonly(out), argmax, 2, 2, 1.0)
+        mmdispatch.roi_pool_forward_impl(x, rois, readonly(out), argmax, 2, 2, 1.0, 0)
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_forward_impl: at param 3 (argmax), output array is read-only")):
-        mmdispatch.roi_pool_forward_impl(x, rois, out, readonly(argmax), 2, 2, 1.0)
+        mmdispatch.roi_pool_forward_impl(x, rois, out, readonly(argmax), 2, 2, 1.0, 0)
     grad_input = readonly(filled(x.shape, np.float64))
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_backward_impl: at param 3 (grad_input), output array is read-only")):
         mmdispatch.roi_pool_backward_impl(ones_grad(), rois, zero_argmax(), grad_input, 2, 2,
-                                          1.0)
+                                          1.0, 0)
     assert np.all(out == 7) and np.all(argmax == 7) and np.all(grad_input == 7)
 
 
@@ -693,20 +755,20 @@ def test_impl_rejects_outputs_that_alias_inputs():
     overlap = "output memory overlaps param {}; outputs must not share memory"
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_forward_impl: at param 2 (output), " + overlap.format("0 (input)"))):
-        mmdispatch.roi_pool_forward_impl(x, rois, x[:2, :, :2, :2], argmax, 2, 2, 1.0)
+        mmdispatch.roi_pool_forward_impl(x, rois, x[:2, :, :2, :2], argmax, 2, 2, 1.0, 0)
     shared = np.full(48, 7.0)
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_forward_impl: at param 2 (output), " + overlap.format("3 (argmax)"))):
         mmdispatch.roi_pool_forward_impl(x, rois, shared[:24].reshape(2, 3, 2, 2),
                                          shared[:24].view(np.int64).reshape(2, 3, 2, 2), 2, 2,
-                                         1.0)
+                                         1.0, 0)
     grad_output = np.full(200, 7.0)
     with pytest.raises(ValueError, match=re.escape(
             "roi_pool_backward_impl: at param 3 (grad_input), " +
             overlap.format("0 (grad_output)"))):
         mmdispatch.roi_pool_backward_impl(grad_output[:24].reshape(2, 3, 2, 2), rois,
                                           zero_argmax(), grad_output[:150].reshape(2, 3, 5, 5),
-                                          2, 2, 1.0)
+                                          2, 2, 1.0, 0)
     assert np.all(shared == 7) and np.all(grad_output == 7) and np.all(argmax == 7)
 
 
@@ -738,7 +800,7 @@ def test_impl_rejects_an_array_on_another_device(backward, position, fake_array)
         message = f"{op}: at param {position} ({names[position]}), inconsistent device: " \
                   "cuda:0 vs cpu"
     with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(message)):
-        impl(*args, 2, 2, 1.0)
+        impl(*args, 2, 2, 1.0, 0)
     assert not fake.exported
     outputs = [3] if backward else [2, 3]
     assert all(np.all(args[i] == 7) for i in outputs if i != position)
@@ -749,7 +811,7 @@ def test_impl_names_the_device_index_of_a_mismatch(fake_array):
     fake = fake_array(2, 1)
     with pytest.raises(mmdispatch.DeviceMismatchError, match=re.escape(
             "roi_pool_forward_impl: at param 3 (argmax), inconsistent device: cuda:1 vs cpu")):
-        mmdispatch.roi_pool_forward_impl(x, rois, out, fake, 2, 2, 1.0)
+        mmdispatch.roi_pool_forward_impl(x, rois, out, fake, 2, 2, 1.0, 0)
     assert not fake.exported and np.all(out == 7)
 
 
@@ -758,7 +820,7 @@ def test_impl_on_a_device_without_kernels_raises_kernel_not_found(op, fake_array
     fakes = [fake_array(12, 0) for _ in range(4)]
     with pytest.raises(mmdispatch.KernelNotFoundError, match=re.escape(
             f"{op}: implementation for device ext_dev:0 not found.")):
-        getattr(mmdispatch, op)(*fakes, 2, 2, 1.0)
+        getattr(mmdispatch, op)(*fakes, 2, 2, 1.0, 0)
     assert not any(f.exported for f in fakes)
 
 
@@ -816,11 +878,11 @@ def test_cuda_bad_rois_and_argmax_raise_and_write_nothing_in_strict_mode(cupy, d
         argmax = cupy.full((2, 3, 2, 2), 7, dtype=np.int64)
         with mmdispatch.strict():
             with pytest.raises(ValueError, match=re.escape("roi_pool_forward_impl: " + message)):
-                mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0)
+                mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0, 0)
         assert bool((output == 7).all()) and bool((argmax == 7).all())
         # by default the bad roi's bins are NaN with argmax -1, the others
         # computed, and the error deferred
-        mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0)
+        mmdispatch.roi_pool_forward_impl(x, cupy.asarray(bad), output, argmax, 2, 2, 1.0, 0)
         with pytest.raises(mmdispatch.DeferredKernelError, match=re.escape(
                 "roi_pool_forward_impl: " + message)):
             mmdispatch.synchronize()
@@ -833,7 +895,7 @@ def test_cuda_bad_rois_and_argmax_raise_and_write_nothing_in_strict_mode(cupy, d
         with pytest.raises(ValueError, match=re.escape(
                 "roi_pool_backward_impl: argmax holds 25 at flat index 13")):
             mmdispatch.roi_pool_backward_impl(cupy.ones((2, 3, 2, 2), dtype=dtype),
-                                              cupy.asarray(rois), argmax, grad_input, 2, 2, 1.0)
+                                              cupy.asarray(rois), argmax, grad_input, 2, 2, 1.0, 0)
     assert bool((grad_input == 7).all())
 
 
@@ -904,11 +966,11 @@ def test_cuda_bfloat16_through_torch_forward_and_backward(torch_cuda):
     out32, argmax32 = roi_pool_forward(x32, rois32, 3)
     out = torch.empty((8, 4, 3, 3), dtype=torch.bfloat16, device="cuda")
     argmax = torch.empty((8, 4, 3, 3), dtype=torch.int64, device="cuda")
-    mmdispatch.roi_pool_forward_impl(x.cuda(), rois.cuda(), out, argmax, 3, 3, 1.0)
+    mmdispatch.roi_pool_forward_impl(x.cuda(), rois.cuda(), out, argmax, 3, 3, 1.0, 0)
     np.testing.assert_array_equal(out.float().cpu().numpy(), out32)
     np.testing.assert_array_equal(argmax.cpu().numpy(), argmax32)
     grad = torch.zeros((1, 4, 16, 16), dtype=torch.bfloat16, device="cuda")
-    mmdispatch.roi_pool_backward_impl(torch.ones_like(out), rois.cuda(), argmax, grad, 3, 3, 1.0)
+    mmdispatch.roi_pool_backward_impl(torch.ones_like(out), rois.cuda(), argmax, grad, 3, 3, 1.0, 0)
     expected = roi_pool_backward(np.ones(out32.shape, np.float32), rois32, argmax32, x32.shape)
     # sums of ones: exact in bfloat16 up to 256
     np.testing.assert_array_equal(grad.float().cpu().numpy(), expected)
@@ -922,12 +984,13 @@ def forward_case(draw, dtype):
     x = draw(float_arrays((n, c, h, w), dtype))
     rois = draw(rois_for(k, n, h, w, scale, False, dtype))
     pooled = (k, c, out_h, out_w)
+    convention = draw(st.sampled_from([0, 1]))
     args = dict(input=guarded(x), rois=guarded(rois), output=guarded(sentinel(pooled, dtype)),
                 argmax=guarded(sentinel(pooled, np.int64)), pooled_height=out_h,
-                pooled_width=out_w, spatial_scale=scale)
+                pooled_width=out_w, spatial_scale=scale, convention=convention)
 
     def check(a):
-        out, arg = ref_forward(x, rois, out_h, out_w, scale)
+        out, arg = ref_forward(x, rois, out_h, out_w, scale, convention)
         assert_close(a["output"], out, dtype)
         np.testing.assert_array_equal(a["argmax"], arg)
     return args, check
@@ -943,7 +1006,7 @@ def backward_case(draw, dtype):
                                     max_size=int(np.prod(pooled)))), np.int64).reshape(pooled)
     args = dict(grad_output=guarded(grad_out), rois=guarded(rois), argmax=guarded(argmax),
                 grad_input=guarded(np.zeros((n, c, h, w), dtype)), pooled_height=out_h,
-                pooled_width=out_w, spatial_scale=scale)
+                pooled_width=out_w, spatial_scale=scale, convention=draw(st.sampled_from([0, 1])))
 
     def check(a):
         assert_close(a["grad_input"], ref_backward(grad_out, rois, argmax, (n, c, h, w)), dtype)
@@ -957,12 +1020,12 @@ def forward_user_case(draw, name, dtype, layout):
     def run():
         return getattr(roi_pool_module, name)(inputs["input"], inputs["rois"],
                                               (a["pooled_height"], a["pooled_width"]),
-                                              a["spatial_scale"])
+                                              a["spatial_scale"], NAMES[a["convention"]])
 
     def verify(result):
         if name == "roi_pool":
             out, _ = ref_forward(a["input"], a["rois"], a["pooled_height"], a["pooled_width"],
-                                 a["spatial_scale"])
+                                 a["spatial_scale"], a["convention"])
             assert_close(result, out, dtype)
             return
         check(dict(a, output=result[0], argmax=result[1]))
@@ -978,20 +1041,21 @@ def backward_user_case(draw, name, dtype, layout):
 
     def run():
         return roi_pool_backward(inputs["grad_output"], inputs["rois"], inputs["argmax"],
-                                 a["grad_input"].shape, a["spatial_scale"])
+                                 a["grad_input"].shape, a["spatial_scale"],
+                                 NAMES[a["convention"]])
     return run, inputs, lambda result: check(dict(a, grad_input=result))
 
 
 def torch_forward_calls(torch, device):
     x, rois = torch_map_and_rois(torch, device)
-    return [(x, rois, 2, 2, 1.0), (x, rois, 3, 1, 0.5)]
+    return [(x, rois, 2, 2, 1.0, 0), (x, rois, 3, 1, 0.5, 1)]
 
 
 def torch_backward_calls(torch, device):
     x, rois = torch_map_and_rois(torch, device)
-    _, argmax = torch.ops.mmdispatch.roi_pool_forward(x.detach(), rois, 2, 2, 1.0)
+    _, argmax = torch.ops.mmdispatch.roi_pool_forward(x.detach(), rois, 2, 2, 1.0, 0)
     grad = torch.randn(3, 3, 2, 2, dtype=torch.float64, device=device)
-    return [(grad, rois, argmax, tuple(x.shape), torch.float64, 2, 2, 1.0)]
+    return [(grad, rois, argmax, tuple(x.shape), torch.float64, 2, 2, 1.0, 0)]
 
 
 class TestProperties(OpProperties):

@@ -357,6 +357,8 @@ def plausible(r, op_name, names, types=None):
         "aligned_height": lambda: oh, "aligned_width": lambda: ow,
         "pooled_height": lambda: oh, "pooled_width": lambda: ow,
         "spatial_scale": lambda: r.choice([0.5, 1.0, 0.25]),
+        "convention": lambda: (r.int(0, 1) if op_name.endswith("_impl")
+                               else r.choice(["torchvision", "mmcv"])),
         "sampling_ratio": lambda: r.int(-3, 3), "pool_mode": lambda: r.int(0, 1),
         "aligned": lambda: aligned,
         "grad_output": lambda: fill(r, (k, c, oh, ow), dtype),

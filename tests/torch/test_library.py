@@ -34,7 +34,7 @@ def test_every_entry_point_has_a_derived_op_with_its_schema():
     assert str(OPS.roi_pool_backward.default._schema) == (
         "mmdispatch::roi_pool_backward(Tensor grad_output, Tensor rois, Tensor argmax, "
         "SymInt[] grad_input_shape, ScalarType grad_input_dtype, int pooled_height, "
-        "int pooled_width, float spatial_scale) -> Tensor")
+        "int pooled_width, float spatial_scale, int convention) -> Tensor")
     # a trimmed output is returned trimmed; the output holding its length is not returned
     assert str(OPS.nms.default._schema).endswith("float iou_threshold, int offset) -> Tensor")
     assert "Tensor? idxs" in str(OPS.nms.default._schema)
@@ -90,9 +90,9 @@ def test_large_cpu_outputs_are_advised_into_2mb_pages_and_keep_their_values(monk
     x = torch.randn(1, 2, 768, 1024)   # 6 MB: grad_input is large
     rois = torch.tensor([[0, 3.0, 5.0, 700.0, 600.0], [0, 0.0, 0.0, 40.0, 30.0]])
     grad_out = torch.ones(2, 2, 3, 3)
-    out, argmax = OPS.roi_pool_forward(x, rois, 3, 3, 1.0)   # 72-byte outputs
+    out, argmax = OPS.roi_pool_forward(x, rois, 3, 3, 1.0, 0)   # 72-byte outputs
     assert advised == []
-    grad = OPS.roi_pool_backward(grad_out, rois, argmax, list(x.shape), x.dtype, 3, 3, 1.0)
+    grad = OPS.roi_pool_backward(grad_out, rois, argmax, list(x.shape), x.dtype, 3, 3, 1.0, 0)
     [(start, length, advice)] = advised
     assert advice == _library._MADV_HUGEPAGE and start % (1 << 21) == 0 and length % (1 << 21) == 0
     assert grad.data_ptr() <= start and start + length <= grad.data_ptr() + grad.numel() * 4

@@ -194,6 +194,23 @@ def test_bbox_overlaps_roi_pool_and_modules():
                                mmcv.roi_align(x, ROIS, 2, pool_mode="max"))
 
 
+def test_roi_pool_takes_mmcvs_bins_where_torchvisions_would_round_the_corners():
+    """mmcv.ops.roi_pool spans x1 * scale to (x2 + 1) * scale unrounded; at
+    scale 0.5 the roi (0, 0, 7, 7) is cells [0, 4) in bins of 2, where
+    torchvision's rounds to 5 cells in bins of 2.5."""
+    x = torch.arange(64.0).reshape(1, 1, 8, 8).requires_grad_(True)
+    rois = torch.tensor([[0.0, 0, 0, 7, 7]])
+    out = mmcv.roi_pool(x, rois, 2, 0.5)
+    assert out.flatten().tolist() == [9, 11, 25, 27]
+    assert mmdispatch.torch.roi_pool(x, rois, 2, 0.5).flatten().tolist() == [18, 20, 34, 36]
+    out.sum().backward()
+    assert x.grad.flatten().nonzero().flatten().tolist() == [9, 11, 25, 27]
+    module = mmcv.RoIPool(2, 0.5)
+    assert module.output_size == (2, 2) and module.spatial_scale == 0.5
+    assert repr(module) == "RoIPool(output_size=(2, 2), spatial_scale=0.5)"
+    torch.testing.assert_close(module(x, rois), out)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: mmcv.roi_align(feature_map(), ROIS, 2, pool_mode="mean"),
      "roi_align: pool_mode must be one of 'avg', 'max', got 'mean'"),

@@ -1,14 +1,23 @@
-/* roi_pool (Fast R-CNN RoIPool, MMCV / torchvision semantics): the argument
- * checks and the per-roi math shared by the CPU kernels
- * (src/cpu/roi_pool.cpp) and the CUDA kernels (src/cuda/roi_pool.cu).
+/* roi_pool (Fast R-CNN RoIPool): the argument checks and the per-roi math
+ * shared by the CPU kernels (src/cpu/roi_pool.cpp) and the CUDA kernels
+ * (src/cuda/roi_pool.cu). `convention` says how a roi's corners map to
+ * cells:
  *
- * Roi corners are scaled and rounded to the nearest integer (halves away
- * from zero); the roi spans max(end - start + 1, 1) cells per axis; bin k
- * covers [floor(k * bin), ceil((k + 1) * bin)) from the roi start, clipped
- * to the map. A bin's output is its maximum and argmax the flat h * W + w
- * index of it; NaN values are skipped, an empty bin gives 0 and a bin of
- * only NaN gives NaN, both with argmax -1 (no gradient). T, the compute
- * type, is float or double. */
+ * - MMD_ROI_POOL_TORCHVISION (torchvision's, Caffe's Fast R-CNN): corners
+ *   scaled and rounded to the nearest integer (halves away from zero); the
+ *   roi spans max(end - start + 1, 1) cells per axis; bin k covers
+ *   [floor(k * bin), ceil((k + 1) * bin)) from the roi start.
+ * - MMD_ROI_POOL_MMCV (mmcv.ops.roi_pool's CUDA kernel, MMCV's only one):
+ *   x1 * scale to (x2 + 1) * scale, not rounded (y alike); a roi of width
+ *   or height <= 0 has only empty bins; bin k covers [floor(start + k *
+ *   bin), ceil(start + (k + 1) * bin)), each a fused multiply-add as nvcc
+ *   compiles MMCV's kernel.
+ *
+ * Bins are clipped to the map. A bin's output is its maximum and argmax the
+ * flat h * W + w index of it; NaN values are skipped, an empty bin gives 0
+ * and a bin of only NaN gives NaN, both with argmax -1 (no gradient; MMCV
+ * leaves argmax 0 for a roi of no width, and so sends its gradient to cell
+ * 0). T, the compute type, is float or double. */
 #ifndef MMDISPATCH_OPS_ROI_POOL_H
 #define MMDISPATCH_OPS_ROI_POOL_H
 
@@ -17,6 +26,8 @@
 #include "mmdispatch/checks.h"
 #include "mmdispatch/ops/rois.h"
 
+enum { MMD_ROI_POOL_TORCHVISION = 0, MMD_ROI_POOL_MMCV = 1 };
+
 /* Forward and backward take the same arrays under different names: a
  * feature map (input / grad_input), the rois, a pooled array (output /
  * grad_output) and argmax. */
@@ -24,7 +35,12 @@ inline int mmd_roi_pool_check_arrays(const mmd_tensor *feature, const char *feat
                                      const mmd_tensor *rois, const mmd_tensor *pooled,
                                      const char *pooled_name, const mmd_tensor *argmax,
                                      int64_t pooled_height, int64_t pooled_width,
-                                     double spatial_scale, unsigned float_mask) {
+                                     double spatial_scale, int64_t convention,
+                                     unsigned float_mask) {
+    if (convention != MMD_ROI_POOL_TORCHVISION && convention != MMD_ROI_POOL_MMCV)
+        return mmd_error(MMD_ERR_VALUE, "convention must be %d (torchvision's) or %d (MMCV's), "
+                         "got %lld", MMD_ROI_POOL_TORCHVISION, MMD_ROI_POOL_MMCV,
+                         (long long)convention);
     int s = mmd_roi_check_size_and_scale(pooled_height, pooled_width,
                                          "pooled_height and pooled_width", spatial_scale);
     if (!s) s = mmd_roi_check_map_and_rois(feature, feature_name, rois, float_mask);
@@ -42,22 +58,25 @@ inline int mmd_roi_pool_check_arrays(const mmd_tensor *feature, const char *feat
 inline int mmd_roi_pool_forward_check(const mmd_tensor *input, const mmd_tensor *rois,
                                       const mmd_tensor *output, const mmd_tensor *argmax,
                                       int64_t pooled_height, int64_t pooled_width,
-                                      double spatial_scale, unsigned float_mask) {
+                                      double spatial_scale, int64_t convention,
+                                      unsigned float_mask) {
     return mmd_roi_pool_check_arrays(input, "input", rois, output, "output", argmax,
-                                     pooled_height, pooled_width, spatial_scale, float_mask);
+                                     pooled_height, pooled_width, spatial_scale, convention,
+                                     float_mask);
 }
 
 inline int mmd_roi_pool_backward_check(const mmd_tensor *grad_output, const mmd_tensor *rois,
                                        const mmd_tensor *argmax, const mmd_tensor *grad_input,
                                        int64_t pooled_height, int64_t pooled_width,
-                                       double spatial_scale, unsigned float_mask) {
+                                       double spatial_scale, int64_t convention,
+                                       unsigned float_mask) {
     /* dtypes are reported against grad_output, which the user passed (the op
      * layer allocates grad_input like it) */
     int s = mmd_check_dtype(grad_output, "grad_output", float_mask);
     if (!s) s = mmd_check_same_dtype(rois, "rois", grad_output, "grad_output");
     if (!s) s = mmd_roi_pool_check_arrays(grad_input, "grad_input", rois, grad_output,
                                           "grad_output", argmax, pooled_height, pooled_width,
-                                          spatial_scale, float_mask);
+                                          spatial_scale, convention, float_mask);
     return s;
 }
 
@@ -69,10 +88,12 @@ inline int mmd_roi_pool_argmax_error(int64_t flat_index, int64_t value, int64_t 
                      (long long)value, (long long)flat_index, (long long)plane_size);
 }
 
-/* One roi's start cell and bin size along each axis, in map cells. */
+/* One roi's geometry along each axis: bin k starts at floor(k * bin +
+ * offset) + start cells (mmd_roi_pool_bin). */
 template <typename T> struct mmd_pool_geometry {
     int64_t batch;
-    T start_h, start_w;
+    T start_h, start_w;     /* whole cells (torchvision's rounded corner) */
+    T offset_h, offset_w;   /* inside the floor (MMCV's scaled corner), else 0 */
     T bin_h, bin_w;
 };
 
@@ -81,20 +102,37 @@ template <typename T> struct mmd_pool_geometry {
 template <typename T>
 MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size, T spatial_scale,
                                              int64_t pooled_h, int64_t pooled_w,
-                                             mmd_pool_geometry<T> *g) {
+                                             int64_t convention, mmd_pool_geometry<T> *g) {
     for (int i = 0; i < 5; ++i)
         if (!isfinite(roi[i])) return MMD_ROI_NONFINITE;
     if (!(roi[0] >= 0 && roi[0] < (T)batch_size && roi[0] == floor(roi[0])))
         return MMD_ROI_BAD_BATCH;
+    g->batch = (int64_t)roi[0];
+    if (convention == MMD_ROI_POOL_MMCV) {
+        const T x1 = roi[1] * spatial_scale, y1 = roi[2] * spatial_scale;
+        const T width = (roi[3] + 1) * spatial_scale - x1;
+        const T height = (roi[4] + 1) * spatial_scale - y1;
+        if (!(isfinite(width) && isfinite(height))) return MMD_ROI_NONFINITE;
+        g->start_w = g->start_h = 0;
+        if (width > 0 && height > 0) {
+            g->offset_w = x1;
+            g->offset_h = y1;
+            g->bin_w = width / (T)pooled_w;
+            g->bin_h = height / (T)pooled_h;
+        } else {   /* every bin [0, 0): empty */
+            g->offset_w = g->offset_h = g->bin_w = g->bin_h = 0;
+        }
+        return MMD_ROI_OK;
+    }
     const T x1 = round(roi[1] * spatial_scale), y1 = round(roi[2] * spatial_scale);
     const T x2 = round(roi[3] * spatial_scale), y2 = round(roi[4] * spatial_scale);
     T width = x2 - x1 + 1, height = y2 - y1 + 1;
     if (!(isfinite(width) && isfinite(height))) return MMD_ROI_NONFINITE;
     width = width > 1 ? width : (T)1;
     height = height > 1 ? height : (T)1;
-    g->batch = (int64_t)roi[0];
     g->start_w = x1;
     g->start_h = y1;
+    g->offset_w = g->offset_h = 0;
     g->bin_w = width / (T)pooled_w;
     g->bin_h = height / (T)pooled_h;
     return MMD_ROI_OK;
@@ -104,10 +142,16 @@ MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size,
  * floating point first, so huge rois cannot overflow the integer cast, and
  * again after it: (T)size rounds up for float sizes above 2^24. */
 template <typename T>
-MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T bin, int64_t index, int64_t size,
+MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T offset, T bin, int64_t index, int64_t size,
                                          int64_t *lo, int64_t *hi) {
-    T a = floor((T)index * bin) + start;
-    T b = ceil((T)(index + 1) * bin) + start;
+    T a, b;
+    if (offset == 0) {
+        a = floor((T)index * bin) + start;
+        b = ceil((T)(index + 1) * bin) + start;
+    } else {
+        a = floor(fma((T)index, bin, offset)) + start;
+        b = ceil(fma((T)(index + 1), bin, offset)) + start;
+    }
     const T top = (T)size;
     a = a < 0 ? (T)0 : (a > top ? top : a);
     b = b < 0 ? (T)0 : (b > top ? top : b);
