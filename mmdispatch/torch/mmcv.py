@@ -2,9 +2,11 @@
 defaults, on mmdispatch's kernels: `from mmdispatch.torch.mmcv import
 roi_align` in place of `from mmcv.ops import roi_align`. Rois are (K, 5)
 tensors [batch index, x1, y1, x2, y2]."""
+import functools
 import math
 import warnings
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -20,13 +22,14 @@ from mmdispatch.torch._vision import deform_groups as _deform_groups_of
 from mmdispatch.torch._vision import like_dtype as _like_dtype
 from mmdispatch.torch._vision import rois_of as _rois_of
 
-__all__ = ["DeformConv2d", "ModulatedDeformConv2d", "MultiScaleDeformableAttention",
+__all__ = ["DeformConv2d", "DeformConv2dPack", "ModulatedDeformConv2d",
+           "ModulatedDeformConv2dPack", "MultiScaleDeformableAttention",
            "MultiScaleDeformableAttnFunction", "RoIAlign", "RoIAlignRotated", "RoIPool",
            "SigmoidFocalLoss", "SoftmaxFocalLoss", "batched_nms", "bbox_overlaps",
            "box_iou_rotated", "deform_conv2d", "modulated_deform_conv2d",
            "multi_scale_deformable_attn", "multi_scale_deformable_attn_pytorch", "nms",
-           "nms_rotated", "roi_align", "roi_align_rotated", "roi_pool", "sigmoid_focal_loss",
-           "soft_nms", "softmax_focal_loss"]
+           "nms_match", "nms_rotated", "roi_align", "roi_align_rotated", "roi_pool",
+           "sigmoid_focal_loss", "soft_nms", "softmax_focal_loss"]
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _ROI_POOL = DERIVED["roi_pool_forward_impl"]
@@ -46,6 +49,43 @@ def _choice(op, name, value, options):
         return options[value]
     raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, options))}, got "
                      f"{value!r}")
+
+
+def _renamed(**old_to_new):
+    """MMCV's deprecated_api_warning: keyword arguments under their old
+    names still work, with a DeprecationWarning."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{fn.__qualname__}: got both {old!r} and its new name "
+                                        f"{new!r}")
+                    warnings.warn(f"{fn.__qualname__}: {old!r} is deprecated, use {new!r}",
+                                  DeprecationWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+        return call
+    return wrap
+
+
+def _float32_threshold(iou_threshold):
+    """MMCV's kernels take the threshold as a C float: an IoU equal to 0.3
+    is compared with 0.3 rounded to float32 (0.30000001...), not with the
+    double 0.3 that torchvision compares with."""
+    return float(np.float32(iou_threshold))
+
+
+def _from_numpy(*arrays):
+    """mmcv.ops' nms functions take numpy arrays too: (tensors, whether the
+    first was numpy)."""
+    return ([torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in arrays],
+            isinstance(arrays[0], np.ndarray))
+
+
+def _to_numpy(is_numpy, *tensors):
+    return tuple(t.cpu().numpy() for t in tensors) if is_numpy else tensors
 
 
 def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
@@ -78,38 +118,77 @@ def _detections(boxes, scores, idxs, iou_threshold, offset, score_threshold, max
         valid = scores > score_threshold
         boxes, scores, inds = boxes[valid], scores[valid], inds[valid]
         idxs = None if idxs is None else idxs[valid]
-    keep = _nms(boxes, scores, None if idxs is None else idxs.to(torch.int64), iou_threshold,
-                offset)
+    keep = _nms(boxes, scores, None if idxs is None else idxs.to(torch.int64),
+                _float32_threshold(iou_threshold), offset)
     if max_num > 0:
         keep = keep[:max_num]
-    dets = torch.cat([boxes[keep], scores[keep].reshape(-1, 1).to(boxes.dtype)], dim=1)
+    dets = torch.cat([boxes[keep], scores[keep].reshape(-1, 1)], dim=1)
     return dets, inds[keep]
 
 
+@_renamed(iou_thr="iou_threshold")
 def nms(boxes, scores, iou_threshold, offset=0, score_threshold=0, max_num=-1):
     """mmcv.ops.nms: returns (dets, inds), dets (k, 5) the kept boxes with
-    their scores, inds their indices into `boxes`, by decreasing score.
-    Boxes with scores <= score_threshold (when it is > 0) are left out
-    first; max_num > 0 keeps at most that many."""
-    return _detections(boxes, scores, None, iou_threshold, offset, score_threshold, max_num)
+    their scores, inds their indices into `boxes`, by decreasing score
+    (numpy arrays in, numpy arrays out). Boxes with scores <=
+    score_threshold (when it is > 0) are left out first; max_num > 0 keeps
+    at most that many. As in MMCV's kernels, a box is suppressed when its
+    IoU exceeds iou_threshold rounded to float32."""
+    (boxes, scores), is_numpy = _from_numpy(boxes, scores)
+    return _to_numpy(is_numpy, *_detections(boxes, scores, None, iou_threshold, offset,
+                                             score_threshold, max_num))
 
 
 def _soft_detections(op, boxes, scores, idxs, iou_threshold, sigma, min_score, method, offset):
     code = _choice(op, "method", method, _SOFT_NMS_METHODS)
-    return _SOFT_NMS(boxes, _like_dtype(scores, boxes), idxs, float(iou_threshold), float(sigma),
-                     float(min_score), code, int(offset))
+    return _SOFT_NMS(boxes, _like_dtype(scores, boxes), idxs, _float32_threshold(iou_threshold),
+                     float(sigma), float(min_score), code, int(offset))
 
 
+@_renamed(iou_thr="iou_threshold")
 def soft_nms(boxes, scores, iou_threshold=0.3, sigma=0.5, min_score=1e-3, method="linear",
              offset=0):
     """mmcv.ops.soft_nms, on CPU and CUDA (MMCV's kernel is CPU-only):
     returns (dets, inds), dets (k, 5) the kept boxes with their decayed
     scores, inds their indices, in selection order (by non-increasing score
-    when the scores are >= 0).
+    when the scores are >= 0); numpy arrays in, numpy arrays out.
     method "naive", "linear" or "gaussian"; mmdispatch.ops.soft_nms has the
-    exact definition."""
-    return _soft_detections("soft_nms", boxes, scores, None, iou_threshold, sigma, min_score,
-                            method, offset)
+    exact definition. Boxes of equal scores are taken in index order (MMCV's
+    swaps take them in another)."""
+    (boxes, scores), is_numpy = _from_numpy(boxes, scores)
+    return _to_numpy(is_numpy, *_soft_detections("soft_nms", boxes, scores, None,
+                                                  iou_threshold, sigma, min_score, method,
+                                                  offset))
+
+
+def nms_match(dets, iou_threshold):
+    """mmcv.ops.nms_match: dets (N, 5) boxes with scores. Greedy nms in
+    score order (ties in index order) that records what each kept box
+    suppresses: a box is suppressed when its IoU with the kept box is >=
+    iou_threshold (float32). Returns one group per kept box, its indices in
+    score order, the kept box first; int64 tensors, or numpy arrays for a
+    numpy dets."""
+    is_numpy = isinstance(dets, np.ndarray)
+    t = torch.from_numpy(dets) if is_numpy else dets.detach()
+    if t.shape[0] == 0:
+        return []
+    if t.dim() != 2 or t.shape[1] != 5:
+        raise ValueError(f"nms_match: dets must have shape (N, 5), got {tuple(t.shape)}")
+    order = t[:, 4].sort(descending=True, stable=True)[1]
+    ious = _OVERLAPS(t[order, :4], t[order, :4].contiguous(), 0, False, 0)
+    hit = ious >= _float32_threshold(iou_threshold)
+    free = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+    groups = []
+    for i in range(t.shape[0]):
+        if not free[i]:
+            continue
+        members = hit[i] & free
+        members[: i + 1] = False
+        free &= ~members
+        free[i] = False
+        groups.append(order[torch.cat([torch.tensor([i], device=t.device),
+                                       members.nonzero().flatten()])])
+    return [g.cpu().numpy() for g in groups] if is_numpy else [g.to(t.device) for g in groups]
 
 
 _NMS_OPTIONS = ("iou_threshold", "offset", "score_threshold", "max_num")
@@ -136,9 +215,24 @@ def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
     cfg = dict(nms_cfg)
     class_agnostic = cfg.pop("class_agnostic", class_agnostic)
     nms_type = cfg.pop("type", "nms")
-    if nms_type not in ("nms", "soft_nms"):
-        raise ValueError(f"{op}: nms_cfg type must be 'nms' or 'soft_nms', got {nms_type!r}")
+    nms_type = _NMS_BY_FUNCTION.get(nms_type, nms_type) if callable(nms_type) else nms_type
+    if "iou_thr" in cfg:
+        warnings.warn(f"{op}: nms_cfg's 'iou_thr' is deprecated, use 'iou_threshold'",
+                      DeprecationWarning, stacklevel=2)
+        cfg.setdefault("iou_threshold", cfg.pop("iou_thr"))
     cfg.pop("split_thr", None)
+    if callable(nms_type):
+        return _batched_by_offsets(nms_type, boxes, scores, idxs, cfg, class_agnostic)
+    if nms_type not in ("nms", "soft_nms", "nms_rotated"):
+        raise ValueError(f"{op}: nms_cfg type must be 'nms', 'soft_nms', 'nms_rotated' or a "
+                         f"function, got {nms_type!r}")
+    if nms_type == "nms_rotated":
+        if boxes.shape[0] == 0:
+            return boxes.new_zeros((0, 6)), torch.zeros(0, dtype=torch.int64,
+                                                        device=boxes.device)
+        labels = None if class_agnostic else idxs
+        dets, keep = nms_rotated(boxes, scores, cfg.pop("iou_threshold"), labels, **cfg)
+        return torch.cat([boxes[keep], dets[:, -1:].to(boxes.dtype)], dim=-1), keep
     if nms_type == "nms" and "iou_threshold" not in cfg:
         raise ValueError(f"{op}: nms_cfg must give iou_threshold, got {nms_cfg!r}")
     options = _NMS_OPTIONS if nms_type == "nms" else _SOFT_NMS_OPTIONS
@@ -158,10 +252,32 @@ def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
                        cfg.get("max_num", -1))
 
 
+def _batched_by_offsets(fn, boxes, scores, idxs, cfg, class_agnostic):
+    """batched_nms with a function of its own as nms_cfg's type, as MMCV
+    runs one: on boxes moved apart by class (x1, y1, x2, y2 each plus idx *
+    (the largest coordinate + 1); the centre for (N, 5) rotated boxes), it
+    returns (dets, keep) and dets' last column is the kept scores."""
+    if class_agnostic:
+        moved = boxes
+    elif boxes.shape[-1] == 5:
+        largest = boxes[:, :2].max() + boxes[:, 2:4].max()
+        shift = idxs.to(boxes) * (largest + 1)
+        moved = torch.cat([boxes[:, :2] + shift[:, None], boxes[:, 2:5]], dim=-1)
+    else:
+        shift = idxs.to(boxes) * (boxes.max() + torch.tensor(1).to(boxes))
+        moved = boxes + shift[:, None]
+    dets, keep = fn(moved, scores, **cfg)
+    return torch.cat([boxes[keep], dets[:, -1:].to(boxes.dtype)], dim=-1), keep
+
+
 def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     """mmcv.ops.bbox_overlaps: (N, M) ("iou" or "iof"), or (N,) when
-    aligned. Not differentiable (as in MMCV)."""
+    aligned. Not differentiable (as in MMCV). Either set may be empty in
+    any shape with no rows (a (0,) tensor too, as MMCV allows). A pair whose
+    union has no area is 0 (MMCV's CPU division gives NaN)."""
     code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
+    bboxes1, bboxes2 = (b.reshape(0, 4) if b.shape[0] == 0 and b.dim() == 1 else b
+                        for b in (bboxes1, bboxes2))
     bboxes2 = _like_dtype(bboxes2, bboxes1)
     return _OVERLAPS(bboxes1, bboxes2, code, bool(aligned), int(offset))
 
@@ -180,13 +296,20 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
     """mmcv.ops.nms_rotated: dets (N, 5) rotated boxes (cx, cy, w, h,
     angle), scores (N,), labels (N,) or None (nms within each label).
     Returns (dets (k, 6): the kept boxes with their scores, keep_inds) by
-    decreasing score; the IoU is box_iou_rotated's, exactly."""
+    decreasing score, or (dets, None) for no boxes, as MMCV; the IoU is
+    box_iou_rotated's, exactly. With labels, boxes of different labels never
+    suppress each other (MMCV's CPU and CUDA kernels ignore labels, so its
+    own test expects a box of another class suppressed)."""
     if dets.shape[0] == 0:
-        return dets.new_zeros((0, 6)), torch.zeros(0, dtype=torch.int64, device=dets.device)
+        return dets, None
     scores = _like_dtype(scores, dets)
     keep = _NMS_ROTATED(dets, scores, None if labels is None else labels.to(torch.int64),
-                        float(iou_threshold), bool(clockwise))
+                        _float32_threshold(iou_threshold), bool(clockwise))
     return torch.cat([dets[keep], scores[keep].reshape(-1, 1)], dim=1), keep
+
+
+# batched_nms's nms_cfg type given as one of these functions: their own path
+_NMS_BY_FUNCTION = {nms: "nms", soft_nms: "soft_nms", nms_rotated: "nms_rotated"}
 
 
 def roi_align_rotated(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0,
@@ -201,10 +324,11 @@ def roi_align_rotated(input, rois, output_size, spatial_scale=1.0, sampling_rati
 class RoIAlignRotated(nn.Module):
     """mmcv.ops.RoIAlignRotated."""
 
+    @_renamed(out_size="output_size", sample_num="sampling_ratio")
     def __init__(self, output_size, spatial_scale=1.0, sampling_ratio=0, aligned=True,
                  clockwise=False):
         super().__init__()
-        self.output_size = output_size
+        self.output_size = _pair("RoIAlignRotated", output_size)
         self.spatial_scale = float(spatial_scale)
         self.sampling_ratio = int(sampling_ratio)
         self.aligned = aligned
@@ -255,13 +379,15 @@ def softmax_focal_loss(input, target, gamma=2.0, alpha=0.25, weight=None, reduct
 
 
 class RoIAlign(nn.Module):
-    """mmcv.ops.RoIAlign (use_torchvision is accepted and ignored: these
-    kernels serve both)."""
+    """mmcv.ops.RoIAlign. use_torchvision=True runs the avg pooling whatever
+    pool_mode says, as MMCV does (it calls torchvision's roi_align, which
+    has no max mode); these kernels serve both."""
 
+    @_renamed(out_size="output_size", sample_num="sampling_ratio")
     def __init__(self, output_size, spatial_scale=1.0, sampling_ratio=0, pool_mode="avg",
                  aligned=True, use_torchvision=False):
         super().__init__()
-        self.output_size = output_size
+        self.output_size = _pair("RoIAlign", output_size)
         self.spatial_scale = float(spatial_scale)
         self.sampling_ratio = int(sampling_ratio)
         self.pool_mode = pool_mode
@@ -269,8 +395,9 @@ class RoIAlign(nn.Module):
         self.use_torchvision = use_torchvision
 
     def forward(self, input, rois):
+        mode = "avg" if self.use_torchvision else self.pool_mode
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio,
-                         self.pool_mode, self.aligned)
+                         mode, self.aligned)
 
     def __repr__(self):
         return (f"{self.__class__.__name__}(output_size={self.output_size}, "
@@ -323,7 +450,13 @@ class SoftmaxFocalLoss(SigmoidFocalLoss):
 def _deform(op, input, offset, mask, weight, bias, stride, padding, dilation, groups,
             deform_groups):
     """The deformable convolution with MMCV's explicit groups and
-    deform_groups, checked against the tensors' shapes."""
+    deform_groups, checked against the tensors' shapes. As MMCV, input,
+    mask, weight and bias are cast to the offset's dtype (under autocast the
+    offset comes from a float16 convolution)."""
+    input = input.to(offset.dtype)
+    weight = weight.to(offset.dtype)
+    mask = None if mask is None else mask.to(offset.dtype)
+    bias = None if bias is None else bias.to(offset.dtype)
     implied = _deform_groups_of(op, input, offset, weight)
     if (groups, deform_groups) != implied:
         raise ValueError(f"{op}: groups={groups}, deform_groups={deform_groups} do not match "
@@ -354,34 +487,128 @@ def modulated_deform_conv2d(input, offset, mask, weight, bias=None, stride=1, pa
                    padding, dilation, groups, deform_groups)
 
 
-class DeformConv2d(_vision.DeformConv2d):
-    """mmcv.ops.DeformConv2d: forward(x, offset), without bias by default."""
+class _DeformBase(nn.Module):
+    """What MMCV's two deformable convolution modules share: the geometry
+    and a weight (C_out, C_in // groups, kh, kw)."""
 
+    def __init__(self, op, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                 groups, deform_groups, bias):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"{op}: groups ({groups}) must divide in_channels "
+                             f"({in_channels}) and out_channels ({out_channels})")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size = _int_pair(op, "kernel_size", kernel_size)
+        self.stride = _int_pair(op, "stride", stride)
+        self.padding = _int_pair(op, "padding", padding)
+        self.dilation = _int_pair(op, "dilation", dilation)
+        self.groups, self.deform_groups = groups, deform_groups
+        self.transposed, self.output_padding = False, (0,)   # nn.Conv2d's attributes
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups,
+                                               *self.kernel_size))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels))
+        else:
+            self.register_parameter("bias", None)
+
+    def _offset_conv(self, per_tap):
+        """The Pack classes' offset convolution, zero at the start."""
+        conv = nn.Conv2d(self.in_channels, self.deform_groups * per_tap * self.kernel_size[0] *
+                         self.kernel_size[1], self.kernel_size, self.stride, self.padding,
+                         self.dilation, bias=True)
+        nn.init.zeros_(conv.weight)
+        nn.init.zeros_(conv.bias)
+        return conv
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(in_channels={self.in_channels},\n"
+                f"out_channels={self.out_channels},\nkernel_size={self.kernel_size},\n"
+                f"stride={self.stride},\npadding={self.padding},\n"
+                f"dilation={self.dilation},\ngroups={self.groups},\n"
+                f"deform_groups={self.deform_groups},\n"
+                f"bias={self.bias is not None})")
+
+
+class DeformConv2d(_DeformBase):
+    """mmcv.ops.DeformConv2d (DCNv1): forward(x, offset); no bias (bias=True
+    is refused, as in MMCV); MMCV's initialisation (kaiming uniform for
+    ReLU). An input smaller than the kernel is padded with zeros at the
+    bottom and right and the output cut back, as MMCV does."""
+
+    @_renamed(deformable_groups="deform_groups")
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, deform_groups=1, bias=False, im2col_step=32):
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias)
-        self.deform_groups = deform_groups
+        if bias:
+            raise ValueError(f"DeformConv2d: bias={bias} is not supported (as in MMCV)")
+        super().__init__("DeformConv2d", in_channels, out_channels, kernel_size, stride,
+                         padding, dilation, groups, deform_groups, False)
         self.im2col_step = im2col_step
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.kaiming_uniform_(self.weight, nonlinearity="relu")
 
     def forward(self, x, offset):
-        return _deform("DeformConv2d", x, offset, None, self.weight, self.bias, self.stride,
-                       self.padding, self.dilation, self.groups, self.deform_groups)
+        pad_h = max(self.kernel_size[0] - x.shape[2], 0)
+        pad_w = max(self.kernel_size[1] - x.shape[3], 0)
+        if pad_h or pad_w:
+            x = nn.functional.pad(x, (0, pad_w, 0, pad_h))
+            offset = nn.functional.pad(offset, (0, pad_w, 0, pad_h))
+        out = _deform("DeformConv2d", x, offset, None, self.weight, None, self.stride,
+                      self.padding, self.dilation, self.groups, self.deform_groups)
+        return out[:, :, :out.shape[2] - pad_h, :out.shape[3] - pad_w] if pad_h or pad_w else out
 
 
-class ModulatedDeformConv2d(_vision.DeformConv2d):
-    """mmcv.ops.ModulatedDeformConv2d: forward(x, offset, mask)."""
+class DeformConv2dPack(DeformConv2d):
+    """mmcv.ops.DeformConv2dPack (MMCV's "DCN"): forward(x), the offsets from
+    conv_offset, a convolution of x that starts at zero."""
+    _version = 2
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conv_offset = self._offset_conv(2)
+
+    def forward(self, x):
+        return super().forward(x, self.conv_offset(x))
+
+
+class ModulatedDeformConv2d(_DeformBase):
+    """mmcv.ops.ModulatedDeformConv2d (DCNv2): forward(x, offset, mask);
+    MMCV's initialisation (weight uniform in +-1 / sqrt(in_channels * kh *
+    kw), bias zero)."""
+
+    @_renamed(deformable_groups="deform_groups")
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, deform_groups=1, bias=True):
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias)
-        self.deform_groups = deform_groups
+        super().__init__("ModulatedDeformConv2d", in_channels, out_channels, kernel_size,
+                         stride, padding, dilation, groups, deform_groups, bias)
+        self.init_weights()
+
+    def init_weights(self):
+        bound = 1.0 / math.sqrt(self.in_channels * self.kernel_size[0] * self.kernel_size[1])
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x, offset, mask):
         return _deform("ModulatedDeformConv2d", x, offset, mask, self.weight, self.bias,
                        self.stride, self.padding, self.dilation, self.groups,
                        self.deform_groups)
+
+
+class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
+    """mmcv.ops.ModulatedDeformConv2dPack (MMCV's "DCNv2"): forward(x);
+    conv_offset (zero at the start) gives both offset halves and the mask,
+    which goes through a sigmoid."""
+    _version = 2
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conv_offset = self._offset_conv(3)
+
+    def forward(self, x):
+        o1, o2, mask = torch.chunk(self.conv_offset(x), 3, dim=1)
+        return super().forward(x, torch.cat((o1, o2), dim=1), torch.sigmoid(mask))
 
 
 def multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_index,
@@ -467,6 +694,7 @@ class MultiScaleDeformableAttention(nn.Module):
             nn.init.xavier_uniform_(layer.weight)
             nn.init.constant_(layer.bias, 0.0)
 
+    @_renamed(residual="identity")
     def forward(self, query, key=None, value=None, identity=None, query_pos=None,
                 key_padding_mask=None, reference_points=None, spatial_shapes=None,
                 level_start_index=None, **kwargs):

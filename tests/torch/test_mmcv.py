@@ -1,6 +1,8 @@
 """mmdispatch.torch.mmcv: MMCV's names, signatures and defaults, with MMCV's
 published values, gradients through autograd, and the numpy path's results."""
+import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -110,7 +112,8 @@ def test_batched_nms_without_config_sorts_by_score_and_refuses_other_types():
     assert inds.tolist() == scores.argsort(descending=True, stable=True).tolist()
     torch.testing.assert_close(dets[:, 4], scores[inds])
     with pytest.raises(ValueError, match=re.escape(
-            "batched_nms: nms_cfg type must be 'nms' or 'soft_nms', got 'nms_match'")):
+            "batched_nms: nms_cfg type must be 'nms', 'soft_nms', 'nms_rotated' or a function, "
+            "got 'nms_match'")):
         mmcv.batched_nms(boxes, scores, idxs, {"type": "nms_match", "iou_threshold": 0.5})
     with pytest.raises(ValueError, match="batched_nms: nms_cfg must give iou_threshold"):
         mmcv.batched_nms(boxes, scores, idxs, {"type": "nms"})
@@ -238,3 +241,175 @@ def test_star_import_gives_mmcvs_ops_and_nothing_of_the_modules_own():
               and getattr(value, "__module__", "").startswith("mmdispatch.torch")}
     assert names == set(mmcv.__all__) == public
     assert "multi_scale_deformable_attn_pytorch" in names and "torch" not in names
+
+
+# --- MMCV's behaviour where torchvision's differs, and MMCV's other entry points ----------
+
+def test_nms_compares_the_iou_with_the_float32_threshold_as_mmcvs_kernels():
+    """IoU exactly 0.3: MMCV's C float threshold is 0.30000001..., so the box
+    stays; torchvision compares with the double 0.3 and drops it."""
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 3]])
+    scores = torch.tensor([0.9, 0.8])
+    assert mmcv.nms(boxes, scores, 0.3)[1].tolist() == [0, 1]
+    assert mmdispatch.torch.nms(boxes, scores, 0.3).tolist() == [0]
+    idxs = torch.zeros(2, dtype=torch.int64)
+    assert mmcv.batched_nms(boxes, scores, idxs, dict(iou_threshold=0.3))[1].tolist() == [0, 1]
+
+
+def test_nms_and_soft_nms_take_numpy_arrays_and_return_numpy_arrays():
+    boxes = np.array([[0, 0, 10, 10], [1, 1, 11, 11], [50, 50, 60, 60]], np.float32)
+    scores = np.array([0.9, 0.8, 0.7], np.float32)
+    dets, inds = mmcv.nms(boxes, scores, 0.5)
+    assert isinstance(dets, np.ndarray) and isinstance(inds, np.ndarray)
+    assert inds.tolist() == [0, 2] and dets.shape == (2, 5)
+    dets, inds = mmcv.soft_nms(boxes, scores, 0.5, method="naive")
+    assert isinstance(dets, np.ndarray) and inds.tolist() == [0, 2]
+
+
+def test_nms_dets_promote_boxes_and_scores_dtypes_as_torch_cat_does():
+    boxes = torch.tensor([[0.0, 0, 10, 10]])
+    dets, _ = mmcv.nms(boxes, torch.tensor([0.5], dtype=torch.float64), 0.5)
+    assert dets.dtype == torch.float64
+
+
+def test_deprecated_argument_names_still_work_with_a_warning():
+    boxes = torch.tensor([[0.0, 0, 10, 10], [1, 1, 11, 11]])
+    scores = torch.tensor([0.9, 0.8])
+    with pytest.warns(DeprecationWarning, match="'iou_thr' is deprecated"):
+        assert mmcv.nms(boxes, scores, iou_thr=0.5)[1].tolist() == [0]
+    with pytest.warns(DeprecationWarning):
+        keep = mmcv.batched_nms(boxes, scores, torch.zeros(2), dict(iou_thr=0.5))[1]
+    assert keep.tolist() == [0]
+    with pytest.warns(DeprecationWarning):
+        module = mmcv.RoIAlign(out_size=3, sample_num=2)
+    assert module.output_size == (3, 3) and module.sampling_ratio == 2
+    with pytest.warns(DeprecationWarning):
+        assert mmcv.RoIAlignRotated(out_size=(2, 3), sample_num=1).output_size == (2, 3)
+    with pytest.warns(DeprecationWarning):
+        assert mmcv.DeformConv2d(4, 4, 3, deformable_groups=2).deform_groups == 2
+    with pytest.warns(DeprecationWarning):
+        assert mmcv.ModulatedDeformConv2d(4, 4, 3, deformable_groups=2).deform_groups == 2
+
+
+def test_batched_nms_takes_nms_rotated_and_functions_as_its_type():
+    """nms_cfg type "nms_rotated" on (N, 5) boxes keeps classes apart, as
+    MMCV's offset trick does; a function as the type runs on boxes moved
+    apart by class, as MMCV runs it."""
+    boxes = torch.tensor([[10.0, 10, 8, 4, 0.1], [10.5, 10, 8, 4, 0.1], [10.2, 10, 8, 4, 0.1],
+                          [40, 40, 6, 6, 0.0]])
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.6])
+    idxs = torch.tensor([0, 0, 1, 1])
+    dets, keep = mmcv.batched_nms(boxes, scores, idxs, dict(type="nms_rotated", iou_threshold=0.5))
+    assert keep.tolist() == [0, 2, 3] and dets.shape == (3, 6)
+    torch.testing.assert_close(dets[:, 5], scores[keep])
+    flat = torch.tensor([[0.0, 0, 10, 10], [1, 1, 11, 11], [0, 0, 10, 10]])
+    for kind in (mmcv.nms, "nms"):
+        dets, keep = mmcv.batched_nms(flat, scores[:3], idxs[:3], dict(type=kind, iou_threshold=0.5))
+        assert keep.tolist() == [0, 2]
+    calls = []
+
+    def my_nms(b, s, iou_threshold):
+        calls.append(b.clone())
+        return mmcv.nms(b, s, iou_threshold)
+    dets, keep = mmcv.batched_nms(flat, scores[:3], idxs[:3], dict(type=my_nms, iou_threshold=0.5))
+    assert keep.tolist() == [0, 2] and torch.equal(dets[:, :4], flat[keep])
+    assert calls[0][2, 0] > 10   # class 1's box moved past class 0's
+
+
+def test_nms_match_groups_each_kept_box_with_what_it_suppresses():
+    dets = torch.tensor([[0.0, 0, 10, 10, 0.9], [50, 50, 60, 60, 0.85], [1, 0, 10, 10, 0.8],
+                         [0, 0, 10, 9, 0.7], [51, 50, 60, 60, 0.6], [100, 100, 110, 110, 0.5]])
+    groups = mmcv.nms_match(dets, 0.5)
+    assert [g.tolist() for g in groups] == [[0, 2, 3], [1, 4], [5]]
+    assert all(g.dtype == torch.int64 for g in groups)
+    as_numpy = mmcv.nms_match(dets.numpy(), 0.5)
+    assert [g.tolist() for g in as_numpy] == [[0, 2, 3], [1, 4], [5]]
+    assert mmcv.nms_match(torch.zeros(0, 5), 0.5) == []
+    # IoU exactly at the threshold is suppressed (MMCV's >=)
+    exact = torch.tensor([[0.0, 0, 10, 10, 0.9], [0, 0, 10, 5, 0.8]])
+    assert [g.tolist() for g in mmcv.nms_match(exact, 0.5)] == [[0, 1]]
+
+
+def test_bbox_overlaps_takes_an_empty_one_dimensional_set():
+    assert mmcv.bbox_overlaps(torch.FloatTensor([]), torch.FloatTensor([[0, 0, 10, 9]])).shape == (0, 1)
+
+
+def test_nms_rotated_of_no_boxes_returns_them_and_none():
+    dets, keep = mmcv.nms_rotated(torch.zeros(0, 5), torch.zeros(0), 0.5)
+    assert dets.shape == (0, 5) and keep is None
+
+
+def test_modules_store_output_size_as_a_pair_and_use_torchvision_means_avg():
+    x = feature_map()
+    module = mmcv.RoIAlign(2, pool_mode="max", use_torchvision=True)
+    assert module.output_size == (2, 2)
+    torch.testing.assert_close(module(x, ROIS), mmcv.roi_align(x, ROIS, 2, pool_mode="avg"))
+    assert mmcv.RoIAlignRotated(3).output_size == (3, 3)
+
+
+def test_deformable_modules_initialise_as_mmcvs():
+    torch.manual_seed(0)
+    dcn = mmcv.DeformConv2d(64, 64, 3)
+    assert dcn.bias is None and not any(n == "bias" for n, _ in dcn.named_parameters())
+    bound = math.sqrt(6 / (64 * 9))   # kaiming uniform for ReLU
+    assert dcn.weight.abs().max() <= bound and dcn.weight.abs().max() > 0.9 * bound
+    with pytest.raises(ValueError, match="DeformConv2d: bias=True is not supported"):
+        mmcv.DeformConv2d(4, 4, 3, bias=True)
+    dcn2 = mmcv.ModulatedDeformConv2d(64, 64, 3, groups=2)
+    bound = 1 / math.sqrt(64 * 9)     # not divided by the groups
+    assert dcn2.weight.abs().max() <= bound and dcn2.weight.abs().max() > 0.9 * bound
+    assert (dcn2.bias == 0).all()
+
+
+def test_pack_modules_start_as_the_deformable_convolution_at_rest():
+    """conv_offset starts at zero: offsets 0 (and masks 0.5 for DCNv2), so
+    the Pack modules start as the deformable convolution at rest."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 7, 8)
+    pack = mmcv.DeformConv2dPack(4, 6, 3, padding=1)
+    zero = torch.zeros(2, 18, 7, 8)
+    torch.testing.assert_close(pack(x), mmcv.deform_conv2d(x, zero, pack.weight, padding=1))
+    pack2 = mmcv.ModulatedDeformConv2dPack(4, 6, 3, padding=1)
+    half = torch.full((2, 9, 7, 8), 0.5)
+    torch.testing.assert_close(pack2(x), mmcv.modulated_deform_conv2d(
+        x, zero, half, pack2.weight, pack2.bias, padding=1))
+    pack2(x).sum().backward()
+    assert pack2.conv_offset.weight.grad.abs().sum() > 0
+
+
+def test_small_inputs_are_padded_to_the_kernel_as_mmcv_does():
+    """An input smaller than the kernel is padded with zero rows and columns
+    and the output cut back (MMCV's module does so): the same values as
+    sampling outside the map, which reads 0."""
+    torch.manual_seed(2)
+    dcn = mmcv.DeformConv2d(2, 3, 3, padding=1)
+    x = torch.randn(1, 2, 2, 2)
+    offset = torch.randn(1, 18, 2, 2)
+    out = dcn(x, offset)
+    assert out.shape == (1, 3, 2, 2)
+    torch.testing.assert_close(out, mmcv.deform_conv2d(x, offset, dcn.weight, padding=1))
+
+
+def test_deformable_inputs_take_the_offsets_dtype_as_mmcv_under_autocast():
+    x = torch.randn(1, 2, 5, 5)
+    offset = torch.zeros(1, 18, 3, 3, dtype=torch.float64)
+    weight = torch.randn(3, 2, 3, 3)
+    assert mmcv.deform_conv2d(x, offset, weight).dtype == torch.float64
+
+
+def test_attention_takes_residual_as_mmcvs_old_name_of_identity():
+    torch.manual_seed(3)
+    attn = mmcv.MultiScaleDeformableAttention(embed_dims=16, num_heads=2, num_levels=1,
+                                              num_points=2, dropout=0.0)
+    query = torch.randn(5, 1, 16)
+    shapes = torch.tensor([[2, 3]])
+    starts = torch.tensor([0])
+    ref = torch.rand(1, 5, 1, 2)
+    value = torch.randn(6, 1, 16)
+    other = torch.randn(5, 1, 16)
+    expected = attn(query, value=value, identity=other, reference_points=ref,
+                    spatial_shapes=shapes, level_start_index=starts)
+    with pytest.warns(DeprecationWarning):
+        got = attn(query, value=value, residual=other, reference_points=ref,
+                   spatial_shapes=shapes, level_start_index=starts)
+    torch.testing.assert_close(got, expected)
