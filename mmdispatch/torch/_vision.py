@@ -20,6 +20,7 @@ _PS_ROI_ALIGN = DERIVED["ps_roi_align_forward_impl"]
 _PS_ROI_POOL = DERIVED["ps_roi_pool_forward_impl"]
 _NMS = DERIVED["nms_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
+_BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
 _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
 _AVG = 1
 
@@ -55,6 +56,9 @@ def rois_of(op, boxes, like):
     like_dtype) from a
     Tensor[K, 5] or a list of Tensor[L, 4] (one per image), as torchvision
     takes them."""
+    if not isinstance(like, torch.Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(like).__name__} (the "
+                        f"numpy and CuPy functions are in mmdispatch.ops)")
     if isinstance(boxes, torch.Tensor):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
             raise ValueError(f"{op}: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], "
@@ -118,7 +122,11 @@ def ps_roi_pool(input, boxes, output_size, spatial_scale=1.0):
 
 
 def _nms(boxes, scores, idxs, iou_threshold, offset=0):
-    scores = like_dtype(scores, boxes)
+    """Boxes and scores of two dtypes both go to the wider one (float16
+    scores beside float32 boxes would tie where the float32 ones differ)."""
+    if boxes.dtype != scores.dtype and not torch.is_autocast_enabled(boxes.device.type):
+        common = torch.promote_types(boxes.dtype, scores.dtype)
+        boxes, scores = boxes.to(common), scores.to(common)
     return _NMS(boxes, scores, idxs, float(iou_threshold), int(offset))
 
 
@@ -136,27 +144,69 @@ def batched_nms(boxes, scores, idxs, iou_threshold):
 
 
 def _box_iou_composite(boxes1, boxes2):
-    """IoU written with torch operations, for inputs that need a gradient."""
+    """IoU written with torch operations, for inputs that need a gradient
+    (a zero union gives 0 and a zero gradient, not NaN)."""
     area1 = (boxes1[:, 2] - boxes1[:, 0]) * (boxes1[:, 3] - boxes1[:, 1])
     area2 = (boxes2[:, 2] - boxes2[:, 0]) * (boxes2[:, 3] - boxes2[:, 1])
     top_left = torch.max(boxes1[:, None, :2], boxes2[:, :2])
     bottom_right = torch.min(boxes1[:, None, 2:], boxes2[:, 2:])
     inter = (bottom_right - top_left).clamp(min=0).prod(dim=2)
     union = area1[:, None] + area2 - inter
-    return torch.where(union > 0, inter / union, torch.zeros_like(inter))
+    positive = union > 0
+    return torch.where(positive, inter / torch.where(positive, union, torch.ones_like(union)),
+                       torch.zeros_like(inter))
 
 
-def box_iou(boxes1, boxes2):
-    """(N, M) IoU of (N, 4) and (M, 4) boxes [x1, y1, x2, y2], as
-    torchvision.ops.box_iou. Integer boxes are computed in float32. A pair
-    whose union has no area gives 0 (torchvision gives NaN). Differentiable:
-    inputs that need a gradient are computed with torch operations."""
-    if not boxes1.is_floating_point():
-        boxes1 = boxes1.float()
-    boxes2 = like_dtype(boxes2, boxes1)
+def _xyxy(boxes, fmt):
+    """(..., 4) boxes in fmt "xyxy", "xywh" or "cxcywh" as (x1, y1, x2, y2)."""
+    if fmt == "xyxy":
+        return boxes
+    a, b, w, h = boxes.unbind(-1)
+    if fmt == "xywh":
+        return torch.stack([a, b, a + w, b + h], -1)
+    return torch.stack([a - w / 2, b - h / 2, a + w / 2, b + h / 2], -1)
+
+
+_AXIS_ALIGNED_FORMATS = ("xyxy", "xywh", "cxcywh")
+
+
+def box_iou(boxes1, boxes2, fmt="xyxy"):
+    """(..., N, M) IoU of (..., N, 4) and (..., M, 4) boxes, as
+    torchvision.ops.box_iou: fmt "xyxy" (x1, y1, x2, y2), "xywh" or
+    "cxcywh"; or "cxcywhr" (..., 5) rotated boxes, the angle in degrees
+    counter-clockwise (our exact polygon IoU). The leading dimensions
+    broadcast. The result is float32 for integer, float16 and bfloat16
+    boxes, else the wider of the two dtypes. A pair whose union has no area
+    gives 0 (torchvision gives NaN). Differentiable for the axis-aligned
+    formats: inputs that need a gradient are computed with torch
+    operations."""
+    op = "box_iou"
+    if fmt not in _AXIS_ALIGNED_FORMATS + ("cxcywhr",):
+        raise ValueError(f"{op}: fmt must be one of {', '.join(map(repr, _AXIS_ALIGNED_FORMATS))}"
+                         f" or 'cxcywhr', got {fmt!r}")
+    width = 5 if fmt == "cxcywhr" else 4
+    for name, b in (("boxes1", boxes1), ("boxes2", boxes2)):
+        if not isinstance(b, torch.Tensor) or b.dim() < 2 or b.shape[-1] != width:
+            got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{op}: {name} must be a Tensor[..., N, {width}] for fmt {fmt!r}, "
+                             f"got {got}")
+    dtype = torch.promote_types(boxes1.dtype, boxes2.dtype)
+    if dtype not in (torch.float32, torch.float64):
+        dtype = torch.float32
+    boxes1, boxes2 = boxes1.to(dtype), boxes2.to(dtype)
+    if boxes1.dim() > 2 or boxes2.dim() > 2:
+        lead = torch.broadcast_shapes(boxes1.shape[:-2], boxes2.shape[:-2])
+        b1 = boxes1.expand(*lead, *boxes1.shape[-2:]).reshape(-1, *boxes1.shape[-2:])
+        b2 = boxes2.expand(*lead, *boxes2.shape[-2:]).reshape(-1, *boxes2.shape[-2:])
+        pairs = [box_iou(x, y, fmt) for x, y in zip(b1, b2)]
+        return torch.stack(pairs).reshape(*lead, boxes1.shape[-2], boxes2.shape[-2])
+    if fmt == "cxcywhr":
+        radians = [torch.cat([b[:, :4], torch.deg2rad(b[:, 4:])], 1) for b in (boxes1, boxes2)]
+        return _BOX_IOU_ROTATED(*radians, 0, False, False)
+    boxes1, boxes2 = _xyxy(boxes1, fmt), _xyxy(boxes2, fmt)
     if torch.is_grad_enabled() and (boxes1.requires_grad or boxes2.requires_grad):
         return _box_iou_composite(boxes1, boxes2)
-    return _OVERLAPS(boxes1, boxes2, 0, False, 0)
+    return _OVERLAPS(boxes1.contiguous(), boxes2.contiguous(), 0, False, 0)
 
 
 def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
@@ -170,6 +220,9 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"sigmoid_focal_loss: reduction must be 'none', 'mean' or 'sum', got "
                          f"{reduction!r}")
+    if not (0 <= alpha <= 1) and alpha != -1:
+        raise ValueError(f"sigmoid_focal_loss: alpha must be in [0, 1], or -1 for no class "
+                         f"weighting (as torchvision's), got {alpha}")
     p = torch.sigmoid(inputs)
     cross_entropy = nn.functional.binary_cross_entropy_with_logits(inputs, targets,
                                                                    reduction="none")

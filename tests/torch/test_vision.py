@@ -270,3 +270,67 @@ def test_under_cuda_autocast_ops_match_torchvisions(torch_cuda, dtype):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(ours[3], theirs[3], rtol=1e-3, atol=1e-3)   # atomics
+
+
+# --- found by a differential review against torchvision 0.29 ------------------------------
+
+@pytest.mark.parametrize("fmt", ["xyxy", "xywh", "cxcywh"])
+def test_box_iou_takes_torchvisions_formats_and_leading_dimensions(fmt):
+    gen = torch.Generator().manual_seed(4)
+    a = torch.rand(6, 4, generator=gen) * 20
+    b = torch.rand(5, 4, generator=gen) * 20
+    a[:, 2:] += 1
+    b[:, 2:] += 1
+    torch.testing.assert_close(mt.box_iou(a, b, fmt=fmt), tv.box_iou(a, b, fmt=fmt))
+    batched = a[None].expand(3, 6, 4)
+    torch.testing.assert_close(mt.box_iou(batched, b, fmt=fmt), tv.box_iou(batched, b, fmt=fmt))
+
+
+def test_box_iou_of_rotated_boxes_in_degrees_counter_clockwise_is_torchvisions():
+    gen = torch.Generator().manual_seed(5)
+    r1 = torch.cat([torch.rand(6, 2, generator=gen) * 20, torch.rand(6, 2, generator=gen) * 9 + 1,
+                    torch.rand(6, 1, generator=gen) * 180 - 90], 1)
+    r2 = torch.cat([torch.rand(5, 2, generator=gen) * 20, torch.rand(5, 2, generator=gen) * 9 + 1,
+                    torch.rand(5, 1, generator=gen) * 180 - 90], 1)
+    torch.testing.assert_close(mt.box_iou(r1, r2, fmt="cxcywhr"),
+                               tv.box_iou(r1, r2, fmt="cxcywhr"), rtol=1e-5, atol=1e-6)
+
+
+def test_box_iou_result_dtype_is_torchvisions():
+    a = torch.tensor([[0.0, 0, 10, 10]])
+    b = torch.tensor([[1.0, 1, 11, 11]])
+    for x, y in ((a, b.double()), (a.half(), b.half()), (a.bfloat16(), b), (a.int(), b.int())):
+        assert mt.box_iou(x, y).dtype == tv.box_iou(x, y).dtype
+
+
+def test_box_iou_of_a_zero_union_has_a_zero_gradient_not_nan():
+    p = torch.tensor([[3.0, 3, 3, 3]], requires_grad=True)
+    value = mt.box_iou(p, p)
+    value.sum().backward()
+    assert value.item() == 0 and (p.grad == 0).all()
+
+
+def test_nms_of_two_dtypes_computes_in_the_wider():
+    boxes = torch.tensor([[0.0, 0, 10, 10]] * 2).half()
+    scores = torch.tensor([0.90001, 0.90002])
+    assert mt.nms(boxes, scores, 0.5).tolist() == [1]   # float16 scores would tie: [0]
+
+
+def test_sigmoid_focal_loss_refuses_alpha_outside_0_1_as_torchvision():
+    for alpha in (-0.5, 1.5, -2):
+        with pytest.raises(ValueError, match="sigmoid_focal_loss: alpha must be in"):
+            mt.sigmoid_focal_loss(torch.zeros(3), torch.zeros(3), alpha=alpha)
+    for alpha in (-1, 0, 1):
+        mt.sigmoid_focal_loss(torch.zeros(3), torch.zeros(3), alpha=alpha)
+
+
+def test_sizes_take_numpy_integers_and_a_numpy_input_is_a_clear_error():
+    x = torch.randn(1, 1, 8, 8)
+    rois = torch.tensor([[0, 1.0, 1, 5, 5]])
+    assert mt.roi_align(x, rois, np.int64(3)).shape == (1, 1, 3, 3)
+    assert mt.RoIPool((np.int32(2), 3), 1.0)(x, rois).shape == (1, 1, 2, 3)
+    assert mt.DeformConv2d(1, 2, np.int64(3), padding=np.int64(1)).kernel_size == (3, 3)
+    with pytest.raises(TypeError, match="output_size must be an int or a pair of ints"):
+        mt.roi_align(x, rois, 2.5)
+    with pytest.raises(TypeError, match="roi_align: input must be a torch.Tensor, got ndarray"):
+        mt.roi_align(x.numpy(), rois, 2)
