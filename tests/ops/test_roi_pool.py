@@ -63,9 +63,9 @@ def ref_geometry(roi, scale, pooled_h, pooled_w, t, convention=0):
     """(batch, start_h, start_w, offset_h, offset_w, bin_h, bin_w) of one roi
     in dtype t: bin k starts at floor(k * bin + offset) + start."""
     s = t(scale)
-    if convention == 1:
+    if convention == 1:   # as nvcc compiles MMCV's kernel: the widths fused
         x1, y1 = t(roi[1]) * s, t(roi[2]) * s
-        width, height = (t(roi[3]) + t(1)) * s - x1, (t(roi[4]) + t(1)) * s - y1
+        width, height = fused(t(roi[3]) + t(1), s, -x1, t), fused(t(roi[4]) + t(1), s, -y1, t)
         if not (width > 0 and height > 0):
             return int(roi[0]), t(0), t(0), t(0), t(0), t(0), t(0)
         return (int(roi[0]), t(0), t(0), y1, x1, height / t(pooled_h), width / t(pooled_w))
@@ -76,9 +76,14 @@ def ref_geometry(roi, scale, pooled_h, pooled_w, t, convention=0):
 
 
 def ref_bin(start, offset, bin_size, k, size, t):
-    """Cells [lo, hi) of bin k along an axis of `size` cells."""
-    lo = t(math.floor(fused(t(k), bin_size, offset, t))) + start
-    hi = t(math.ceil(fused(t(k + 1), bin_size, offset, t))) + start
+    """Cells [lo, hi) of bin k along an axis of `size` cells; MMCV's edges
+    (offset not 0) go through float32 before floor and ceil (floorf,
+    ceilf), as in its kernel."""
+    edges = [fused(t(j), bin_size, offset, t) for j in (k, k + 1)]
+    if offset != 0:
+        edges = [np.float32(e) for e in edges]
+    lo = t(math.floor(edges[0])) + start
+    hi = t(math.ceil(edges[1])) + start
     lo = min(max(lo, t(0)), t(size))
     hi = min(max(hi, t(0)), t(size))
     return int(lo), int(hi)
@@ -221,6 +226,21 @@ def test_mmcv_convention_takes_unrounded_corners_and_end_plus_one(dtype):
         rois = np.array([roi], dtype)
         assert roi_pool(x, rois, 2, scale, "mmcv").ravel().tolist() == mmcv
         assert roi_pool(x, rois, 2, scale).ravel().tolist() == torchvision
+
+
+def test_mmcv_convention_fuses_the_width_as_nvcc_builds_mmcvs_kernel():
+    """The width (x2 + 1) * scale - x1 * scale is one fused multiply-add in
+    MMCV's compiled kernel: on this roi (found by comparing with nvcc's
+    build of MMCV's kernel) the last of 7 bins starts at column 161, where
+    two roundings give 160. A map falling along x puts each bin's maximum
+    on its first column."""
+    x = np.broadcast_to(-np.arange(200, dtype=np.float32), (1, 1, 4, 200)).copy()
+    rois = np.array([[0, 168.58109, 0, 239.23648, 2]], np.float32)
+    _, argmax = roi_pool_forward(x, rois, (1, 7), 0.7, "mmcv")
+    assert argmax[0, 0, 0, -1] == 161
+    t = np.float32
+    plain = ((t(239.23648) + t(1)) * t(0.7) - t(168.58109) * t(0.7)) / t(7)
+    assert math.floor(t(6) * plain + t(168.58109) * t(0.7)) == 160   # two roundings
 
 
 def test_mmcv_convention_gives_a_roi_of_no_width_zeros_and_no_gradient():

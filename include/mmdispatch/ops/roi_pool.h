@@ -10,8 +10,12 @@
  * - MMD_ROI_POOL_MMCV (mmcv.ops.roi_pool's CUDA kernel, MMCV's only one):
  *   x1 * scale to (x2 + 1) * scale, not rounded (y alike); a roi of width
  *   or height <= 0 has only empty bins; bin k covers [floor(start + k *
- *   bin), ceil(start + (k + 1) * bin)), each a fused multiply-add as nvcc
- *   compiles MMCV's kernel.
+ *   bin), ceil(start + (k + 1) * bin)). The arithmetic is what nvcc makes
+ *   of MMCV's kernel (read off its SASS, sm_90): the width (x2 + 1) *
+ *   scale - x1 * scale and each bin edge are fused multiply-adds, and the
+ *   edges are rounded to float before floor / ceil (floorf, ceilf), for
+ *   double too. MMCV's float16 kernel rounds every step to half; ours
+ *   computes float16 in float32.
  *
  * Bins are clipped to the map. A bin's output is its maximum and argmax the
  * flat h * W + w index of it; NaN values are skipped, an empty bin gives 0
@@ -110,8 +114,8 @@ MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size,
     g->batch = (int64_t)roi[0];
     if (convention == MMD_ROI_POOL_MMCV) {
         const T x1 = roi[1] * spatial_scale, y1 = roi[2] * spatial_scale;
-        const T width = (roi[3] + 1) * spatial_scale - x1;
-        const T height = (roi[4] + 1) * spatial_scale - y1;
+        const T width = fma(roi[3] + 1, spatial_scale, -x1);
+        const T height = fma(roi[4] + 1, spatial_scale, -y1);
         if (!(isfinite(width) && isfinite(height))) return MMD_ROI_NONFINITE;
         g->start_w = g->start_h = 0;
         if (width > 0 && height > 0) {
@@ -149,8 +153,8 @@ MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T offset, T bin, int64_t index
         a = floor((T)index * bin) + start;
         b = ceil((T)(index + 1) * bin) + start;
     } else {
-        a = floor(fma((T)index, bin, offset)) + start;
-        b = ceil(fma((T)(index + 1), bin, offset)) + start;
+        a = floor((T)(float)fma((T)index, bin, offset)) + start;
+        b = ceil((T)(float)fma((T)(index + 1), bin, offset)) + start;
     }
     const T top = (T)size;
     a = a < 0 ? (T)0 : (a > top ? top : a);
