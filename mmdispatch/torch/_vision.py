@@ -6,6 +6,7 @@ place of `from torchvision.ops import roi_align`.
 Where our semantics differ from torchvision's they are documented on the
 function (box_iou of boxes with no area is 0, not NaN).
 """
+import math
 import operator
 
 import torch
@@ -176,7 +177,7 @@ def box_iou(boxes1, boxes2, fmt="xyxy"):
     "cxcywh"; or "cxcywhr" (..., 5) rotated boxes, the angle in degrees
     counter-clockwise (our exact polygon IoU). The leading dimensions
     broadcast. The result is float32 for integer, float16 and bfloat16
-    boxes, else the wider of the two dtypes. A pair whose union has no area
+    boxes and for "cxcywhr", else the wider of the two dtypes. A pair whose union has no area
     gives 0 (torchvision gives NaN). Differentiable for the axis-aligned
     formats: inputs that need a gradient are computed with torch
     operations."""
@@ -196,13 +197,15 @@ def box_iou(boxes1, boxes2, fmt="xyxy"):
     boxes1, boxes2 = boxes1.to(dtype), boxes2.to(dtype)
     if boxes1.dim() > 2 or boxes2.dim() > 2:
         lead = torch.broadcast_shapes(boxes1.shape[:-2], boxes2.shape[:-2])
+        shape = (*lead, boxes1.shape[-2], boxes2.shape[-2])
+        if math.prod(lead) == 0:
+            return boxes1.new_zeros(shape, dtype=torch.float32 if fmt == "cxcywhr" else dtype)
         b1 = boxes1.expand(*lead, *boxes1.shape[-2:]).reshape(-1, *boxes1.shape[-2:])
         b2 = boxes2.expand(*lead, *boxes2.shape[-2:]).reshape(-1, *boxes2.shape[-2:])
-        pairs = [box_iou(x, y, fmt) for x, y in zip(b1, b2)]
-        return torch.stack(pairs).reshape(*lead, boxes1.shape[-2], boxes2.shape[-2])
-    if fmt == "cxcywhr":
+        return torch.stack([box_iou(x, y, fmt) for x, y in zip(b1, b2)]).reshape(shape)
+    if fmt == "cxcywhr":   # float32, as torchvision's rotated op returns
         radians = [torch.cat([b[:, :4], torch.deg2rad(b[:, 4:])], 1) for b in (boxes1, boxes2)]
-        return _BOX_IOU_ROTATED(*radians, 0, False, False)
+        return _BOX_IOU_ROTATED(*radians, 0, False, False).to(torch.float32)
     boxes1, boxes2 = _xyxy(boxes1, fmt), _xyxy(boxes2, fmt)
     if torch.is_grad_enabled() and (boxes1.requires_grad or boxes2.requires_grad):
         return _box_iou_composite(boxes1, boxes2)
@@ -335,16 +338,14 @@ class RoIAlign(nn.Module):
                 f"aligned={self.aligned})")
 
 
-class RoIPool(nn.Module):
-    """torchvision.ops.RoIPool."""
+class _Pool(nn.Module):
+    """What torchvision's RoIPool and PSRoIPool share (neither is the
+    other's subclass)."""
 
     def __init__(self, output_size, spatial_scale):
         super().__init__()
         self.output_size = output_size
         self.spatial_scale = spatial_scale
-
-    def forward(self, input, rois):
-        return roi_pool(input, rois, self.output_size, self.spatial_scale)
 
     def __repr__(self):
         return (f"{self.__class__.__name__}(output_size={self.output_size}, "
@@ -369,7 +370,14 @@ class PSRoIAlign(nn.Module):
                 f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio})")
 
 
-class PSRoIPool(RoIPool):
+class RoIPool(_Pool):
+    """torchvision.ops.RoIPool."""
+
+    def forward(self, input, rois):
+        return roi_pool(input, rois, self.output_size, self.spatial_scale)
+
+
+class PSRoIPool(_Pool):
     """torchvision.ops.PSRoIPool."""
 
     def forward(self, input, rois):

@@ -167,7 +167,8 @@ def nms_match(dets, iou_threshold):
     suppresses: a box is suppressed when its IoU with the kept box is >=
     iou_threshold (float32). Returns one group per kept box, its indices in
     score order, the kept box first; int64 tensors, or numpy arrays for a
-    numpy dets."""
+    numpy dets. Computed where dets are, with an N x N IoU table (MMCV's
+    kernel runs on the CPU in O(N) memory)."""
     is_numpy = isinstance(dets, np.ndarray)
     t = torch.from_numpy(dets) if is_numpy else dets.detach()
     if t.shape[0] == 0:
@@ -175,8 +176,11 @@ def nms_match(dets, iou_threshold):
     if t.dim() != 2 or t.shape[1] != 5:
         raise ValueError(f"nms_match: dets must have shape (N, 5), got {tuple(t.shape)}")
     order = t[:, 4].sort(descending=True, stable=True)[1]
-    ious = _OVERLAPS(t[order, :4], t[order, :4].contiguous(), 0, False, 0)
-    hit = ious >= _float32_threshold(iou_threshold)
+    boxes = t[order, :4].contiguous()
+    ious = _OVERLAPS(boxes, boxes, 0, False, 0)
+    # two boxes of no area: MMCV's 0 / 0 is NaN, which suppresses nothing
+    empty = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) == 0
+    hit = (ious >= _float32_threshold(iou_threshold)) & ~(empty[:, None] & empty[None, :])
     free = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
     groups = []
     for i in range(t.shape[0]):
@@ -226,6 +230,8 @@ def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
     if nms_type not in ("nms", "soft_nms", "nms_rotated"):
         raise ValueError(f"{op}: nms_cfg type must be 'nms', 'soft_nms', 'nms_rotated' or a "
                          f"function, got {nms_type!r}")
+    if nms_type in ("nms", "nms_rotated") and "iou_threshold" not in cfg:
+        raise ValueError(f"{op}: nms_cfg must give iou_threshold, got {nms_cfg!r}")
     if nms_type == "nms_rotated":
         if boxes.shape[0] == 0:
             return boxes.new_zeros((0, 6)), torch.zeros(0, dtype=torch.int64,
@@ -233,8 +239,6 @@ def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
         labels = None if class_agnostic else idxs
         dets, keep = nms_rotated(boxes, scores, cfg.pop("iou_threshold"), labels, **cfg)
         return torch.cat([boxes[keep], dets[:, -1:].to(boxes.dtype)], dim=-1), keep
-    if nms_type == "nms" and "iou_threshold" not in cfg:
-        raise ValueError(f"{op}: nms_cfg must give iou_threshold, got {nms_cfg!r}")
     options = _NMS_OPTIONS if nms_type == "nms" else _SOFT_NMS_OPTIONS
     unknown = sorted(set(cfg) - set(options))
     if unknown:
@@ -273,11 +277,13 @@ def _batched_by_offsets(fn, boxes, scores, idxs, cfg, class_agnostic):
 def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     """mmcv.ops.bbox_overlaps: (N, M) ("iou" or "iof"), or (N,) when
     aligned. Not differentiable (as in MMCV). Either set may be empty in
-    any shape with no rows (a (0,) tensor too, as MMCV allows). A pair whose
-    union has no area is 0 (MMCV's CPU division gives NaN)."""
+    any shape with no rows (a (0,) tensor too): the result is then (rows,
+    cols), or (rows, 1) when aligned, as MMCV's. A pair whose union has no
+    area is 0 (MMCV's CPU division gives NaN)."""
     code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
-    bboxes1, bboxes2 = (b.reshape(0, 4) if b.shape[0] == 0 and b.dim() == 1 else b
-                        for b in (bboxes1, bboxes2))
+    rows, cols = bboxes1.shape[0], bboxes2.shape[0]
+    if rows * cols == 0:   # as MMCV: (rows, 1) when aligned
+        return bboxes1.new_zeros((rows, 1) if aligned else (rows, cols))
     bboxes2 = _like_dtype(bboxes2, bboxes1)
     return _OVERLAPS(bboxes1, bboxes2, code, bool(aligned), int(offset))
 
@@ -297,9 +303,11 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
     angle), scores (N,), labels (N,) or None (nms within each label).
     Returns (dets (k, 6): the kept boxes with their scores, keep_inds) by
     decreasing score, or (dets, None) for no boxes, as MMCV; the IoU is
-    box_iou_rotated's, exactly. With labels, boxes of different labels never
-    suppress each other (MMCV's CPU and CUDA kernels ignore labels, so its
-    own test expects a box of another class suppressed)."""
+    box_iou_rotated's, exactly. A box is suppressed when its IoU exceeds the
+    threshold rounded to float32, as MMCV's CUDA kernel has it (its CPU
+    kernel suppresses at equality too). With labels, boxes of different
+    labels never suppress each other (MMCV's CPU and CUDA kernels ignore
+    labels, so its own test expects a box of another class suppressed)."""
     if dets.shape[0] == 0:
         return dets, None
     scores = _like_dtype(scores, dets)
@@ -605,6 +613,12 @@ class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.conv_offset = self._offset_conv(3)
+
+    def init_weights(self):
+        super().init_weights()
+        if hasattr(self, "conv_offset"):   # zero again, as MMCV's
+            nn.init.zeros_(self.conv_offset.weight)
+            nn.init.zeros_(self.conv_offset.bias)
 
     def forward(self, x):
         o1, o2, mask = torch.chunk(self.conv_offset(x), 3, dim=1)

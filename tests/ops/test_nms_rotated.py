@@ -225,7 +225,7 @@ def test_mmcv_drop_in_returns_dets_and_indices():
                                torch.from_numpy(labels))
     assert keep.tolist() == ref_keep(boxes, scores, 0.3, labels)
     dets, keep = mmcv_nms_rotated(torch.zeros(0, 5), torch.zeros(0), 0.3)
-    assert dets.shape == (0, 6) and keep.shape == (0,)
+    assert dets.shape == (0, 5) and keep is None   # as MMCV returns no boxes
 
 
 # --- CUDA ------------------------------------------------------------------------------------

@@ -314,6 +314,8 @@ def test_batched_nms_takes_nms_rotated_and_functions_as_its_type():
     dets, keep = mmcv.batched_nms(flat, scores[:3], idxs[:3], dict(type=my_nms, iou_threshold=0.5))
     assert keep.tolist() == [0, 2] and torch.equal(dets[:, :4], flat[keep])
     assert calls[0][2, 0] > 10   # class 1's box moved past class 0's
+    with pytest.raises(ValueError, match="batched_nms: nms_cfg must give iou_threshold"):
+        mmcv.batched_nms(boxes, scores, idxs, dict(type="nms_rotated"))
 
 
 def test_nms_match_groups_each_kept_box_with_what_it_suppresses():
@@ -328,10 +330,17 @@ def test_nms_match_groups_each_kept_box_with_what_it_suppresses():
     # IoU exactly at the threshold is suppressed (MMCV's >=)
     exact = torch.tensor([[0.0, 0, 10, 10, 0.9], [0, 0, 10, 5, 0.8]])
     assert [g.tolist() for g in mmcv.nms_match(exact, 0.5)] == [[0, 1]]
+    # two boxes of no area: MMCV's IoU is 0 / 0, NaN, which suppresses nothing
+    flat = torch.tensor([[0.0, 0, 0, 5, 0.9], [0, 0, 0, 5, 0.8], [0, 0, 10, 10, 0.7]])
+    assert [g.tolist() for g in mmcv.nms_match(flat, 0.0)] == [[0, 2], [1]]
 
 
-def test_bbox_overlaps_takes_an_empty_one_dimensional_set():
-    assert mmcv.bbox_overlaps(torch.FloatTensor([]), torch.FloatTensor([[0, 0, 10, 9]])).shape == (0, 1)
+def test_bbox_overlaps_of_an_empty_set_is_mmcvs_empty_shape():
+    box = torch.FloatTensor([[0, 0, 10, 9]])
+    assert mmcv.bbox_overlaps(torch.FloatTensor([]), box).shape == (0, 1)
+    assert mmcv.bbox_overlaps(torch.zeros(0, 3), box).shape == (0, 1)
+    assert mmcv.bbox_overlaps(box, torch.zeros(0, 4)).shape == (1, 0)
+    assert mmcv.bbox_overlaps(torch.zeros(0, 4), torch.zeros(0, 4), aligned=True).shape == (0, 1)
 
 
 def test_nms_rotated_of_no_boxes_returns_them_and_none():

@@ -301,6 +301,18 @@ def test_box_iou_result_dtype_is_torchvisions():
     b = torch.tensor([[1.0, 1, 11, 11]])
     for x, y in ((a, b.double()), (a.half(), b.half()), (a.bfloat16(), b), (a.int(), b.int())):
         assert mt.box_iou(x, y).dtype == tv.box_iou(x, y).dtype
+    r = torch.tensor([[5.0, 5, 4, 2, 30]], dtype=torch.float64)
+    assert mt.box_iou(r, r, fmt="cxcywhr").dtype == tv.box_iou(r, r, fmt="cxcywhr").dtype
+
+
+def test_box_iou_of_an_empty_batch_is_empty():
+    a, b = torch.zeros(0, 3, 4), torch.zeros(0, 2, 4)
+    got, want = mt.box_iou(a, b), tv.box_iou(a, b)
+    assert got.shape == want.shape == (0, 3, 2) and got.dtype == want.dtype
+    # torchvision's rotated op takes no leading dimensions; ours do
+    rotated = mt.box_iou(torch.zeros(0, 3, 5, dtype=torch.float64), torch.zeros(0, 2, 5),
+                         fmt="cxcywhr")
+    assert rotated.shape == (0, 3, 2) and rotated.dtype == torch.float32
 
 
 def test_box_iou_of_a_zero_union_has_a_zero_gradient_not_nan():
@@ -334,3 +346,9 @@ def test_sizes_take_numpy_integers_and_a_numpy_input_is_a_clear_error():
         mt.roi_align(x, rois, 2.5)
     with pytest.raises(TypeError, match="roi_align: input must be a torch.Tensor, got ndarray"):
         mt.roi_align(x.numpy(), rois, 2)
+
+
+def test_psroipool_is_not_a_roipool_as_in_torchvision():
+    assert not isinstance(mt.PSRoIPool(3, 1.0), mt.RoIPool)
+    assert not isinstance(tv.PSRoIPool(3, 1.0), tv.RoIPool)
+    assert repr(mt.PSRoIPool(3, 1.0)) == repr(tv.PSRoIPool(3, 1.0))
