@@ -352,3 +352,25 @@ def test_psroipool_is_not_a_roipool_as_in_torchvision():
     assert not isinstance(mt.PSRoIPool(3, 1.0), mt.RoIPool)
     assert not isinstance(tv.PSRoIPool(3, 1.0), tv.RoIPool)
     assert repr(mt.PSRoIPool(3, 1.0)) == repr(tv.PSRoIPool(3, 1.0))
+
+
+def test_a_module_of_our_ops_exports_with_torch_export_and_runs_the_same():
+    """torch.export (torch.jit.script's successor, which torch 2.14 deprecates;
+    our functions do not script) traces the ops through their fake kernels."""
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dcn = mt.DeformConv2d(8, 8, 3, padding=1)
+            self.pool = mt.RoIAlign(7, 0.25, 2, aligned=True)
+
+        def forward(self, x, rois, offset):
+            return self.pool(self.dcn(x, offset), rois), mt.nms(rois[:, 1:], rois[:, 1], 0.5)
+
+    torch.manual_seed(0)
+    head = Head()
+    x, offset = torch.randn(2, 8, 32, 32), torch.randn(2, 18, 32, 32)
+    rois = torch.tensor([[0, 1.0, 1, 20, 20], [1, 3, 3, 30, 25], [0, 2, 2, 21, 21]])
+    exported = torch.export.export(head, (x, rois, offset))
+    got, want = exported.module()(x, rois, offset), head(x, rois, offset)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
