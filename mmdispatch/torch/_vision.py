@@ -124,17 +124,21 @@ def ps_roi_pool(input, boxes, output_size, spatial_scale=1.0):
 
 def _nms(boxes, scores, idxs, iou_threshold, offset=0):
     """Boxes and scores of two dtypes both go to the wider one (float16
-    scores beside float32 boxes would tie where the float32 ones differ)."""
+    scores beside float32 boxes would tie where the float32 ones differ).
+    A NaN score ranks first, as torch.sort puts it in torchvision's and
+    MMCV's nms (our kernel ranks it last): it is taken as +inf."""
     if boxes.dtype != scores.dtype and not torch.is_autocast_enabled(boxes.device.type):
         common = torch.promote_types(boxes.dtype, scores.dtype)
         boxes, scores = boxes.to(common), scores.to(common)
+    scores = torch.where(scores.isnan(), torch.full_like(scores, math.inf), scores)
     return _NMS(boxes, scores, idxs, float(iou_threshold), int(offset))
 
 
 def nms(boxes, scores, iou_threshold):
     """Indices (int64) of the boxes kept, by decreasing score, as
     torchvision.ops.nms: a box is dropped when a kept box has IoU >
-    iou_threshold with it."""
+    iou_threshold with it. A NaN score ranks first, as in torchvision
+    (mmdispatch.ops.nms ranks it last)."""
     return _nms(boxes, scores, None, iou_threshold)
 
 

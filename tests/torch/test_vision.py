@@ -374,3 +374,17 @@ def test_a_module_of_our_ops_exports_with_torch_export_and_runs_the_same():
     got, want = exported.module()(x, rois, offset), head(x, rois, offset)
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+
+
+def test_nms_ranks_a_nan_score_first_as_torchvision():
+    """torchvision's sort puts a NaN score first, so that box is kept and
+    suppresses others; mmdispatch.ops.nms ranks it last, the torch layer
+    follows torchvision."""
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 10.5], [20, 20, 30, 30]])
+    scores = torch.tensor([float("nan"), 0.9, 0.5])
+    assert mt.nms(boxes, scores, 0.5).tolist() == tv.nms(boxes, scores, 0.5).tolist() == [0, 2]
+    idxs = torch.tensor([0, 0, 1])
+    assert (mt.batched_nms(boxes, scores, idxs, 0.5).tolist()
+            == tv.batched_nms(boxes, scores, idxs, 0.5).tolist())
+    import mmdispatch.ops
+    assert mmdispatch.ops.nms(boxes.numpy(), scores.numpy(), 0.5).tolist() == [1, 2]
