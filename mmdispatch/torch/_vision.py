@@ -130,7 +130,8 @@ def _nms(boxes, scores, idxs, iou_threshold, offset=0):
     if boxes.dtype != scores.dtype and not torch.is_autocast_enabled(boxes.device.type):
         common = torch.promote_types(boxes.dtype, scores.dtype)
         boxes, scores = boxes.to(common), scores.to(common)
-    scores = torch.where(scores.isnan(), torch.full_like(scores, math.inf), scores)
+    if scores.is_floating_point():
+        scores = torch.where(scores.isnan(), torch.full_like(scores, math.inf), scores)
     return _NMS(boxes, scores, idxs, float(iou_threshold), int(offset))
 
 

@@ -388,3 +388,5 @@ def test_nms_ranks_a_nan_score_first_as_torchvision():
             == tv.batched_nms(boxes, scores, idxs, 0.5).tolist())
     import mmdispatch.ops
     assert mmdispatch.ops.nms(boxes.numpy(), scores.numpy(), 0.5).tolist() == [1, 2]
+    with pytest.raises(TypeError, match="nms_impl: boxes has dtype int64"):   # not a NaN trap
+        mt.nms(torch.tensor([[0, 0, 10, 10]]), torch.tensor([3]), 0.5)
