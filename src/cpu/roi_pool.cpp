@@ -217,11 +217,11 @@ MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
                                T *__restrict col_max, Row *__restrict col_row) {
     const Row none = std::numeric_limits<Row>::max();
     int64_t lo, hi, last;
-    mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, 0, width, &lo, &last);
-    mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, pooled_w - 1, width, &last, &hi);
+    mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, 0, width, &lo, &last);
+    mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pooled_w - 1, width, &last, &hi);
     for (int64_t ph = 0; ph < pooled_h; ++ph) {
         int64_t h0, h1;
-        mmd_roi_pool_bin(g.start_h, g.offset_h, g.bin_h, ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, ph, height, &h0, &h1);
         T *bin_out = out + ph * pooled_w;
         int64_t *bin_arg = argmax + ph * pooled_w;
         if (h0 >= h1 || lo >= hi) {  /* the whole row of bins is off the map */
@@ -234,7 +234,7 @@ MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
         column_maxima(plane, width, h0, h1, lo, hi, col_max, col_row);
         for (int64_t pw = 0; pw < pooled_w; ++pw) {
             int64_t w0, w1;
-            mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, pw, width, &w0, &w1);
+            mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pw, width, &w0, &w1);
             const int64_t w = best_column(col_max, col_row, w0, w1);
             if (w < 0) {  /* an empty bin */
                 bin_out[pw] = 0;

@@ -131,8 +131,8 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
             continue;
         }
         int64_t h0, h1, w0, w1;
-        mmd_roi_pool_bin(g.start_h, g.offset_h, g.bin_h, e.ph, height, &h0, &h1);
-        mmd_roi_pool_bin(g.start_w, g.offset_w, g.bin_w, e.pw, width, &w0, &w1);
+        mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, e.ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, e.pw, width, &w0, &w1);
         const T *plane = input + (g.batch * channels + e.c) * height * width;
         A best = 0;
         int64_t best_index = -1;

@@ -75,12 +75,12 @@ def ref_geometry(roi, scale, pooled_h, pooled_w, t, convention=0):
     return int(roi[0]), y1, x1, t(0), t(0), height / t(pooled_h), width / t(pooled_w)
 
 
-def ref_bin(start, offset, bin_size, k, size, t):
+def ref_bin(start, offset, bin_size, k, size, t, convention=0):
     """Cells [lo, hi) of bin k along an axis of `size` cells; MMCV's edges
-    (offset not 0) go through float32 before floor and ceil (floorf,
-    ceilf), as in its kernel."""
+    go through float32 before floor and ceil (floorf, ceilf), as in its
+    kernel, whatever the dtype."""
     edges = [fused(t(j), bin_size, offset, t) for j in (k, k + 1)]
-    if offset != 0:
+    if convention == 1:
         edges = [np.float32(e) for e in edges]
     lo = t(math.floor(edges[0])) + start
     hi = t(math.ceil(edges[1])) + start
@@ -99,9 +99,9 @@ def ref_forward(x, rois, pooled_h, pooled_w, scale, convention=0):
             roi, scale, pooled_h, pooled_w, t, convention)
         for ch in range(c):
             for ph in range(pooled_h):
-                h0, h1 = ref_bin(start_h, off_h, bin_h, ph, h, t)
+                h0, h1 = ref_bin(start_h, off_h, bin_h, ph, h, t, convention)
                 for pw in range(pooled_w):
-                    w0, w1 = ref_bin(start_w, off_w, bin_w, pw, w, t)
+                    w0, w1 = ref_bin(start_w, off_w, bin_w, pw, w, t, convention)
                     best, best_index, saw_nan = None, -1, False
                     for hh in range(h0, h1):
                         for ww in range(w0, w1):
@@ -241,6 +241,17 @@ def test_mmcv_convention_fuses_the_width_as_nvcc_builds_mmcvs_kernel():
     t = np.float32
     plain = ((t(239.23648) + t(1)) * t(0.7) - t(168.58109) * t(0.7)) / t(7)
     assert math.floor(t(6) * plain + t(168.58109) * t(0.7)) == 160   # two roundings
+
+
+def test_mmcv_convention_rounds_bin_edges_to_float_for_double_too():
+    """MMCV's kernel takes floorf / ceilf of every bin edge, float64 maps
+    included, whatever the roi's corner (0 here): 29 cells in 7 bins end
+    the last at 7 * (29 / 7) = 29.000000000000004 in double, which ceil
+    makes 30 and ceilf 29. torchvision's convention stays in double."""
+    x = np.arange(31.0).reshape(1, 1, 1, 31)
+    rois = np.array([[0, 0, 0, 28, 0]], np.float64)
+    assert roi_pool_forward(x, rois, (1, 7), 1.0, "mmcv")[1][0, 0, 0, -1] == 28
+    assert roi_pool_forward(x, rois, (1, 7), 1.0)[1][0, 0, 0, -1] == 29
 
 
 def test_mmcv_convention_gives_a_roi_of_no_width_zeros_and_no_gradient():

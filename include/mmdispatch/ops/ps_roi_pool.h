@@ -45,7 +45,7 @@ MMD_HOSTDEV inline int mmd_ps_roi_pool_geometry(const T roi[5], int64_t batch_si
 template <typename T>
 MMD_HOSTDEV inline void mmd_ps_roi_pool_bin(T start, T bin, int64_t index, int64_t size,
                                             int64_t *lo, int64_t *hi) {
-    mmd_roi_pool_bin(start, (T)0, bin, index, size > 0 ? size - 1 : 0, lo, hi);
+    mmd_roi_pool_bin(start, bin, false, index, size > 0 ? size - 1 : 0, lo, hi);
 }
 
 #endif

@@ -92,13 +92,14 @@ inline int mmd_roi_pool_argmax_error(int64_t flat_index, int64_t value, int64_t 
                      (long long)value, (long long)flat_index, (long long)plane_size);
 }
 
-/* One roi's geometry along each axis: bin k starts at floor(k * bin +
- * offset) + start cells (mmd_roi_pool_bin). */
+/* One roi's geometry along each axis (mmd_roi_pool_bin): bin k starts at
+ * floor(k * bin) + start cells (torchvision's: start its rounded corner),
+ * or with `mmcv` at floor(start + k * bin) (MMCV's: its scaled corner). */
 template <typename T> struct mmd_pool_geometry {
     int64_t batch;
-    T start_h, start_w;     /* whole cells (torchvision's rounded corner) */
-    T offset_h, offset_w;   /* inside the floor (MMCV's scaled corner), else 0 */
+    T start_h, start_w;
     T bin_h, bin_w;
+    bool mmcv;
 };
 
 /* Validates one roi ([batch, x1, y1, x2, y2]) and computes its geometry.
@@ -117,14 +118,14 @@ MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size,
         const T width = fma(roi[3] + 1, spatial_scale, -x1);
         const T height = fma(roi[4] + 1, spatial_scale, -y1);
         if (!(isfinite(width) && isfinite(height))) return MMD_ROI_NONFINITE;
-        g->start_w = g->start_h = 0;
+        g->mmcv = true;
         if (width > 0 && height > 0) {
-            g->offset_w = x1;
-            g->offset_h = y1;
+            g->start_w = x1;
+            g->start_h = y1;
             g->bin_w = width / (T)pooled_w;
             g->bin_h = height / (T)pooled_h;
         } else {   /* every bin [0, 0): empty */
-            g->offset_w = g->offset_h = g->bin_w = g->bin_h = 0;
+            g->start_w = g->start_h = g->bin_w = g->bin_h = 0;
         }
         return MMD_ROI_OK;
     }
@@ -136,7 +137,7 @@ MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size,
     height = height > 1 ? height : (T)1;
     g->start_w = x1;
     g->start_h = y1;
-    g->offset_w = g->offset_h = 0;
+    g->mmcv = false;
     g->bin_w = width / (T)pooled_w;
     g->bin_h = height / (T)pooled_h;
     return MMD_ROI_OK;
@@ -146,15 +147,15 @@ MMD_HOSTDEV inline int mmd_roi_pool_geometry(const T roi[5], int64_t batch_size,
  * floating point first, so huge rois cannot overflow the integer cast, and
  * again after it: (T)size rounds up for float sizes above 2^24. */
 template <typename T>
-MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T offset, T bin, int64_t index, int64_t size,
+MMD_HOSTDEV inline void mmd_roi_pool_bin(T start, T bin, bool mmcv, int64_t index, int64_t size,
                                          int64_t *lo, int64_t *hi) {
     T a, b;
-    if (offset == 0) {
+    if (mmcv) {
+        a = floor((T)(float)fma((T)index, bin, start));
+        b = ceil((T)(float)fma((T)(index + 1), bin, start));
+    } else {
         a = floor((T)index * bin) + start;
         b = ceil((T)(index + 1) * bin) + start;
-    } else {
-        a = floor((T)(float)fma((T)index, bin, offset)) + start;
-        b = ceil((T)(float)fma((T)(index + 1), bin, offset)) + start;
     }
     const T top = (T)size;
     a = a < 0 ? (T)0 : (a > top ? top : a);
