@@ -21,7 +21,8 @@ to cells (`convention`).
   0 there for a roi of no width, which sends its gradient to cell 0).
 """
 from mmdispatch import _core
-from mmdispatch.ops._arrays import explain, index_array, like, output_pair, roi_backward_operands
+from mmdispatch.ops._arrays import (choice, explain, index_array, like, output_pair,
+                                    roi_backward_operands)
 
 __all__ = ["roi_pool", "roi_pool_backward", "roi_pool_forward"]
 # the dispatch entry points (signatures.txt) these functions call
@@ -43,20 +44,12 @@ _forward_impl = _core.roi_pool_forward_impl
 CONVENTIONS = {"torchvision": 0, "mmcv": 1}
 
 
-def convention_code(op, convention):
-    """The entry points' int for a convention name."""
-    if isinstance(convention, str) and convention in CONVENTIONS:
-        return CONVENTIONS[convention]
-    raise ValueError(f"{op}: convention must be one of {', '.join(map(repr, CONVENTIONS))}, "
-                     f"got {convention!r}")
-
-
 def roi_pool_forward(input, rois, output_size, spatial_scale=1.0, convention="torchvision"):
     """Returns (output, argmax): output is (K, C, *output_size) in the
     input's dtype, argmax the same shape in int64."""
     op = "roi_pool_forward"
     height, width = output_pair(op, "output_size", output_size)
-    code = convention_code(op, convention)
+    code = choice(op, "convention", convention, CONVENTIONS)
     try:
         return _forward_impl(input, rois, None, None, height, width, spatial_scale, code)
     except (TypeError, ValueError) as exc:
@@ -69,7 +62,7 @@ def roi_pool_backward(grad_output, rois, argmax, input_shape, spatial_scale=1.0,
     shape input_shape; argmax comes from roi_pool_forward (with the same
     convention)."""
     op = "roi_pool_backward"
-    code = convention_code(op, convention)
+    code = choice(op, "convention", convention, CONVENTIONS)
     original = grad_output
     grad_output, rois, grad_input = roi_backward_operands(op, grad_output, rois, input_shape,
                                                           "(K, C, out_h, out_w)")

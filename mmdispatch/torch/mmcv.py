@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmdispatch.ops._arrays import choice as _choice
 from mmdispatch.ops.bbox_overlaps import _MODES as _OVERLAP_MODES
 from mmdispatch.ops.multi_scale_deformable_attn import _im2col_step
 from mmdispatch.ops.roi_align import _POOL_MODES
@@ -42,13 +43,6 @@ _BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
 _NMS_ROTATED = DERIVED["nms_rotated_impl"]
 _ROI_ALIGN_ROTATED = DERIVED["roi_align_rotated_forward_impl"]
 _SOFT_NMS = DERIVED["soft_nms_impl"]
-
-
-def _choice(op, name, value, options):
-    if isinstance(value, str) and value in options:
-        return options[value]
-    raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, options))}, got "
-                     f"{value!r}")
 
 
 def _renamed(**old_to_new):
