@@ -30,7 +30,8 @@ queued before it still runs (no host-device synchronisation). Elsewhere the
 report says why the GPU part was skipped. Import time (fresh interpreters,
 beside numpy's) is measured everywhere. Where torch is installed, the same
 workload runs through mmdispatch.torch on torch tensors (forward+backward
-through autograd) beside torchvision's ops on the same tensors, on the CPU
+through autograd; and MultiScaleRoIAlign pooling its rois from an FPN's
+P2-P5) beside torchvision's ops on the same tensors, on the CPU
 and, where our CUDA kernels run and torch sees a GPU, on CUDA, with the
 per-call cost of a tiny roi_align without and with autograd recorded.
 The cost of dispatch hooks: the tiny ops.roi_align call with
@@ -111,6 +112,22 @@ def roi_workload(cfg, seed=0):
     batch = np.repeat(np.arange(cfg["batch"]), cfg["rois_per_image"])[:, None]
     rois = np.concatenate([batch, lo, hi], axis=1).astype(np.float32)
     return feature, rois
+
+
+def fpn_workload(cfg, seed=0):
+    """An FPN's maps P2-P5 (strides 4 to 32) of the standard workload's
+    images, P2 its feature map, and its rois as one (L, 4) array of boxes
+    in image coordinates per image (torchvision's MultiScaleRoIAlign's
+    input; those of 16 to 400 px pool from P2 to P4)."""
+    feature, rois = roi_workload(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    maps = {"p2": feature}
+    for level in (3, 4, 5):
+        shape = (*feature.shape[:2], -(-feature.shape[2] // 2 ** (level - 2)),
+                 -(-feature.shape[3] // 2 ** (level - 2)))
+        maps[f"p{level}"] = rng.standard_normal(shape).astype(np.float32)
+    boxes = [np.ascontiguousarray(rois[rois[:, 0] == i, 1:]) for i in range(cfg["batch"])]
+    return maps, boxes
 
 
 def nms_workload(n, seed=0):
@@ -499,6 +516,22 @@ def torch_cases(cfg, device, tv):
         yield (f"roi_align sampling_ratio={sr} forward", *pair(forward), traffic["forward"])
         yield (f"roi_align sampling_ratio={sr} forward+backward (autograd)",
                *pair(forward_backward), traffic["forward+backward"])
+
+    maps, image_boxes = fpn_workload(cfg)
+    fpn_maps = {name: torch.from_numpy(m).to(device) for name, m in maps.items()}
+    fpn_boxes = [torch.from_numpy(b).to(device) for b in image_boxes]
+
+    def multiscale(lib):
+        pooler = lib.MultiScaleRoIAlign(list(fpn_maps), size, 2)
+
+        def run():
+            x = {name: m.detach().requires_grad_(True) for name, m in fpn_maps.items()}
+            pooler(x, fpn_boxes, [cfg["image"]] * cfg["batch"]).sum().backward()
+            sync()
+        return run
+
+    yield ("MultiScaleRoIAlign, FPN P2-P5, forward+backward (autograd)", *pair(multiscale),
+           None)
 
     def pool_forward_backward(lib):
         def run():

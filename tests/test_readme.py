@@ -24,8 +24,8 @@ def test_the_readme_has_python_blocks():
 @pytest.mark.parametrize("index", range(len(python_blocks())))
 def test_readme_python_block_runs_as_pasted(index, tmp_path):
     code = python_blocks()[index]
-    for layer in ("torch", "dask"):   # optional layers: the test extra has both
-        if f"import {layer}" in code:
+    for layer in ("torch", "torchvision", "dask"):   # optional: the test extra has them
+        if f"import {layer}" in code or f"from {layer}" in code:
             pytest.importorskip(layer, reason=f"{layer} is not installed (the test extra has it)")
     # what the comments promise, checked after the block has run
     checks = {
@@ -34,6 +34,9 @@ def test_readme_python_block_runs_as_pasted(index, tmp_path):
         "ious = bbox_overlaps(boxes, boxes[:2])": "assert ious.shape == (3, 2)",
         "pooled = roi_pool(": "assert pooled.shape == (1, 8, 7, 7)",
         "pooled[at] = roi_align(": "assert ious.shape == (len(keep), 4)",
+        "model.roi_heads.box_roi_pool = MultiScaleRoIAlign(": (
+            "assert isinstance(model.roi_heads.box_roi_pool, MultiScaleRoIAlign); "
+            "assert len(detections) == 1 and detections[0]['boxes'].shape[1] == 4"),
     }
     extra = "\n".join(check for marker, check in checks.items() if marker in code)
     out = subprocess.run([sys.executable, "-c", code + "\n" + extra], cwd=tmp_path,

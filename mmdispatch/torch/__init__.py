@@ -7,6 +7,9 @@
 - Drop-in functions and modules with torchvision.ops' names, signatures and
   defaults: ``from mmdispatch.torch import roi_align, nms`` in place of
   ``from torchvision.ops import roi_align, nms``.
+- ``MultiScaleRoIAlign``, torchvision's FPN pooler on our roi_align, a
+  subclass of torchvision's where torchvision is installed, so torchvision's
+  Faster/Mask/Keypoint R-CNN take it as ``box_roi_pool``/``mask_roi_pool``.
 - ``mmdispatch.torch.mmcv`` has MMCV's names, signatures and defaults.
 
 Needs torch (``pip install mmdispatch[torch]``); nothing else in mmdispatch
@@ -22,6 +25,23 @@ from mmdispatch.torch._vision import (DeformConv2d, PSRoIAlign, PSRoIPool, RoIAl
                                       batched_nms, box_iou, deform_conv2d, nms, ps_roi_align,
                                       ps_roi_pool, roi_align, roi_pool, sigmoid_focal_loss)
 
-__all__ = ["DeformConv2d", "PSRoIAlign", "PSRoIPool", "RoIAlign", "RoIPool", "batched_nms",
-           "box_iou", "deform_conv2d", "nms", "ps_roi_align", "ps_roi_pool", "roi_align",
-           "roi_pool", "sigmoid_focal_loss"]
+__all__ = ["DeformConv2d", "MultiScaleRoIAlign", "PSRoIAlign", "PSRoIPool", "RoIAlign", "RoIPool",
+           "batched_nms", "box_iou", "deform_conv2d", "nms", "ps_roi_align", "ps_roi_pool",
+           "roi_align", "roi_pool", "sigmoid_focal_loss"]
+
+
+def __getattr__(name):
+    """MultiScaleRoIAlign, made on first use: a subclass of torchvision's
+    (torchvision's detection models take no other pooler) where torchvision
+    is installed, so `import mmdispatch.torch` does not import torchvision
+    (about a second)."""
+    if name == "MultiScaleRoIAlign":
+        from mmdispatch.torch import _vision
+        cls = _vision.multiscale_roi_align_class(_vision.torchvision_multiscale_base())
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), "MultiScaleRoIAlign"})

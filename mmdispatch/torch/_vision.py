@@ -387,3 +387,153 @@ class PSRoIPool(_Pool):
 
     def forward(self, input, rois):
         return ps_roi_pool(input, rois, self.output_size, self.spatial_scale)
+
+
+class _LevelMapper:
+    """The FPN paper's level of each box (its eq. 1), as torchvision's
+    LevelMapper: floor(canonical_level + log2(sqrt(area) / canonical_scale)
+    + eps), clamped to [k_min, k_max], minus k_min."""
+
+    def __init__(self, k_min, k_max, canonical_scale=224, canonical_level=4, eps=1e-6):
+        self.k_min, self.k_max = k_min, k_max
+        self.s0, self.lvl0, self.eps = canonical_scale, canonical_level, eps
+
+    def __call__(self, boxlists):
+        return self.levels(torch.cat([(b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+                                      for b in boxlists]))
+
+    def levels(self, areas):
+        """The level index (int64, from 0) of boxes of these areas."""
+        s = torch.sqrt(areas)
+        target = torch.floor(self.lvl0 + torch.log2(s / self.s0)
+                             + torch.tensor(self.eps, dtype=s.dtype, device=s.device))
+        target = torch.clamp(target, min=self.k_min, max=self.k_max)
+        return target.to(torch.int64) - self.k_min
+
+
+def _level_scale(op, feature, original_size):
+    """The scale 2 ** -k of a feature map relative to the (height, width)
+    of the largest image, from its height, rounded as torchvision rounds it
+    (log2 of the float32 ratio, to the nearest integer, ties to even)."""
+    approx = torch.tensor(float(feature.shape[-2]) / float(original_size[0])).log2().round()
+    scale = 2 ** float(approx)
+    if not 0 < scale < math.inf:
+        raise ValueError(f"{op}: a feature map of shape {tuple(feature.shape)} has no scale "
+                         f"relative to images of size {tuple(original_size)}")
+    return scale
+
+
+class _MultiScaleRoIAlign:
+    """torchvision.ops.MultiScaleRoIAlign, the pooler of torchvision's
+    Faster, Mask and Keypoint R-CNN, on our roi_align: each box is pooled
+    from one feature map, picked by the FPN paper's eq. 1 (a box of
+    canonical_scale ** 2 area goes to level canonical_level), with the
+    maps' scales inferred from their heights on the first call and kept
+    (set .scales to None to infer them again).
+
+    forward(x, boxes, image_shapes): x a dict of (N, C, H, W) maps (those
+    named in featmap_names are used, in x's order), boxes a list of
+    Tensor[L, 4] (x1, y1, x2, y2) in image coordinates, one per image,
+    image_shapes the (height, width) of each image; returns (K, C,
+    *output_size). The levels, from the first map's to the last map's
+    scale, pair with the maps by position, as torchvision pairs them: where
+    featmap_names skips a level, the boxes of the levels past the last map
+    give zeros. Each level is one roi_align call,
+    and the boxes are sorted by level once (one read of the level counts
+    from the device, where torchvision's reads once per level).
+
+    Where torchvision is installed this class is a subclass of
+    torchvision's, which its detection models require:
+    `box_roi_pool=MultiScaleRoIAlign(["0", "1", "2", "3"], 7, 2)` in
+    FasterRCNN (or `model.roi_heads.box_roi_pool = ...` in a built model)
+    runs a torchvision model's pooling on our kernels."""
+
+    def __init__(self, featmap_names, output_size, sampling_ratio, *, canonical_scale=224,
+                 canonical_level=4):
+        nn.Module.__init__(self)
+        self.featmap_names = featmap_names
+        self.output_size = _pair("MultiScaleRoIAlign", output_size)
+        self.sampling_ratio = sampling_ratio
+        self.scales = None
+        self.map_levels = None
+        self.canonical_scale = canonical_scale
+        self.canonical_level = canonical_level
+
+    def _setup_scales(self, features, image_shapes):
+        op = "MultiScaleRoIAlign"
+        if not image_shapes:
+            raise ValueError(f"{op}: image_shapes must hold the (height, width) of each image, "
+                             f"got {image_shapes!r}")
+        original_size = (max(int(s[0]) for s in image_shapes),
+                         max(int(s[1]) for s in image_shapes))
+        scales = [_level_scale(op, f, original_size) for f in features]
+        # levels from the first and last maps' scales, as torchvision: float32 log2, truncated
+        k_min, k_max = (int(-torch.log2(torch.tensor(s, dtype=torch.float32)).item())
+                        for s in (scales[0], scales[-1]))
+        self.scales = scales
+        self.map_levels = _LevelMapper(k_min, k_max, self.canonical_scale,
+                                       self.canonical_level)
+
+    def forward(self, x, boxes, image_shapes):
+        op = "MultiScaleRoIAlign"
+        features = [v for k, v in x.items() if k in self.featmap_names]
+        if not features:
+            raise ValueError(f"{op}: none of featmap_names {list(self.featmap_names)} is a key "
+                             f"of x (keys {list(x)})")
+        channels = {f.shape[1] if f.dim() == 4 else None for f in features}
+        if len(channels) != 1 or None in channels:
+            raise ValueError(f"{op}: the feature maps must be (N, C, H, W) of one C, got shapes "
+                             f"{[tuple(f.shape) for f in features]}")
+        if not isinstance(boxes, (list, tuple)):
+            raise TypeError(f"{op}: boxes must be a list of Tensor[L, 4], one per image, got "
+                            f"{type(boxes).__name__}")
+        if self.scales is None or self.map_levels is None:
+            self._setup_scales(features, image_shapes)
+        if len(self.scales) != len(features):
+            raise ValueError(f"{op}: {len(features)} feature maps where the scales were set up "
+                             f"for {len(self.scales)} (set .scales = None to infer them again)")
+        # rois in the boxes' dtype (roi_align takes them to each map's), as torchvision
+        like = boxes[0] if boxes and isinstance(boxes[0], torch.Tensor) else features[0]
+        rois = rois_of(op, boxes, like)
+        h, w = self.output_size
+        if len(features) == 1:
+            return roi_align(features[0], rois, (h, w), self.scales[0], self.sampling_ratio)
+        levels = self.map_levels.levels((rois[:, 3] - rois[:, 1]) * (rois[:, 4] - rois[:, 2]))
+        # a level past the last map (or a NaN box's) is never pooled: its rows stay 0
+        levels = torch.where((levels >= 0) & (levels < len(features)), levels,
+                             len(features))
+        order = torch.argsort(levels, stable=True)
+        counts = torch.bincount(levels, minlength=len(features) + 1).tolist()
+        first = features[0]
+        result = first.new_zeros((rois.shape[0], first.shape[1], h, w))
+        start = 0
+        for feature, scale, count in zip(features, self.scales, counts):
+            if count:
+                index = order[start:start + count]
+                pooled = roi_align(feature, rois[index], (h, w), scale, self.sampling_ratio)
+                result.index_copy_(0, index, pooled.to(result.dtype))
+            start += count
+        return result
+
+    def __repr__(self):
+        return (f"{self.__class__.__name__}(featmap_names={self.featmap_names}, "
+                f"output_size={self.output_size}, sampling_ratio={self.sampling_ratio})")
+
+
+def multiscale_roi_align_class(base):
+    """MultiScaleRoIAlign (the methods of _MultiScaleRoIAlign) as a
+    subclass of `base`: torchvision's MultiScaleRoIAlign, or nn.Module
+    without torchvision."""
+    return type("MultiScaleRoIAlign", (_MultiScaleRoIAlign, base),
+                {"__module__": "mmdispatch.torch", "__qualname__": "MultiScaleRoIAlign",
+                 "__doc__": _MultiScaleRoIAlign.__doc__})
+
+
+def torchvision_multiscale_base():
+    """torchvision.ops.MultiScaleRoIAlign, or nn.Module where torchvision
+    is not installed or does not load (built for another torch)."""
+    try:
+        from torchvision.ops import MultiScaleRoIAlign as base
+    except (ImportError, RuntimeError, OSError):
+        return nn.Module
+    return base

@@ -390,3 +390,206 @@ def test_nms_ranks_a_nan_score_first_as_torchvision():
     assert mmdispatch.ops.nms(boxes.numpy(), scores.numpy(), 0.5).tolist() == [1, 2]
     with pytest.raises(TypeError, match="nms_impl: boxes has dtype int64"):   # not a NaN trap
         mt.nms(torch.tensor([[0, 0, 10, 10]]), torch.tensor([3]), 0.5)
+
+
+def fpn_features(names=("0", "1", "2", "3"), channels=8, size=(128, 160), dtype=torch.float32,
+                 device="cpu", seed=40):
+    """An FPN's maps at strides 4 to 32 of images of `size`, plus a "pool"
+    map that a pooler naming the levels must leave out."""
+    from collections import OrderedDict
+    g = torch.Generator().manual_seed(seed)
+    x = OrderedDict()
+    for name, stride in zip(names, (4, 8, 16, 32)):
+        x[name] = torch.randn(2, channels, size[0] // stride, size[1] // stride, generator=g,
+                              dtype=dtype).to(device)
+    x["pool"] = torch.randn(2, channels, 2, 3, generator=g, dtype=dtype).to(device)
+    return x
+
+
+def boxes_of_every_level(n, size=(128, 160), seed=41, dtype=torch.float32, device="cpu"):
+    """Boxes of sides from 1 to 4x the image (so every FPN level, and the
+    clamps at both ends, get some)."""
+    g = torch.Generator().manual_seed(seed)
+    centre = torch.rand(n, 2, generator=g, dtype=dtype) * torch.tensor(size[::-1], dtype=dtype)
+    side = torch.rand(n, 2, generator=g, dtype=dtype) ** 3 * 4 * max(size) + 1
+    return torch.cat([centre - side / 2, centre + side / 2], 1).to(device)
+
+
+def multiscale_pair(names, output_size=7, sampling_ratio=2):
+    return (mt.MultiScaleRoIAlign(names, output_size, sampling_ratio),
+            tv.MultiScaleRoIAlign(names, output_size, sampling_ratio))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_multiscale_roi_align_matches_torchvision_in_value_and_gradient(request, dtype, device):
+    if device == "cuda":
+        request.getfixturevalue("torch_cuda")
+    names = ["0", "1", "2", "3"]
+    x = {k: v.requires_grad_(True) for k, v in fpn_features(dtype=dtype, device=device).items()}
+    boxes = [boxes_of_every_level(0, dtype=dtype, device=device),
+             boxes_of_every_level(450, seed=42, dtype=dtype, device=device)]
+    shapes = [(120, 150), (128, 160)]
+    results = []
+    for pooler in multiscale_pair(names):
+        out = pooler(x, boxes, shapes)
+        weight = torch.linspace(-1, 1, out.numel(), dtype=dtype, device=device).view(out.shape)
+        grads = torch.autograd.grad((out * weight).sum(), [x[k] for k in names])
+        results.append((out, grads, pooler.scales))
+    (ours, our_grads, our_scales), (theirs, their_grads, their_scales) = results
+    assert our_scales == their_scales == [1 / 4, 1 / 8, 1 / 16, 1 / 32]
+    assert ours.shape == (450, 8, 7, 7) and ours.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+    for a, b in zip(our_grads, their_grads):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_multiscale_roi_align_pools_each_box_from_its_fpn_level_exactly():
+    """Each row is our roi_align of that box on the map torchvision's level
+    mapper picks (eq. 1 of the FPN paper, clamped to the maps there are),
+    bit for bit; every level, and both clamps, are used."""
+    names = ["0", "1", "2", "3"]
+    x = fpn_features()
+    boxes = [boxes_of_every_level(400), boxes_of_every_level(100, seed=43)]
+    shapes = [(128, 160), (128, 160)]
+    ours, theirs = multiscale_pair(names, (5, 4), 0)
+    out = ours(x, boxes, shapes)
+    theirs(x, boxes, shapes)
+    levels = theirs.map_levels(boxes)
+    assert torch.equal(ours.map_levels(boxes), levels)
+    assert torch.bincount(levels, minlength=4).min() > 0
+    rois = torch.cat([torch.cat([torch.full((len(b), 1), float(i)), b], 1)
+                      for i, b in enumerate(boxes)])
+    for level, name in enumerate(names):
+        rows = (levels == level).nonzero()[:, 0]
+        expected = mt.roi_align(x[name], rois[rows], (5, 4), 2.0 ** -(level + 2), 0)
+        assert torch.equal(out[rows], expected)
+
+
+def test_multiscale_roi_align_of_one_map_or_a_skipped_level_is_torchvisions():
+    """One map: a plain roi_align at its scale. Maps "0" and "2" only (strides
+    4 and 16): the levels run from 2 to 4 and pair with the maps by
+    position, as torchvision pairs them, so the boxes of level 4, past the
+    last map, are zeros."""
+    x = fpn_features()
+    boxes = [boxes_of_every_level(200), boxes_of_every_level(50, seed=44)]
+    shapes = [(128, 160)] * 2
+    for names in (["1"], ["0", "2"]):
+        ours, theirs = multiscale_pair(names)
+        torch.testing.assert_close(ours(x, boxes, shapes), theirs(x, boxes, shapes),
+                                   rtol=1e-5, atol=1e-5)
+    levels = theirs.map_levels(boxes)
+    skipped = ours(x, boxes, shapes)[levels == 2]
+    assert len(skipped) and not skipped.any()
+
+
+def test_multiscale_roi_align_keeps_the_scales_of_its_first_call_as_torchvision():
+    x = fpn_features()
+    boxes = [boxes_of_every_level(60)]
+    ours, theirs = multiscale_pair(["0", "1", "2"])
+    for pooler in (ours, theirs):
+        pooler(x, boxes, [(128, 160)])
+        first = list(pooler.scales)
+        pooler(x, boxes, [(512, 640)])     # kept: the maps are those of 128 x 160 images
+        assert pooler.scales == first == [1 / 4, 1 / 8, 1 / 16]
+        pooler.scales = None               # and inferred again when cleared
+        pooler(x, boxes, [(512, 640)])
+        assert pooler.scales == [1 / 16, 1 / 32, 1 / 64]
+    torch.testing.assert_close(ours(x, boxes, [(512, 640)]), theirs(x, boxes, [(512, 640)]),
+                               rtol=1e-5, atol=1e-5)
+    assert repr(ours) == repr(theirs)
+    assert mt.MultiScaleRoIAlign(["0"], [3, 5], 2).output_size == (3, 5)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p, x, b: p(x, b, []), "MultiScaleRoIAlign: image_shapes"),
+    (lambda p, x, b: p({"a": x["0"]}, b, [(128, 160)]), "MultiScaleRoIAlign: none of featmap"),
+    (lambda p, x, b: p({"0": x["0"], "1": x["1"][:, :3]}, b, [(128, 160)]),
+     "MultiScaleRoIAlign: the feature maps must be (N, C, H, W) of one C"),
+    (lambda p, x, b: p(x, b[0], [(128, 160)]), "MultiScaleRoIAlign: boxes must be a list"),
+    (lambda p, x, b: p(x, [b[0][:, :3]], [(128, 160)]), "MultiScaleRoIAlign: boxes[0] must be"),
+    (lambda p, x, b: p({"0": x["0"][..., :0, :], "1": x["1"]}, b, [(128, 160)]),
+     "MultiScaleRoIAlign: a feature map of shape (2, 8, 0, 40) has no scale"),
+])
+def test_multiscale_roi_align_bad_input_gets_a_clear_error(call, message):
+    pooler = mt.MultiScaleRoIAlign(["0", "1"], 7, 2)
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        call(pooler, fpn_features(), [boxes_of_every_level(5)])
+
+
+def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_torchvision():
+    """A subclass of torchvision's MultiScaleRoIAlign (its detection models
+    refuse any other pooler), made when first asked for: importing
+    mmdispatch.torch does not import torchvision. Without torchvision it
+    is an nn.Module that pools the same."""
+    import subprocess
+    import sys
+    code = ("import sys, mmdispatch.torch as mt; assert 'torchvision' not in sys.modules; "
+            "assert 'MultiScaleRoIAlign' in dir(mt) and 'MultiScaleRoIAlign' in mt.__all__; "
+            "import torchvision; "
+            "assert issubclass(mt.MultiScaleRoIAlign, torchvision.ops.MultiScaleRoIAlign)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from mmdispatch.torch import _vision
+    assert mt.MultiScaleRoIAlign.__module__ == "mmdispatch.torch"
+    plain = _vision.multiscale_roi_align_class(torch.nn.Module)
+    assert not issubclass(plain, tv.MultiScaleRoIAlign)
+    x, boxes = fpn_features(), [boxes_of_every_level(80)]
+    assert torch.equal(plain(["0", "1", "2"], 5, 2)(x, boxes, [(128, 160)]),
+                       mt.MultiScaleRoIAlign(["0", "1", "2"], 5, 2)(x, boxes, [(128, 160)]))
+
+
+def mask_rcnn_run(pooler, device="cpu"):
+    """torchvision's Mask R-CNN on a small ResNet-18 FPN, with `pooler`'s
+    MultiScaleRoIAlign as its box and mask poolers: the losses and the
+    gradients of one training step, then the detections in eval mode."""
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+
+    torch.manual_seed(0)
+    backbone = resnet_fpn_backbone(backbone_name="resnet18", weights=None, trainable_layers=5)
+    model = MaskRCNN(backbone, num_classes=3, min_size=128, max_size=160,
+                     box_roi_pool=pooler(["0", "1", "2", "3"], 7, 2),
+                     mask_roi_pool=pooler(["0", "1", "2", "3"], 14, 2)).to(device)
+    g = torch.Generator().manual_seed(1)
+    images = [torch.rand(3, 128, 160, generator=g).to(device) for _ in range(2)]
+    targets = []
+    for i in range(2):
+        boxes = boxes_of_every_level(3, seed=50 + i).clamp(0, 127).to(device)
+        boxes[:, 2:] = torch.maximum(boxes[:, 2:], boxes[:, :2] + 8)
+        masks = torch.zeros(3, 128, 160, dtype=torch.uint8)
+        for j, (x1, y1, x2, y2) in enumerate(boxes.cpu().int().tolist()):
+            masks[j, y1:y2, x1:x2] = 1
+        targets.append({"boxes": boxes, "labels": torch.tensor([1, 2, 1], device=device),
+                        "masks": masks.to(device)})
+    model.train()
+    losses = model(images, targets)
+    sum(losses.values()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    with torch.no_grad():
+        detections = model(images)
+    return {k: v.item() for k, v in losses.items()}, grads, detections
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torchvisions_mask_rcnn_with_our_poolers_trains_and_detects_as_with_its_own(request,
+                                                                                 device):
+    """Swapping torchvision's MultiScaleRoIAlign for ours in a torchvision
+    Mask R-CNN (box_roi_pool and mask_roi_pool): the same losses, gradients
+    and detections, within 1e-4."""
+    if device == "cuda":
+        request.getfixturevalue("torch_cuda")
+    ours, theirs = (mask_rcnn_run(p, device) for p in (mt.MultiScaleRoIAlign,
+                                                        tv.MultiScaleRoIAlign))
+    assert ours[0].keys() == theirs[0].keys() and "loss_mask" in ours[0]
+    np.testing.assert_allclose(list(ours[0].values()), list(theirs[0].values()), rtol=1e-4,
+                               atol=1e-4)
+    assert ours[1].keys() == theirs[1].keys()
+    for name in ours[1]:
+        torch.testing.assert_close(ours[1][name], theirs[1][name], rtol=1e-4, atol=1e-4,
+                                   msg=name)
+    for a, b in zip(ours[2], theirs[2]):
+        assert a.keys() == b.keys() and len(a["boxes"])
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4, msg=key)
