@@ -34,6 +34,7 @@ def test_readme_python_block_runs_as_pasted(index, tmp_path):
         "ious = bbox_overlaps(boxes, boxes[:2])": "assert ious.shape == (3, 2)",
         "pooled = roi_pool(": "assert pooled.shape == (1, 8, 7, 7)",
         "pooled[at] = roi_align(": "assert ious.shape == (len(keep), 4)",
+        "keep = torchvision.ops.nms(boxes,": "assert keep.tolist() == [0, 2]",
         "model.roi_heads.box_roi_pool = MultiScaleRoIAlign(": (
             "assert isinstance(model.roi_heads.box_roi_pool, MultiScaleRoIAlign); "
             "assert len(detections) == 1 and detections[0]['boxes'].shape[1] == 4"),

@@ -10,6 +10,9 @@
 - ``MultiScaleRoIAlign``, torchvision's FPN pooler on our roi_align, a
   subclass of torchvision's where torchvision is installed, so torchvision's
   Faster/Mask/Keypoint R-CNN take it as ``box_roi_pool``/``mask_roi_pool``.
+- ``replace_torchvision_kernels()`` runs torchvision's own compiled ops
+  (its functions, modules, detection models and compiled graphs of them)
+  on our kernels until ``restore()``.
 - ``mmdispatch.torch.mmcv`` has MMCV's names, signatures and defaults.
 
 Needs torch (``pip install mmdispatch[torch]``); nothing else in mmdispatch
@@ -21,13 +24,15 @@ except ImportError as exc:
     raise ImportError("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]' (or "
                       "torch itself); the rest of mmdispatch works without it") from exc
 
+from mmdispatch.torch._torchvision import TorchvisionKernels, replace_torchvision_kernels
 from mmdispatch.torch._vision import (DeformConv2d, PSRoIAlign, PSRoIPool, RoIAlign, RoIPool,
                                       batched_nms, box_iou, deform_conv2d, nms, ps_roi_align,
                                       ps_roi_pool, roi_align, roi_pool, sigmoid_focal_loss)
 
 __all__ = ["DeformConv2d", "MultiScaleRoIAlign", "PSRoIAlign", "PSRoIPool", "RoIAlign", "RoIPool",
-           "batched_nms", "box_iou", "deform_conv2d", "nms", "ps_roi_align", "ps_roi_pool",
-           "roi_align", "roi_pool", "sigmoid_focal_loss"]
+           "TorchvisionKernels", "batched_nms", "box_iou", "deform_conv2d", "nms",
+           "ps_roi_align", "ps_roi_pool", "replace_torchvision_kernels", "roi_align", "roi_pool",
+           "sigmoid_focal_loss"]
 
 
 def __getattr__(name):

@@ -10,6 +10,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the test ex
 torchvision = pytest.importorskip("torchvision", reason="torchvision is not installed")
 
 import mmdispatch.torch as mt  # noqa: E402
+from torch_models import (assert_same_run, boxes_of_every_level, fpn_features,  # noqa: E402
+                          mask_rcnn_run)
 from torchvision import ops as tv  # noqa: E402
 
 
@@ -392,29 +394,6 @@ def test_nms_ranks_a_nan_score_first_as_torchvision():
         mt.nms(torch.tensor([[0, 0, 10, 10]]), torch.tensor([3]), 0.5)
 
 
-def fpn_features(names=("0", "1", "2", "3"), channels=8, size=(128, 160), dtype=torch.float32,
-                 device="cpu", seed=40):
-    """An FPN's maps at strides 4 to 32 of images of `size`, plus a "pool"
-    map that a pooler naming the levels must leave out."""
-    from collections import OrderedDict
-    g = torch.Generator().manual_seed(seed)
-    x = OrderedDict()
-    for name, stride in zip(names, (4, 8, 16, 32)):
-        x[name] = torch.randn(2, channels, size[0] // stride, size[1] // stride, generator=g,
-                              dtype=dtype).to(device)
-    x["pool"] = torch.randn(2, channels, 2, 3, generator=g, dtype=dtype).to(device)
-    return x
-
-
-def boxes_of_every_level(n, size=(128, 160), seed=41, dtype=torch.float32, device="cpu"):
-    """Boxes of sides from 1 to 4x the image (so every FPN level, and the
-    clamps at both ends, get some)."""
-    g = torch.Generator().manual_seed(seed)
-    centre = torch.rand(n, 2, generator=g, dtype=dtype) * torch.tensor(size[::-1], dtype=dtype)
-    side = torch.rand(n, 2, generator=g, dtype=dtype) ** 3 * 4 * max(size) + 1
-    return torch.cat([centre - side / 2, centre + side / 2], 1).to(device)
-
-
 def multiscale_pair(names, output_size=7, sampling_ratio=2):
     return (mt.MultiScaleRoIAlign(names, output_size, sampling_ratio),
             tv.MultiScaleRoIAlign(names, output_size, sampling_ratio))
@@ -539,39 +518,6 @@ def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_to
                        mt.MultiScaleRoIAlign(["0", "1", "2"], 5, 2)(x, boxes, [(128, 160)]))
 
 
-def mask_rcnn_run(pooler, device="cpu"):
-    """torchvision's Mask R-CNN on a small ResNet-18 FPN, with `pooler`'s
-    MultiScaleRoIAlign as its box and mask poolers: the losses and the
-    gradients of one training step, then the detections in eval mode."""
-    from torchvision.models.detection import MaskRCNN
-    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
-
-    torch.manual_seed(0)
-    backbone = resnet_fpn_backbone(backbone_name="resnet18", weights=None, trainable_layers=5)
-    model = MaskRCNN(backbone, num_classes=3, min_size=128, max_size=160,
-                     box_roi_pool=pooler(["0", "1", "2", "3"], 7, 2),
-                     mask_roi_pool=pooler(["0", "1", "2", "3"], 14, 2)).to(device)
-    g = torch.Generator().manual_seed(1)
-    images = [torch.rand(3, 128, 160, generator=g).to(device) for _ in range(2)]
-    targets = []
-    for i in range(2):
-        boxes = boxes_of_every_level(3, seed=50 + i).clamp(0, 127).to(device)
-        boxes[:, 2:] = torch.maximum(boxes[:, 2:], boxes[:, :2] + 8)
-        masks = torch.zeros(3, 128, 160, dtype=torch.uint8)
-        for j, (x1, y1, x2, y2) in enumerate(boxes.cpu().int().tolist()):
-            masks[j, y1:y2, x1:x2] = 1
-        targets.append({"boxes": boxes, "labels": torch.tensor([1, 2, 1], device=device),
-                        "masks": masks.to(device)})
-    model.train()
-    losses = model(images, targets)
-    sum(losses.values()).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.eval()
-    with torch.no_grad():
-        detections = model(images)
-    return {k: v.item() for k, v in losses.items()}, grads, detections
-
-
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_torchvisions_mask_rcnn_with_our_poolers_trains_and_detects_as_with_its_own(request,
                                                                                  device):
@@ -582,14 +528,4 @@ def test_torchvisions_mask_rcnn_with_our_poolers_trains_and_detects_as_with_its_
         request.getfixturevalue("torch_cuda")
     ours, theirs = (mask_rcnn_run(p, device) for p in (mt.MultiScaleRoIAlign,
                                                         tv.MultiScaleRoIAlign))
-    assert ours[0].keys() == theirs[0].keys() and "loss_mask" in ours[0]
-    np.testing.assert_allclose(list(ours[0].values()), list(theirs[0].values()), rtol=1e-4,
-                               atol=1e-4)
-    assert ours[1].keys() == theirs[1].keys()
-    for name in ours[1]:
-        torch.testing.assert_close(ours[1][name], theirs[1][name], rtol=1e-4, atol=1e-4,
-                                   msg=name)
-    for a, b in zip(ours[2], theirs[2]):
-        assert a.keys() == b.keys() and len(a["boxes"])
-        for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4, msg=key)
+    assert_same_run(ours, theirs)
