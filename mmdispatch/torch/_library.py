@@ -364,16 +364,19 @@ _Tensor = torch.Tensor
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_tracing = getattr(torch._C, "_get_tracing_state", None)
 
 
 def _plain_eager(args, tensor_args):
-    """None when a call needs torch's dispatch (traced by torch.compile, a
-    tensor that is not a plain torch.Tensor, such as a FakeTensor, a
-    dispatch or torch-function mode active, or autocast on); else whether a
-    tensor argument
-    needs a gradient."""
+    """None when a call needs torch's dispatch (traced by torch.compile or
+    torch.jit.trace, whose tracer records only what reaches the dispatcher:
+    a call straight to the kernel would leave the traced graph returning
+    the outputs' uninitialised memory; a tensor that is not a plain
+    torch.Tensor, such as a FakeTensor; a dispatch or torch-function mode
+    active; or autocast on); else whether a tensor argument needs a
+    gradient."""
     if (_dispatch_modes is None or _function_modes is None or _autocast is None
-            or torch.compiler.is_compiling()):
+            or _tracing is None or torch.compiler.is_compiling() or _tracing() is not None):
         return None
     grad, needs_grad = torch.is_grad_enabled(), False
     for i in tensor_args:

@@ -138,6 +138,7 @@ KERNELS = {
     "_deform_conv2d_backward": deform_conv2d_backward,
 }
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_ACTIVE = set()   # the TorchvisionKernels not restored
 
 
 def _our_cuda_runs():
@@ -162,11 +163,11 @@ class TorchvisionKernels:
                 from exc
         if devices is None:
             devices = ("cpu", "cuda") if _our_cuda_runs() else ("cpu",)
-        devices = tuple(devices)
+        devices = (devices,) if isinstance(devices, str) else tuple(devices)
         unknown = [d for d in devices if d not in _DISPATCH_KEYS]
-        if unknown:
+        if unknown or not devices:
             raise ValueError(f"{op}: devices must be among {sorted(_DISPATCH_KEYS)}, got "
-                             f"{unknown}")
+                             f"{unknown or list(devices)}")
         self.devices = devices
         self._library = torch.library.Library("torchvision", "IMPL")
         with warnings.catch_warnings():
@@ -175,12 +176,16 @@ class TorchvisionKernels:
             for name, kernel in KERNELS.items():
                 for device in devices:
                     self._library.impl(name, kernel, _DISPATCH_KEYS[device])
+        # torch removes a Library's registrations when it is collected: the
+        # replacement lasts until restore(), not until the handle is dropped
+        _ACTIVE.add(self)
 
     def restore(self):
         """Give torchvision its own kernels back (again: nothing)."""
         if self._library is not None:
             self._library._destroy()
             self._library = None
+            _ACTIVE.discard(self)
 
     @property
     def active(self):
@@ -201,10 +206,11 @@ def replace_torchvision_kernels(devices=None):
     """Run torchvision's compiled ops (nms, roi_align, roi_pool,
     ps_roi_align, ps_roi_pool, deform_conv2d, forward and backward) on
     mmdispatch's kernels, for every caller: torchvision.ops, torchvision's
-    detection models, torch.compile graphs of them. `devices`: "cpu"
-    and/or "cuda"; by default the CPU, and CUDA where our CUDA kernels run.
-    Returns a TorchvisionKernels: `restore()` it, or use it in a `with`
-    block, to give torchvision its kernels back. Semantics are
+    detection models, torch.compile and torch.jit graphs of them.
+    `devices`: "cpu" and/or "cuda" (a name or a list); by default the CPU,
+    and CUDA where our CUDA kernels run. Returns a TorchvisionKernels:
+    `restore()` it, or use it in a `with` block, to give torchvision its
+    kernels back (dropping the handle does not). Semantics are
     mmdispatch.torch's (README, PyTorch section), bad rois included: they
     raise our clear errors where torchvision's kernels compute."""
     return TorchvisionKernels(devices)

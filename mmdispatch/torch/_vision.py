@@ -438,15 +438,16 @@ class _MultiScaleRoIAlign:
     *output_size). The levels, from the first map's to the last map's
     scale, pair with the maps by position, as torchvision pairs them: where
     featmap_names skips a level, the boxes of the levels past the last map
-    give zeros. Each level is one roi_align call,
-    and the boxes are sorted by level once (one read of the level counts
-    from the device, where torchvision's reads once per level).
+    give zeros. Each level is one roi_align call, as in torchvision's.
 
     Where torchvision is installed this class is a subclass of
     torchvision's, which its detection models require:
     `box_roi_pool=MultiScaleRoIAlign(["0", "1", "2", "3"], 7, 2)` in
     FasterRCNN (or `model.roi_heads.box_roi_pool = ...` in a built model)
-    runs a torchvision model's pooling on our kernels."""
+    runs a torchvision model's pooling on our kernels. torch.jit.trace
+    and torch.compile (fullgraph too) take it; torch.jit.script takes
+    torchvision's pooler in its place (__prepare_scriptable__); torch.fx
+    symbolic tracing does not take it."""
 
     def __init__(self, featmap_names, output_size, sampling_ratio, *, canonical_scale=224,
                  canonical_level=4):
@@ -480,7 +481,7 @@ class _MultiScaleRoIAlign:
         if not features:
             raise ValueError(f"{op}: none of featmap_names {list(self.featmap_names)} is a key "
                              f"of x (keys {list(x)})")
-        channels = {f.shape[1] if f.dim() == 4 else None for f in features}
+        channels = {int(f.shape[1]) if f.dim() == 4 else None for f in features}
         if len(channels) != 1 or None in channels:
             raise ValueError(f"{op}: the feature maps must be (N, C, H, W) of one C, got shapes "
                              f"{[tuple(f.shape) for f in features]}")
@@ -499,21 +500,34 @@ class _MultiScaleRoIAlign:
         if len(features) == 1:
             return roi_align(features[0], rois, (h, w), self.scales[0], self.sampling_ratio)
         levels = self.map_levels.levels((rois[:, 3] - rois[:, 1]) * (rois[:, 4] - rois[:, 2]))
-        # a level past the last map (or a NaN box's) is never pooled: its rows stay 0
-        levels = torch.where((levels >= 0) & (levels < len(features)), levels,
-                             len(features))
-        order = torch.argsort(levels, stable=True)
-        counts = torch.bincount(levels, minlength=len(features) + 1).tolist()
         first = features[0]
         result = first.new_zeros((rois.shape[0], first.shape[1], h, w))
-        start = 0
-        for feature, scale, count in zip(features, self.scales, counts):
-            if count:
-                index = order[start:start + count]
-                pooled = roi_align(feature, rois[index], (h, w), scale, self.sampling_ratio)
-                result.index_copy_(0, index, pooled.to(result.dtype))
-            start += count
+        # every level pooled, those without boxes too (so every map gets a
+        # gradient, as torchvision's); a level past the last map (or a NaN
+        # box's) is never pooled: its rows stay 0. One selection per level,
+        # as torchvision's, so torch.jit.trace and torch.compile(fullgraph)
+        # take it as they take torchvision's
+        for level, (feature, scale) in enumerate(zip(features, self.scales)):
+            index = torch.where(levels == level)[0]
+            pooled = roi_align(feature, rois[index], (h, w), scale, self.sampling_ratio)
+            result.index_copy_(0, index, pooled.to(result.dtype))
         return result
+
+    def __prepare_scriptable__(self):
+        """torch.jit.script takes torchvision's pooler in its place (our
+        ops are not scriptable), with this one's settings and scales; its
+        torch.ops.torchvision calls run our kernels under
+        replace_torchvision_kernels."""
+        from torchvision.ops import MultiScaleRoIAlign as Theirs
+        from torchvision.ops.poolers import LevelMapper
+        theirs = Theirs(self.featmap_names, self.output_size, self.sampling_ratio,
+                        canonical_scale=self.canonical_scale,
+                        canonical_level=self.canonical_level)
+        if self.scales is not None and self.map_levels is not None:
+            m = self.map_levels
+            theirs.scales = list(self.scales)
+            theirs.map_levels = LevelMapper(m.k_min, m.k_max, m.s0, m.lvl0, m.eps)
+        return theirs
 
     def __repr__(self):
         return (f"{self.__class__.__name__}(featmap_names={self.featmap_names}, "

@@ -271,3 +271,29 @@ def test_a_second_backward_through_a_backward_op_is_refused_as_torch_library_ref
         grad.sum().backward()
     (plain,) = torch.autograd.grad(forward(*args)[0].sum(), args[0])
     assert not plain.requires_grad
+
+
+def test_jit_trace_records_the_ops_and_reruns_them_on_new_inputs():
+    """torch.jit.trace sees only what reaches torch's dispatcher: a traced
+    call goes through it (not straight to the kernel), so the trace holds
+    the op and gives the eager result on other inputs, a different nms
+    count included."""
+    import mmdispatch.torch as mt
+
+    def f(x, rois, boxes, scores):
+        return mt.roi_align(x, rois, 3, 0.5, 2, True), mt.nms(boxes, scores, 0.5)
+
+    g = torch.Generator().manual_seed(0)
+
+    def case(n):
+        boxes = torch.rand(n, 4, generator=g) * 10
+        boxes[:, 2:] += boxes[:, :2]
+        rois = torch.cat([torch.zeros(n, 1), boxes], 1)
+        return torch.randn(1, 3, 8, 8, generator=g), rois, boxes, torch.rand(n, generator=g)
+
+    traced = torch.jit.trace(f, case(6), check_trace=False)
+    assert "mmdispatch::nms" in str(traced.graph)
+    for n in (6, 11):
+        args = case(n)
+        for ours, expected in zip(traced(*args), f(*args)):
+            assert torch.equal(ours, expected)

@@ -175,3 +175,29 @@ def test_registration_refuses_unknown_devices_and_restores_once():
     with mmdispatch.trace(lambda when, call: seen.append(call.op)):
         tv.roi_align(x, rois, 3)
     assert not seen
+
+
+def test_the_replacement_lasts_until_restored_even_when_its_handle_is_dropped():
+    """torch removes a Library's registrations when it is collected: the
+    handle is kept alive until restore(), so a call whose result is
+    dropped still replaces torchvision's kernels. A device may be named
+    alone; no device at all is refused."""
+    import gc
+
+    from mmdispatch.torch import _torchvision
+    x, rois = inputs(torch.float32)[:2]
+    before = set(_torchvision._ACTIVE)
+    mt.replace_torchvision_kernels("cpu")
+    gc.collect()
+    (dropped,) = _torchvision._ACTIVE - before
+    try:
+        seen = []
+        with mmdispatch.trace(lambda when, call: seen.append((when, call.op))):
+            tv.roi_align(x, rois, 3)
+        assert seen == [("begin", "roi_align_forward_impl"), ("end", "roi_align_forward_impl")]
+    finally:
+        dropped.restore()
+    assert _torchvision._ACTIVE == before
+    with pytest.raises(ValueError, match=re.escape("devices must be among ['cpu', 'cuda'], "
+                                                   "got []")):
+        mt.replace_torchvision_kernels([])

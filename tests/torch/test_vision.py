@@ -529,3 +529,45 @@ def test_torchvisions_mask_rcnn_with_our_poolers_trains_and_detects_as_with_its_
     ours, theirs = (mask_rcnn_run(p, device) for p in (mt.MultiScaleRoIAlign,
                                                         tv.MultiScaleRoIAlign))
     assert_same_run(ours, theirs)
+
+
+def test_multiscale_roi_align_gives_every_map_a_gradient_even_without_boxes():
+    """As torchvision's: every level is pooled, so a map no box pooled from
+    gets a zero gradient (not None), and no boxes at all still give an
+    output that autograd can go back through."""
+    x = {k: v.requires_grad_(True) for k, v in fpn_features().items()}
+    names = ["0", "1", "2", "3"]
+    small = boxes_of_every_level(50, seed=45).clamp(0, 60)   # none reaches levels 4 and 5
+    for boxes in ([small, small[:0]], [small[:0], small[:0]]):
+        results = []
+        for pooler in multiscale_pair(names):
+            out = pooler(x, boxes, [(128, 160)] * 2)
+            assert out.requires_grad
+            results.append(torch.autograd.grad(out.sum(), [x[k] for k in names]))
+        for ours, theirs in zip(*results):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        assert not results[0][3].any()
+
+
+def test_multiscale_roi_align_traces_compiles_and_scripts_as_torchvisions():
+    """torch.jit.trace records the per-level selection (a trace made on one
+    set of boxes gives the eager result on another); torch.compile with
+    fullgraph=True takes it; torch.jit.script takes torchvision's pooler
+    in its place, with the same settings and scales."""
+    names = ["0", "1", "2", "3"]
+    x = fpn_features()
+    first = [boxes_of_every_level(60, seed=46), boxes_of_every_level(30, seed=47)]
+    second = [boxes_of_every_level(9, seed=48), boxes_of_every_level(70, seed=49)]
+    shapes = [(128, 160)] * 2
+    pooler = mt.MultiScaleRoIAlign(names, 5, 2)
+    eager = [pooler(x, boxes, shapes) for boxes in (first, second)]
+    traced = torch.jit.trace(lambda x, boxes: pooler(x, boxes, shapes), (x, first),
+                             check_trace=False, strict=False)
+    for boxes, expected in zip((first, second), eager):
+        assert torch.equal(traced(x, boxes), expected)
+    compiled = torch.compile(pooler, fullgraph=True)
+    for boxes, expected in zip((first, second), eager):
+        assert torch.equal(compiled(x, boxes, shapes), expected)
+    scripted = torch.jit.script(pooler)
+    assert scripted.original_name == "MultiScaleRoIAlign" and scripted.scales == pooler.scales
+    torch.testing.assert_close(scripted(x, second, shapes), eager[1], rtol=1e-5, atol=1e-5)
