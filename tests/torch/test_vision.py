@@ -497,7 +497,8 @@ def test_multiscale_roi_align_bad_input_gets_a_clear_error(call, message):
         call(pooler, fpn_features(), [boxes_of_every_level(5)])
 
 
-def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_torchvision():
+def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_torchvision(
+        tmp_path):
     """A subclass of torchvision's MultiScaleRoIAlign (its detection models
     refuse any other pooler), made when first asked for: importing
     mmdispatch.torch does not import torchvision. Without torchvision it
@@ -508,7 +509,7 @@ def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_to
             "assert 'MultiScaleRoIAlign' in dir(mt) and 'MultiScaleRoIAlign' in mt.__all__; "
             "import torchvision; "
             "assert issubclass(mt.MultiScaleRoIAlign, torchvision.ops.MultiScaleRoIAlign)")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)   # not the source tree
     from mmdispatch.torch import _vision
     assert mt.MultiScaleRoIAlign.__module__ == "mmdispatch.torch"
     plain = _vision.multiscale_roi_align_class(torch.nn.Module)
