@@ -33,7 +33,9 @@ workload runs through mmdispatch.torch on torch tensors (forward+backward
 through autograd; and MultiScaleRoIAlign pooling its rois from an FPN's
 P2-P5) beside torchvision's ops on the same tensors, on the CPU
 and, where our CUDA kernels run and torch sees a GPU, on CUDA, with the
-per-call cost of a tiny roi_align without and with autograd recorded.
+per-call cost of a tiny roi_align without and with autograd recorded, and
+of torchvision's own roi_align with our kernel behind its op
+(mmdispatch.torch.replace_torchvision_kernels).
 The cost of dispatch hooks: the tiny ops.roi_align call with
 mmdispatch.trace(a no-op callback) and with mmdispatch.profile() active,
 beside the same call without hooks (ratio below 1: the hooked call is
@@ -557,7 +559,9 @@ def torch_cases(cfg, device, tv):
 
 def torch_call_costs(device, tv, number=2000):
     """{name: (ours, torchvision's or None)}: seconds per call of a tiny
-    roi_align through mmdispatch.torch, without and with autograd."""
+    roi_align through mmdispatch.torch, without and with autograd, and
+    (with torchvision) through torchvision.ops.roi_align with our kernel
+    behind its op."""
     import torch
 
     import mmdispatch.torch as mt
@@ -571,6 +575,11 @@ def torch_call_costs(device, tv, number=2000):
             return lambda: lib.roi_align(tensor, rois, 1, 1.0, 2, True)
         costs[name] = (median_call(call(mt), 5, number),
                        median_call(call(tv[1].ops), 5, number) if tv is not None else None)
+    if tv is not None:   # torchvision's own function, its op served by our kernel
+        with mt.replace_torchvision_kernels(device):
+            ours = median_call(lambda: tv[1].ops.roi_align(x, rois, 1, 1.0, 2, True), 5, number)
+        costs["roi_align call, tiny input, torchvision.ops on our kernels "
+              "(replace_torchvision_kernels)"] = (ours, costs["roi_align call, tiny input"][1])
     return costs
 
 

@@ -24,6 +24,8 @@ except ImportError as exc:
     raise ImportError("mmdispatch.torch needs PyTorch: pip install 'mmdispatch[torch]' (or "
                       "torch itself); the rest of mmdispatch works without it") from exc
 
+from typing import TYPE_CHECKING
+
 from mmdispatch.torch._torchvision import TorchvisionKernels, replace_torchvision_kernels
 from mmdispatch.torch._vision import (DeformConv2d, PSRoIAlign, PSRoIPool, RoIAlign, RoIPool,
                                       batched_nms, box_iou, deform_conv2d, nms, ps_roi_align,
@@ -33,6 +35,9 @@ __all__ = ["DeformConv2d", "MultiScaleRoIAlign", "PSRoIAlign", "PSRoIPool", "RoI
            "TorchvisionKernels", "batched_nms", "box_iou", "deform_conv2d", "nms",
            "ps_roi_align", "ps_roi_pool", "replace_torchvision_kernels", "roi_align", "roi_pool",
            "sigmoid_focal_loss"]
+
+if TYPE_CHECKING:   # what module __getattr__ makes, for type checkers
+    from mmdispatch.torch._vision import _MultiScaleRoIAlign as MultiScaleRoIAlign
 
 
 def __getattr__(name):

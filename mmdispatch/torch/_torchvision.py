@@ -138,7 +138,7 @@ KERNELS = {
     "_deform_conv2d_backward": deform_conv2d_backward,
 }
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-_ACTIVE = set()   # the TorchvisionKernels not restored
+_ACTIVE: "set[TorchvisionKernels]" = set()   # those not restored
 
 
 def _our_cuda_runs():
