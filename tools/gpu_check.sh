@@ -6,7 +6,9 @@
 #   tools/gpu_check.sh tests      build, then the whole suite from outside the tree
 #   tools/gpu_check.sh sanitize   build, then compute-sanitizer memcheck on the CUDA
 #                                 tests and racecheck on the deterministic backend
-#   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows)
+#   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows),
+#                                 then torchvision's Faster/Mask R-CNN on its kernels
+#                                 and on ours (tools/bench_models.py --device cuda)
 #   tools/gpu_check.sh profile    build, then ncu's per-kernel summary (throughput,
 #                                 warp stalls, occupancy) of the bench's roi_align, roi_pool,
 #                                 deform_conv2d, msda forward+backward and nms (2,000
@@ -103,6 +105,10 @@ bench|all)
         echo "compare $(basename "${runs[i]}") -> $(basename "${runs[i+1]}"):"
         grep -E "slower|faster|only in|Error|error" "$out/compare-to-$to.txt"
     done
+    # whole torchvision detection models, its kernels vs ours behind its ops
+    timeout "$(left 90)" "$py" "$repo/tools/bench_models.py" --device cuda --repeat 5 \
+        > "$out/models.txt" 2>&1
+    echo "models exit $? ($(( $(date +%s) - began )) s in)"; tail -4 "$out/models.txt"
     ;;&
 profile|all)
     timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats --section Occupancy \
