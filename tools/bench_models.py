@@ -11,9 +11,10 @@ classes; images of the COCO size the models resize to, 800 x 1216):
   each: forward, the losses' backward.
 
 Each row: the median seconds of the whole model with torchvision's kernels
-and with ours, their ratio (torchvision / ours), and the same for the part
-our kernels serve, timed by forward hooks: the RPN (its nms) plus the ROI
-heads (poolers, box nms), forward only (the backward of a training step
+and with ours, their ratio (torchvision / ours), and the same for the
+modules that hold our kernels, timed by forward hooks: the RPN (its nms,
+beside its head's convolutions and box coding) plus the ROI heads (poolers
+and box nms, beside the box and mask heads' layers), forward only (the backward of a training step
 runs in autograd's engine, outside any module's hooks). The backbone's
 convolutions are torch's either way, so the whole-model ratio is bounded
 by their share. The two sides run alternately, the same seeds, the same

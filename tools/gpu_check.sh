@@ -18,7 +18,8 @@
 #                                 deform_conv2d with and without cuBLAS (--products)
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
 #                                 call of at most 10): build once, the suite, the
-#                                 bench's GPU rows only (--gpu-only), the profile,
+#                                 bench's GPU rows only (--gpu-only), the whole
+#                                 models (at most 90 s), the profile,
 #                                 then memcheck and racecheck, each cut to what is
 #                                 left of BUDGET seconds (default 540), in that
 #                                 order of priority

@@ -57,7 +57,8 @@ def test_torchvisions_ops_run_our_kernels_until_restored(request, device):
     """While replaced: torchvision.ops gives mmdispatch.torch's values and
     gradients bit for bit, and every forward and backward op reaches our
     dispatcher. After restore(): torchvision's own results again, bit for
-    bit, and none of our kernels runs."""
+    bit, and none of our kernels runs. On CUDA the backwards add with
+    atomics (both libraries'), so gradients agree within rounding there."""
     if device == "cuda":
         request.getfixturevalue("torch_cuda")
     theirs = torchvision_calls(tv, device=device)
@@ -71,10 +72,16 @@ def test_torchvisions_ops_run_our_kernels_until_restored(request, device):
     assert set(seen) == {f"{op}_{part}_impl" for op in ("roi_align", "roi_pool", "ps_roi_align",
                                                          "ps_roi_pool", "deform_conv2d")
                          for part in ("forward", "backward")} | {"nms_impl"}
+    def same_gradient(a, b, name):
+        if device == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
     for name, (out, grad) in ours.items():
         assert torch.equal(replaced[name][0], out), name
         if grad is not None:
-            assert torch.equal(replaced[name][1], grad), name
+            same_gradient(replaced[name][1], grad, name)
     seen.clear()
     with mmdispatch.trace(lambda when, call: seen.append(call.op)):
         again = torchvision_calls(tv, device=device)
@@ -82,7 +89,7 @@ def test_torchvisions_ops_run_our_kernels_until_restored(request, device):
     for name, (out, grad) in theirs.items():
         assert torch.equal(again[name][0], out), name
         if grad is not None:
-            assert torch.equal(again[name][1], grad), name
+            same_gradient(again[name][1], grad, name)
             torch.testing.assert_close(replaced[name][1], grad, rtol=1e-10, atol=1e-10,
                                        msg=name)
 
