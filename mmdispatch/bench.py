@@ -569,15 +569,18 @@ def torch_call_costs(device, tv, number=2000):
     grad_x = x.clone().requires_grad_(True)
     rois = torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32, device=device)
     costs = {}
+
+    def call(lib, tensor):
+        return lambda: lib.roi_align(tensor, rois, 1, 1.0, 2, True)
+
     for name, tensor in (("roi_align call, tiny input", x),
                          ("roi_align call, tiny input, autograd recorded", grad_x)):
-        def call(lib, tensor=tensor):
-            return lambda: lib.roi_align(tensor, rois, 1, 1.0, 2, True)
-        costs[name] = (median_call(call(mt), 5, number),
-                       median_call(call(tv[1].ops), 5, number) if tv is not None else None)
+        costs[name] = (median_call(call(mt, tensor), 5, number),
+                       median_call(call(tv[1].ops, tensor), 5, number) if tv is not None
+                       else None)
     if tv is not None:   # torchvision's own function, its op served by our kernel
         with mt.replace_torchvision_kernels(device):
-            ours = median_call(lambda: tv[1].ops.roi_align(x, rois, 1, 1.0, 2, True), 5, number)
+            ours = median_call(call(tv[1].ops, x), 5, number)
         costs["roi_align call, tiny input, torchvision.ops on our kernels "
               "(replace_torchvision_kernels)"] = (ours, costs["roi_align call, tiny input"][1])
     return costs

@@ -21,11 +21,11 @@ import warnings
 
 import torch
 
+from mmdispatch.ops.roi_pool import CONVENTIONS
 from mmdispatch.torch._library import DERIVED
-from mmdispatch.torch._vision import _nms
+from mmdispatch.torch._vision import _AVG, _nms
 
-_AVG = 1
-_TORCHVISION_CONVENTION = 0   # roi_pool's torchvision bins
+_TORCHVISION_CONVENTION = CONVENTIONS["torchvision"]   # roi_pool's torchvision bins
 
 
 def _run(entry_point):

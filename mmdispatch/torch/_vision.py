@@ -12,6 +12,7 @@ import operator
 import torch
 from torch import nn
 
+from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
 from mmdispatch.torch._library import DERIVED
 
@@ -23,7 +24,7 @@ _NMS = DERIVED["nms_impl"]
 _OVERLAPS = DERIVED["bbox_overlaps_impl"]
 _BOX_IOU_ROTATED = DERIVED["box_iou_rotated_impl"]
 _DEFORM_CONV2D = DERIVED["deform_conv2d_forward_impl"]
-_AVG = 1
+_AVG = _POOL_MODES["avg"]
 
 
 def _pair(op, value, name="output_size"):
@@ -399,12 +400,8 @@ class _LevelMapper:
         self.s0, self.lvl0, self.eps = canonical_scale, canonical_level, eps
 
     def __call__(self, boxlists):
-        return self.levels(torch.cat([(b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-                                      for b in boxlists]))
-
-    def levels(self, areas):
-        """The level index (int64, from 0) of boxes of these areas."""
-        s = torch.sqrt(areas)
+        """The level index (int64, from 0) of each box of the (L, 4) lists."""
+        s = torch.sqrt(torch.cat([(b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1]) for b in boxlists]))
         target = torch.floor(self.lvl0 + torch.log2(s / self.s0)
                              + torch.tensor(self.eps, dtype=s.dtype, device=s.device))
         target = torch.clamp(target, min=self.k_min, max=self.k_max)
@@ -499,7 +496,7 @@ class _MultiScaleRoIAlign:
         h, w = self.output_size
         if len(features) == 1:
             return roi_align(features[0], rois, (h, w), self.scales[0], self.sampling_ratio)
-        levels = self.map_levels.levels((rois[:, 3] - rois[:, 1]) * (rois[:, 4] - rois[:, 2]))
+        levels = self.map_levels([rois[:, 1:]])
         first = features[0]
         result = first.new_zeros((rois.shape[0], first.shape[1], h, w))
         # every level pooled, those without boxes too (so every map gets a
