@@ -29,12 +29,16 @@ _AVG = _POOL_MODES["avg"]
 
 def _pair(op, value, name="output_size"):
     """(h, w) from an int or a pair of ints (torchvision's output_size;
-    anything with __index__, numpy's integers included, counts as an int)."""
-    try:
-        size = operator.index(value)
-        return size, size
-    except TypeError:
-        pass
+    anything with __index__, numpy's integers included, counts as an int).
+    A tuple or list is taken as a pair before anything else: torch 2.11's
+    dynamo raises an internal error, not a TypeError, for operator.index of
+    a tuple, so torch.compile of a call with a pair failed there."""
+    if not isinstance(value, (tuple, list)):
+        try:
+            size = operator.index(value)
+            return size, size
+        except TypeError:
+            pass
     try:
         h, w = value
         return operator.index(h), operator.index(w)

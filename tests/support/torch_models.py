@@ -63,14 +63,29 @@ def mask_rcnn_run(pooler, device="cpu"):
 
 def assert_same_run(ours, theirs):
     """Two mask_rcnn_run results agree: the same losses (the mask loss among
-    them), gradients and detections (some), within 1e-4."""
+    them), gradients and detections (some), within 1e-4.
+
+    On the CPU each gradient agrees element by element. On CUDA, both
+    libraries' roi_align backwards (and cuDNN's convolution backwards) add
+    with atomics, so not even two runs of torchvision agree bit for bit, and
+    the backbone's gradients carry that rounding through every layer below
+    the poolers: an element that is a near-cancelling sum (the H200 run of
+    2026-11-27 failed on backbone.body.conv1.weight elementwise) has no
+    relative precision left. There each gradient agrees within 1e-4 of its
+    own largest magnitude."""
     assert ours[0].keys() == theirs[0].keys() and "loss_mask" in ours[0]
     np.testing.assert_allclose(list(ours[0].values()), list(theirs[0].values()), rtol=1e-4,
                                atol=1e-4)
     assert ours[1].keys() == theirs[1].keys()
     for name in ours[1]:
-        torch.testing.assert_close(ours[1][name], theirs[1][name], rtol=1e-4, atol=1e-4,
-                                   msg=name)
+        mine, want = ours[1][name], theirs[1][name]
+        if want.is_cuda:
+            scale = want.abs().max().item()
+            worst = (mine - want).abs().max().item()
+            assert worst <= 1e-4 * scale + 1e-7, \
+                f"{name}: differs by {worst:.3g}, its largest magnitude {scale:.3g}"
+        else:
+            torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-4, msg=name)
     for a, b in zip(ours[2], theirs[2]):
         assert a.keys() == b.keys() and len(a["boxes"])
         for key in a:
