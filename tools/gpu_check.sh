@@ -19,10 +19,10 @@
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
 #                                 call of at most 10): build once, the suite, the
 #                                 bench's GPU rows only (--gpu-only), the whole
-#                                 models (at most 90 s), the profile,
-#                                 then memcheck and racecheck, each cut to what is
-#                                 left of BUDGET seconds (default 540), in that
-#                                 order of priority
+#                                 models (at most 90 s), the profile, the
+#                                 BASELINE builds' GPU rows, then memcheck and
+#                                 racecheck, each cut to what is left of BUDGET
+#                                 seconds (default 540), in that order of priority
 #
 # Environment: OUT (logs; default ./gpu-logs), PYTHON (default python3),
 # MMDISPATCH_CUDA_ARCH_LIST (default 9.0: one arch builds in about a minute),
@@ -36,8 +36,16 @@
 # changes between them (bench-baseline-<the wheel's folder>.txt, e.g.
 # bench-baseline-whl-base.txt for .whl-base/); list them oldest first: each
 # run is then compared row by row with the next (mmdispatch bench --compare,
-# compare-to-<the later run>.txt), the last with this build's bench. The last lines of each log
-# are printed at the end; a step cut short by its time leaves its partial log.
+# compare-to-<the later run>.txt), the last with this build's bench;
+# PROFILE_BASELINE=paths of wheels: ncu's summary of the roi_align forward
+# rows on each of those builds too (profile-<the wheel's folder>.txt). The last lines of each log
+# are printed as each step ends; a step cut short by its time leaves its partial log.
+#
+# The logs are written under LOGS (default /tmp/gpu-check-logs) and packed
+# after every step into one file, $OUT/gpu-logs.tgz: a device run brings
+# back at most 8 files from $OUT (on 2026-11-27 the first 8 of 25 logs came
+# back, pytest.log not among them), and a run killed at its limit still
+# leaves the pack of the steps it finished.
 set -uo pipefail
 part=${1:?usage: tools/gpu_check.sh tests|sanitize|bench|profile|all}
 case "$part" in
@@ -45,10 +53,23 @@ tests|sanitize|bench|profile|all) ;;
 *) echo "unknown part: $part (tests, sanitize, bench, profile or all)" >&2; exit 2 ;;
 esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$PWD/gpu-logs}
+final=${OUT:-$PWD/gpu-logs}
+out=${LOGS:-/tmp/gpu-check-logs}
 py=${PYTHON:-python3}
-mkdir -p "$out"
+mkdir -p "$out" "$final"
 began=$(date +%s)
+# the logs so far, as one file in $OUT (written aside, then renamed)
+pack() {
+    tar czf "$final/.gpu-logs.tgz" -C "$out" . 2> /dev/null &&
+        mv -f "$final/.gpu-logs.tgz" "$final/gpu-logs.tgz"
+}
+# the GPU's clocks, power and temperature now (a slow row on a throttled
+# card is not a slow kernel): appended to gpu.txt
+clocks() {
+    echo "# $1" >> "$out/gpu.txt"
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv >> "$out/gpu.txt" 2>&1
+}
 # seconds left of BUDGET, at most $1 (part all); $1 for the single parts
 left() {
     if [ "$part" != all ]; then echo "$1"; return; fi
@@ -56,21 +77,32 @@ left() {
     [ "$rest" -lt "$1" ] && echo $(( rest > 1 ? rest : 1 )) || echo "$1"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+clocks "before"
+pack
 
 if [ -n "${WHEEL:-}" ]; then
     "$py" -m pip install --no-deps --force-reinstall "$WHEEL" > "$out/build.log" 2>&1 || {
-        tail -20 "$out/build.log"; exit 1; }
+        tail -20 "$out/build.log"; pack; exit 1; }
     echo "installed $WHEEL"
 elif [ "${SKIP_BUILD:-0}" != 1 ]; then
     start=$(date +%s)
     (cd "$repo" && MMDISPATCH_CUDA_ARCH_LIST=${MMDISPATCH_CUDA_ARCH_LIST:-9.0} \
         "$py" -m pip install --no-build-isolation --no-deps . > "$out/build.log" 2>&1) || {
-        tail -40 "$out/build.log"; exit 1; }
+        tail -40 "$out/build.log"; pack; exit 1; }
     echo "build: $(( $(date +%s) - start )) s"
 fi
 # outside the source tree: its mmdispatch/ has no compiled extension
 cd /tmp
 "$py" -c "import mmdispatch; print([d['device'] + ': ' + d['status'] for d in mmdispatch.devices()])"
+# ncu's kernel summary of the bench's rows named (gpu_profile.py), into $1,
+# at most $2 seconds; the clocks left alone (--clock-control none: times
+# comparable with the bench's; ncu's default locks the SM clock at its base)
+ncu_rows() {
+    local log=$1 limit=$2; shift 2
+    timeout "$(left "$limit")" ncu --clock-control none --section SpeedOfLight \
+        --section WarpStateStats --section Occupancy --print-summary per-kernel \
+        "$py" "$repo/tools/gpu_profile.py" "$@" > "$log" 2>&1
+}
 
 case "$part" in
 tests|all)
@@ -79,12 +111,52 @@ tests|all)
     timeout "$(left 300)" "$py" -m pytest "$repo/tests" "${workers[@]}" -q -ra \
         -p no:cacheprovider --durations 15 > "$out/pytest.log" 2>&1
     echo "pytest exit $? ($(( $(date +%s) - began )) s in)"; tail -45 "$out/pytest.log"
+    clocks "after the tests"; pack
     ;;&
 bench|all)
     flags=(--repeat 5 --json "$out/bench.json")
     [ "$part" = all ] && flags+=(--gpu-only)
     timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
+    clocks "after the bench"; pack
+    # whole torchvision detection models, its kernels vs ours behind its ops
+    timeout "$(left 90)" "$py" "$repo/tools/bench_models.py" --device cuda --repeat 5 \
+        > "$out/models.txt" 2>&1
+    echo "models exit $? ($(( $(date +%s) - began )) s in)"; tail -4 "$out/models.txt"
+    pack
+    ;;&
+profile|all)
+    # roi_align's rows first: on the H200 of 2026-11-27 its forward took 1.29 ms
+    # (sampling_ratio 2) and 6.88 ms (0) where the same kernel took 0.661 and
+    # 2.21 ms on an H100 (2026-11-26), and builds with and without the
+    # transposed kernels timed alike: which kernels run, and how long each
+    ncu_rows "$out/profile.txt" 150 "roi_align sampling_ratio=2" "roi_align sampling_ratio=0 forward" \
+        "roi_pool" "deform_conv2d" "multi_scale_deformable_attn forward+backward" "nms 2000 boxes"
+    echo "profile exit $? ($(( $(date +%s) - began )) s in)"
+    grep -E "Context [0-9]|Duration" "$out/profile.txt" | head -80
+    pack
+    # the same roi_align rows on other builds (PROFILE_BASELINE: wheels, as BASELINE)
+    for wheel in ${PROFILE_BASELINE:-}; do
+        name=$(basename "$(dirname "$wheel")" | sed 's/^\.//')
+        rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
+            "$wheel" > "$out/profile-$name-install.log" 2>&1
+        PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} ncu_rows "$out/profile-$name.txt" 60 \
+            "roi_align sampling_ratio=2 forward" "roi_align sampling_ratio=0 forward"
+        echo "profile of $name exit $? ($(( $(date +%s) - began )) s in)"; pack
+    done
+    timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" --host > "$out/host.txt" 2>&1
+    echo "host profile exit $?"; grep "gpu_profile:" "$out/host.txt"
+    # deform_conv2d's products through cuBLAS (loaded by torch) and through our own tiles
+    for cublas in default none; do
+        MMDISPATCH_CUBLAS=$cublas timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" \
+            --products > "$out/products-$cublas.txt" 2>&1
+        echo "products ($cublas) exit $?"; grep "gpu_profile:" "$out/products-$cublas.txt"
+    done
+    pack
+    ;;&
+bench|all)
+    # earlier builds' GPU rows, each compared with the next (after the
+    # profile in part all: the profile is what a short loan needs more)
     runs=()
     for wheel in ${BASELINE:-}; do   # each earlier build (oldest first), first on the path
         name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
@@ -97,6 +169,7 @@ bench|all)
         # row by row against the build after it (the next baseline, or this one)
         [ -s "$out/bench-$name.json" ] && runs+=("$out/bench-$name.json") \
             || runs+=("$out/bench-$name.txt")
+        pack
     done
     [ -s "$out/bench.json" ] && runs+=("$out/bench.json") || runs+=("$out/bench.txt")
     for (( i = 0; i + 1 < ${#runs[@]}; i++ )); do
@@ -106,25 +179,7 @@ bench|all)
         echo "compare $(basename "${runs[i]}") -> $(basename "${runs[i+1]}"):"
         grep -E "slower|faster|only in|Error|error" "$out/compare-to-$to.txt"
     done
-    # whole torchvision detection models, its kernels vs ours behind its ops
-    timeout "$(left 90)" "$py" "$repo/tools/bench_models.py" --device cuda --repeat 5 \
-        > "$out/models.txt" 2>&1
-    echo "models exit $? ($(( $(date +%s) - began )) s in)"; tail -4 "$out/models.txt"
-    ;;&
-profile|all)
-    timeout "$(left 150)" ncu --section SpeedOfLight --section WarpStateStats --section Occupancy \
-        --print-summary per-kernel "$py" "$repo/tools/gpu_profile.py" \
-        "roi_align sampling_ratio=2" "roi_pool" "deform_conv2d" \
-        "multi_scale_deformable_attn forward+backward" "nms 2000 boxes" > "$out/profile.txt" 2>&1
-    echo "profile exit $? ($(( $(date +%s) - began )) s in)"
-    timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" --host > "$out/host.txt" 2>&1
-    echo "host profile exit $?"; grep "gpu_profile:" "$out/host.txt"
-    # deform_conv2d's products through cuBLAS (loaded by torch) and through our own tiles
-    for cublas in default none; do
-        MMDISPATCH_CUBLAS=$cublas timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" \
-            --products > "$out/products-$cublas.txt" 2>&1
-        echo "products ($cublas) exit $?"; grep "gpu_profile:" "$out/products-$cublas.txt"
-    done
+    pack
     ;;&
 sanitize|all)
     # memcheck: every CUDA test of the ops and of deferred errors (bad data
@@ -135,10 +190,12 @@ sanitize|all)
         "$py" -m pytest "$repo/tests/ops" "$repo/tests/test_deferred.py" -q -k "${MEMCHECK_K:-cuda}" \
         -p no:cacheprovider > "$out/memcheck.log" 2>&1
     echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -5
+    pack
     timeout "$(left 150)" compute-sanitizer --tool racecheck --launch-timeout 0 --error-exitcode 99 \
         "$py" -m pytest "$repo/tests/ops/test_roi_align.py" "$repo/tests/ops/test_roi_pool.py" \
         -q -k "cuda and deterministic" -p no:cacheprovider > "$out/racecheck.log" 2>&1
     echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" \
         "$out/racecheck.log" | tail -5
+    pack
     ;;
 esac
