@@ -109,3 +109,25 @@ def test_device_times_of_cuda_calls(cupy):
     assert row["calls"] == 3 and row["device_ns"] > 0
     cells = re.split(r"\s{2,}", p.table().splitlines()[2].strip())
     assert cells[0] == "roi_align_forward_impl" and cells[4].endswith(" ms")   # device total
+
+
+def test_device_times_of_torch_cuda_calls_come_from_torch_events_without_cupy(torch_cuda,
+                                                                              monkeypatch):
+    """A PyTorch user's process need not import CuPy: the device times then
+    come from torch's CUDA events on the kernel's stream (torch's current
+    stream, where mmdispatch.torch launches)."""
+    import sys
+
+    import mmdispatch.torch as mt
+    monkeypatch.setitem(sys.modules, "cupy", None)   # as if CuPy were never imported
+    torch = torch_cuda
+    x = torch.ones((2, 64, 50, 50), device="cuda")
+    rois = torch.tensor([[0, 0, 0, 30, 30], [1, 5, 5, 45, 40]] * 64, device="cuda")
+    side = torch.cuda.Stream()
+    with mmdispatch.profile() as p, torch.cuda.stream(side):
+        for _ in range(3):
+            mt.roi_align(x, rois, 7, 1.0, 2)
+    assert [c.notes["profile_events"].library for c in p.calls] == ["torch"] * 3
+    assert all(c.device == "cuda:0" and c.stream == side.cuda_stream for c in p.calls)
+    row, = p.summary()
+    assert row["calls"] == 3 and row["device_ns"] > 0
