@@ -100,7 +100,8 @@ cd /tmp
 ncu_rows() {
     local log=$1 limit=$2; shift 2
     timeout "$(left "$limit")" ncu --clock-control none --section SpeedOfLight \
-        --section WarpStateStats --section Occupancy --print-summary per-kernel \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section MemoryWorkloadAnalysis --print-summary per-kernel \
         "$py" "$repo/tools/gpu_profile.py" "$@" > "$log" 2>&1
 }
 
