@@ -403,19 +403,22 @@ class _EagerAutograd(torch.autograd.Function):
         # differentiable one gets its own tensor: autograd attaches its
         # history to it
         output = op.run(*args, eager=True)
+        gradient = op.gradient
         outputs = output if isinstance(output, tuple) else (output,)
-        if any(op.is_empty(op.returns[r][0], outputs[r]) for r in op.gradient.grads_of):
-            outputs = tuple(o.clone() if r in op.gradient.grads_of else o
-                            for r, o in enumerate(outputs))
-            output = outputs if isinstance(output, tuple) else outputs[0]
-        ctx.gradient = op.gradient
+        for r, param in gradient.differentiable:
+            if op.is_empty(param, outputs[r]):
+                outputs = tuple(o.clone() if r in gradient.grads_of else o
+                                for r, o in enumerate(outputs))
+                output = outputs if isinstance(output, tuple) else outputs[0]
+                break
+        ctx.gradient = gradient
         # no zero-filled gradients for the outputs that got none (argmax
         # outputs, marked non-differentiable below): a (1024, 256, 7, 7)
         # roi_pool argmax's zeros took 20 ms of a 270 ms forward+backward;
         # gradients() skips a backward call whose output's gradient is None
         ctx.set_materialize_grads(False)
-        op.gradient.setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(*[outputs[r] for r in op.gradient.non_differentiable])
+        gradient.setup_context(ctx, args, output)
+        ctx.mark_non_differentiable(*[outputs[r] for r in gradient.non_differentiable])
         return output
 
     @staticmethod
@@ -498,6 +501,7 @@ class Gradient:
         self.saved_params = [forward.returns[i][0] for i in self.saved_outputs]
         self.non_differentiable = [r for r in range(len(forward.returns))
                                    if r not in self.grads_of]
+        self.differentiable = [(r, forward.returns[r][0]) for r in sorted(self.grads_of)]
         forward.op.register_autograd(self.backward_fn, setup_context=self.setup_context)
         forward.gradient = self
 
@@ -510,11 +514,19 @@ class Gradient:
         # it is, not saved: nothing in it can change, and an in-place op of
         # one caller on it must not fail another call's backward (a size
         # test would guard on a data-dependent size under torch.compile)
-        saved = [outputs[i] for i in self.saved_outputs]
-        ctx.kept = [o if self.forward.is_empty(k, o) else None
-                    for k, o in zip(self.saved_params, saved)]
-        ctx.save_for_backward(*[inputs[i] for i in self.saved_tensors],
-                              *[o if k is None else None for o, k in zip(saved, ctx.kept)])
+        saved = [inputs[i] for i in self.saved_tensors]
+        kept = []
+        is_empty = self.forward.is_empty
+        for i, param in zip(self.saved_outputs, self.saved_params):
+            value = outputs[i]
+            if is_empty(param, value):
+                kept.append(value)
+                saved.append(None)
+            else:
+                kept.append(None)
+                saved.append(value)
+        ctx.kept = kept
+        ctx.save_for_backward(*saved)
         ctx.scalars = [inputs[i] for i in self.saved_scalars]
 
     def backward_fn(self, ctx, *grads):
