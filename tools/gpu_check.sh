@@ -67,8 +67,11 @@ pack() {
 # card is not a slow kernel): appended to gpu.txt
 clocks() {
     echo "# $1" >> "$out/gpu.txt"
-    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active \
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu \
         --format=csv >> "$out/gpu.txt" 2>&1
+    # (its own query: drivers that renamed the field refuse the whole query)
+    nvidia-smi --query-gpu=clocks_event_reasons.active --format=csv >> "$out/gpu.txt" 2>&1 ||
+        nvidia-smi --query-gpu=clocks_throttle_reasons.active --format=csv >> "$out/gpu.txt" 2>&1
 }
 # seconds left of BUDGET, at most $1 (part all); $1 for the single parts
 left() {
@@ -76,7 +79,7 @@ left() {
     local rest=$(( ${BUDGET:-540} - ($(date +%s) - began) ))
     [ "$rest" -lt "$1" ] && echo $(( rest > 1 ? rest : 1 )) || echo "$1"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$out/gpu.txt" 2>&1
 clocks "before"
 pack
 
