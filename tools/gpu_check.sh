@@ -38,8 +38,9 @@
 # run is then compared row by row with the next (mmdispatch bench --compare,
 # compare-to-<the later run>.txt), the last with this build's bench;
 # PROFILE_BASELINE=paths of wheels: ncu's summary of the roi_align forward
-# rows on each of those builds too (profile-<the wheel's folder>.txt). The last lines of each log
-# are printed as each step ends; a step cut short by its time leaves its partial log.
+# rows on each of those builds too (profile-<the wheel's folder>.txt). The
+# last lines of each log are printed as each step ends; a step cut short by
+# its time leaves its partial log.
 #
 # The logs are written under LOGS (default /tmp/gpu-check-logs) and packed
 # after every step into one file, $OUT/gpu-logs.tgz: a device run brings
