@@ -41,6 +41,10 @@ from mmdispatch import ops as _ops
 from mmdispatch._codegen import SHAPE_SCOPE, parse_signature, shape_function, shape_lines
 
 NAMESPACE = "mmdispatch"
+# torch.compile through an op whose output size depends on its data: torch
+# 2.4's inductor computed wrong values from such outputs (dets[:, 4] of
+# soft_nms's dets), 2.7, 2.11 and 2.14 right (our tests, 2026-11-27)
+_DATA_DEPENDENT_COMPILE = torch.__version__ >= (2, 7)
 _SCALAR_TYPES = {"int": "int", "float": "float", "bool": "bool"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Linux's advice that a range be backed by 2 MB pages (None elsewhere), and
@@ -347,6 +351,12 @@ class DerivedOp:
             shape, dtype = specs[k]
             shape = list(shape)
             if length >= 0:
+                if not _DATA_DEPENDENT_COMPILE:
+                    raise RuntimeError(
+                        f"{self.name}: tracing an op whose output size depends on its data "
+                        f"needs torch 2.7 or newer (torch {torch.__version__}'s inductor "
+                        f"computed wrong values from such outputs); call {self.name} outside "
+                        f"the compiled region")
                 if length not in sizes:
                     sizes[length] = torch.library.get_ctx().new_dynamic_size()
                 shape[0] = sizes[length]

@@ -2,7 +2,17 @@
 for every FPN level, and a torchvision Mask R-CNN run (needs torch and
 torchvision; imported by tests that have checked for both)."""
 import numpy as np
+import pytest
 import torch
+
+# Tests that trace an op of data-dependent size (nms, soft_nms, torch's
+# nonzero) with torch.compile or torch.export: torch 2.11 and newer trace
+# them as they are; 2.7 needs capture_dynamic_output_shape_ops, older ones
+# are refused by mmdispatch.torch (the README's PyTorch section)
+needs_data_dependent_tracing = pytest.mark.skipif(
+    torch.__version__ < (2, 11),
+    reason=f"torch {torch.__version__} traces ops of data-dependent size only with "
+           f"capture_dynamic_output_shape_ops (2.7) or not at all (before 2.7)")
 
 
 def fpn_features(names=("0", "1", "2", "3"), channels=8, size=(128, 160), dtype=torch.float32,

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the test ex
 import mmdispatch  # noqa: E402
 import mmdispatch.torch  # noqa: E402,F401  (registers the ops)
 from mmdispatch.torch._library import DERIVED, _plain_eager  # noqa: E402
+from torch_models import needs_data_dependent_tracing  # noqa: E402
 
 OPS = torch.ops.mmdispatch
 
@@ -40,6 +41,7 @@ def test_every_entry_point_has_a_derived_op_with_its_schema():
     assert "Tensor? idxs" in str(OPS.nms.default._schema)
 
 
+@needs_data_dependent_tracing
 def test_fake_tensors_propagate_shapes_and_nms_gets_a_data_dependent_length():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -48,6 +50,24 @@ def test_fake_tensors_propagate_shapes_and_nms_gets_a_data_dependent_length():
         assert out.shape == ay.shape == (3, 3, 2, 2) and out.dtype == torch.float64
         keep = OPS.nms(torch.zeros(7, 4), torch.zeros(7), None, 0.5, 0)
         assert keep.dtype == torch.int64 and not isinstance(keep.shape[0], int)
+
+
+def test_tracing_a_data_dependent_size_on_a_torch_that_miscompiles_it_is_refused(monkeypatch):
+    """torch 2.4's inductor computed wrong values from soft_nms's dets (a
+    data-dependent size): where torch is older than 2.7, tracing such an op
+    is an error naming the op and what to do, not a silent wrong answer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mmdispatch.torch import _library
+    monkeypatch.setattr(_library, "_DATA_DEPENDENT_COMPILE", False)
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        with pytest.raises(RuntimeError, match=r"^nms: tracing an op whose output size depends "
+                                               r"on its data needs torch 2\.7 or newer .*call "
+                                               r"nms outside the compiled region"):
+            OPS.nms(torch.zeros(7, 4), torch.zeros(7), None, 0.5, 0)
+        out = OPS.roi_align_forward(*roi_args(mode=0))[0]   # fixed sizes: traced as before
+        assert out.shape == (3, 3, 2, 2)
 
 
 def test_outputs_come_from_torch_and_only_strided_inputs_are_copied():

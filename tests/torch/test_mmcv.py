@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the test ex
 
 import mmdispatch  # noqa: E402
 from mmdispatch.torch import mmcv  # noqa: E402
+from torch_models import needs_data_dependent_tracing  # noqa: E402
 
 ROIS = torch.tensor([[0, 0.5, 0.5, 5, 6], [1, 1, 1, 6, 5], [0, 2.2, 1, 7, 7.5]],
                     dtype=torch.float64)
@@ -170,6 +171,7 @@ def test_batched_nms_with_soft_nms_decays_within_classes_and_applies_max_num():
     assert agnostic.tolist() == mmcv.soft_nms(boxes, scores, 0.4, 0.5, 0.05)[1].tolist()
 
 
+@needs_data_dependent_tracing
 def test_soft_nms_compiles_with_a_data_dependent_count():
     boxes, scores, _ = _random_detections(30, 2)
 

@@ -11,7 +11,7 @@ torchvision = pytest.importorskip("torchvision", reason="torchvision is not inst
 
 import mmdispatch  # noqa: E402
 import mmdispatch.torch as mt  # noqa: E402
-from torch_models import assert_same_run, mask_rcnn_run  # noqa: E402
+from torch_models import assert_same_run, mask_rcnn_run, needs_data_dependent_tracing  # noqa: E402
 from torchvision import ops as tv  # noqa: E402
 
 
@@ -129,6 +129,7 @@ def test_torchvisions_mask_rcnn_on_our_kernels_trains_and_detects_as_on_its_own(
     assert_same_run(ours, theirs)
 
 
+@needs_data_dependent_tracing
 def test_compiled_torchvision_calls_trace_with_its_meta_and_run_our_kernels():
     """torch.compile(fullgraph=True) of torchvision's roi_align, roi_pool
     and nms: traced with torchvision's meta functions, run on our kernels
