@@ -29,8 +29,10 @@
 # SKIP_BUILD=1 to use the mmdispatch already installed, WHEEL=path to install
 # a wheel built elsewhere instead of building (about 90 s of device time saved:
 # build one for the machine's Python with MMDISPATCH_WITH_CUDA=1 and carry
-# it), JOBS (pytest -n, default 12), BUDGET (seconds, part all), MEMCHECK_K
-# (pytest -k of the memcheck run, default cuda), BASELINE=paths of wheels of
+# it), JOBS (pytest -n, default 12), BUDGET (seconds: part all's, 540 by
+# default; a single part's only when given, so that two parts run one after
+# the other fit one device command), MEMCHECK_K (pytest -k of the memcheck
+# run, default cuda), BASELINE=paths of wheels of
 # earlier builds, space-separated (tools/gpu_wheel.sh with REF= and DEST=):
 # the bench's GPU rows run once more on each, in the same run, to time the
 # changes between them (bench-baseline-<the wheel's folder>.txt, e.g.
@@ -57,6 +59,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 final=${OUT:-$PWD/gpu-logs}
 out=${LOGS:-/tmp/gpu-check-logs}
 py=${PYTHON:-python3}
+# a device call's $OUT starts empty: its first invocation starts the logs
+# afresh (a warm machine keeps /tmp), later ones add to them
+[ -e "$final/gpu-logs.tgz" ] || rm -rf "$out"
 mkdir -p "$out" "$final"
 began=$(date +%s)
 # the logs so far, as one file in $OUT (written aside, then renamed)
@@ -74,14 +79,15 @@ clocks() {
     nvidia-smi --query-gpu=clocks_event_reasons.active --format=csv >> "$out/gpu.txt" 2>&1 ||
         nvidia-smi --query-gpu=clocks_throttle_reasons.active --format=csv >> "$out/gpu.txt" 2>&1
 }
-# seconds left of BUDGET, at most $1 (part all); $1 for the single parts
+# seconds left of BUDGET, at most $1 (part all, or any part given a BUDGET);
+# $1 for a single part without one
 left() {
-    if [ "$part" != all ]; then echo "$1"; return; fi
+    if [ "$part" != all ] && [ -z "${BUDGET:-}" ]; then echo "$1"; return; fi
     local rest=$(( ${BUDGET:-540} - ($(date +%s) - began) ))
     [ "$rest" -lt "$1" ] && echo $(( rest > 1 ? rest : 1 )) || echo "$1"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$out/gpu.txt" 2>&1
-clocks "before"
+clocks "before part $part"
 pack
 
 if [ -n "${WHEEL:-}" ]; then
@@ -144,7 +150,8 @@ profile|all)
     for wheel in ${PROFILE_BASELINE:-}; do
         name=$(basename "$(dirname "$wheel")" | sed 's/^\.//')
         rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
-            "$wheel" > "$out/profile-$name-install.log" 2>&1
+            "$wheel" > "$out/profile-$name-install.log" 2>&1 || {
+            echo "profile of $name: its wheel did not install"; continue; }
         PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} ncu_rows "$out/profile-$name.txt" 60 \
             "roi_align sampling_ratio=2 forward" "roi_align sampling_ratio=0 forward"
         echo "profile of $name exit $? ($(( $(date +%s) - began )) s in)"; pack
@@ -166,7 +173,8 @@ bench|all)
     for wheel in ${BASELINE:-}; do   # each earlier build (oldest first), first on the path
         name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
         rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
-            "$wheel" > "$out/$name-install.log" 2>&1
+            "$wheel" > "$out/$name-install.log" 2>&1 || {
+            echo "$name: its wheel did not install"; continue; }
         PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 120)" "$py" -m mmdispatch \
             bench --gpu-only --repeat 5 --json "$out/bench-$name.json" \
             > "$out/bench-$name.txt" 2>&1

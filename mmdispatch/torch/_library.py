@@ -32,6 +32,7 @@ import ctypes
 import functools
 import itertools
 import mmap
+import re
 import sys
 
 import torch
@@ -41,10 +42,20 @@ from mmdispatch import ops as _ops
 from mmdispatch._codegen import SHAPE_SCOPE, parse_signature, shape_function, shape_lines
 
 NAMESPACE = "mmdispatch"
+
+
+def torch_release():
+    """torch's (major, minor) release: a pre-release or a vendor's build of
+    2.7 ('2.7.0a0+git...', '2.7.0a0+79aa174.nv25.04') counts as 2.7, where
+    torch.__version__'s own comparison puts it below 2.7."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
 # torch.compile through an op whose output size depends on its data: torch
 # 2.4's inductor computed wrong values from such outputs (dets[:, 4] of
 # soft_nms's dets), 2.7, 2.11 and 2.14 right (our tests, 2026-11-27)
-_DATA_DEPENDENT_COMPILE = torch.__version__ >= (2, 7)
+_DATA_DEPENDENT_COMPILE = torch_release() >= (2, 7)
 _SCALAR_TYPES = {"int": "int", "float": "float", "bool": "bool"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Linux's advice that a range be backed by 2 MB pages (None elsewhere), and

@@ -1,16 +1,19 @@
 """Torch test helpers shared by tests/torch: an FPN's feature maps, boxes
-for every FPN level, and a torchvision Mask R-CNN run (needs torch and
-torchvision; imported by tests that have checked for both)."""
+for every FPN level, a torchvision Mask R-CNN run, and the mark of tests
+that trace ops of data-dependent size (needs torch, and torchvision for the
+model run; imported by tests that have checked for what they use)."""
 import numpy as np
 import pytest
 import torch
+
+from mmdispatch.torch._library import torch_release
 
 # Tests that trace an op of data-dependent size (nms, soft_nms, torch's
 # nonzero) with torch.compile or torch.export: torch 2.11 and newer trace
 # them as they are; 2.7 needs capture_dynamic_output_shape_ops, older ones
 # are refused by mmdispatch.torch (the README's PyTorch section)
 needs_data_dependent_tracing = pytest.mark.skipif(
-    torch.__version__ < (2, 11),
+    torch_release() < (2, 11),
     reason=f"torch {torch.__version__} traces ops of data-dependent size only with "
            f"capture_dynamic_output_shape_ops (2.7) or not at all (before 2.7)")
 

@@ -70,6 +70,16 @@ def test_tracing_a_data_dependent_size_on_a_torch_that_miscompiles_it_is_refused
         assert out.shape == (3, 3, 2, 2)
 
 
+@pytest.mark.parametrize("version, release", [
+    ("2.7.0", (2, 7)), ("2.7.0a0+git79aa174", (2, 7)), ("2.7.0a0+79aa174.nv25.04", (2, 7)),
+    ("2.6.1+cpu", (2, 6)), ("2.11.0+cu130", (2, 11)), ("2.10.0.dev20260101", (2, 10))])
+def test_torchs_release_counts_a_pre_release_or_vendor_build_as_its_release(monkeypatch, version,
+                                                                          release):
+    from mmdispatch.torch._library import torch_release
+    monkeypatch.setattr(torch, "__version__", version)
+    assert torch_release() == release
+
+
 def test_outputs_come_from_torch_and_only_strided_inputs_are_copied():
     """Contiguous inputs reach the kernel as they are, a strided one with one
     contiguous copy; outputs are allocated with torch (no numpy, no CuPy)."""
