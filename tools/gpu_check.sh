@@ -104,6 +104,13 @@ fi
 # outside the source tree: its mmdispatch/ has no compiled extension
 cd /tmp
 "$py" -c "import mmdispatch; print([d['device'] + ': ' + d['status'] for d in mmdispatch.devices()])"
+# a wheel of an earlier build into /tmp/baseline (first on PYTHONPATH for
+# the commands that time it), pip's output into $2; says so and fails when
+# the wheel does not install
+install_baseline() {
+    rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline "$1" \
+        > "$2" 2>&1 || { echo "$(basename "$2" -install.log): its wheel did not install"; false; }
+}
 # ncu's kernel summary of the bench's rows named (gpu_profile.py), into $1,
 # at most $2 seconds; the clocks left alone (--clock-control none: times
 # comparable with the bench's; ncu's default locks the SM clock at its base)
@@ -149,9 +156,7 @@ profile|all)
     # the same roi_align rows on other builds (PROFILE_BASELINE: wheels, as BASELINE)
     for wheel in ${PROFILE_BASELINE:-}; do
         name=$(basename "$(dirname "$wheel")" | sed 's/^\.//')
-        rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
-            "$wheel" > "$out/profile-$name-install.log" 2>&1 || {
-            echo "profile of $name: its wheel did not install"; continue; }
+        install_baseline "$wheel" "$out/profile-$name-install.log" || continue
         PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} ncu_rows "$out/profile-$name.txt" 60 \
             "roi_align sampling_ratio=2 forward" "roi_align sampling_ratio=0 forward"
         echo "profile of $name exit $? ($(( $(date +%s) - began )) s in)"; pack
@@ -172,9 +177,7 @@ bench|all)
     runs=()
     for wheel in ${BASELINE:-}; do   # each earlier build (oldest first), first on the path
         name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
-        rm -rf /tmp/baseline && "$py" -m pip install -q --no-deps --target /tmp/baseline \
-            "$wheel" > "$out/$name-install.log" 2>&1 || {
-            echo "$name: its wheel did not install"; continue; }
+        install_baseline "$wheel" "$out/$name-install.log" || continue
         PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 120)" "$py" -m mmdispatch \
             bench --gpu-only --repeat 5 --json "$out/bench-$name.json" \
             > "$out/bench-$name.txt" 2>&1

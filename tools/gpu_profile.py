@@ -16,9 +16,9 @@ instead breaks the host cost of the bench's tiny CuPy ops.roi_align call
 down: the call beside the entry point with preallocated outputs, a
 cupy.empty, and the array's __cuda_array_interface__, each the bench's
 median per call (host time: kernels are queued, not waited for), then
-cProfile's top functions over many calls; the same for a tiny torch CUDA
-call, plain and with autograd recorded, beside torchvision's. Then what keeping scratch
-across synchronisations saves: the bench's nms and deform_conv2d
+cProfile's top functions over many calls; the same for a tiny torch
+CUDA call, plain and with autograd recorded, beside torchvision's. Then
+what keeping scratch across synchronisations saves: the bench's nms and deform_conv2d
 workloads (each synchronised) as they run, beside the same followed by
 mmdispatch.empty_cache("cuda"), which returns the scratch to the driver
 as CUDA's default pool did at every synchronisation before mmdispatch
@@ -56,14 +56,25 @@ def host():
         "x.__cuda_array_interface__": lambda: x.__cuda_array_interface__,
         "cupy.cuda.get_current_stream()": cupy.cuda.get_current_stream,
     }
+    breakdown(parts, lambda: ops.roi_align(x, rois, 1, 1.0, 2))
+
+
+def breakdown(parts, call, sync=None):
+    """Each of `parts`' median per call (the bench's, over batches of 20000),
+    then cProfile's top functions over 20000 calls of `call` (between two
+    sync() where given)."""
     for name, fn in parts.items():
         print(f"gpu_profile: {name}: {bench.median_call(fn, 5, 20000) * 1e6:.2f} us",
               flush=True)
+    if sync is not None:
+        sync()
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(20000):
-        ops.roi_align(x, rois, 1, 1.0, 2)
+        call()
     profile.disable()
+    if sync is not None:
+        sync()
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
@@ -99,17 +110,7 @@ def torch_host():
         "torch.empty((1, 1, 1, 1), device='cuda')": lambda: torch.empty((1, 1, 1, 1),
                                                                         device="cuda"),
     }
-    for name, fn in parts.items():
-        print(f"gpu_profile: {name}: {bench.median_call(fn, 5, 20000) * 1e6:.2f} us",
-              flush=True)
-    torch.cuda.synchronize()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(20000):
-        mt.roi_align(grad_x, rois, 1, 1.0, 2, True)
-    profile.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    breakdown(parts, lambda: mt.roi_align(grad_x, rois, 1, 1.0, 2, True), torch.cuda.synchronize)
 
 
 def sync():
