@@ -2,22 +2,30 @@
  * (mmdispatch/ops/multi_scale_deformable_attn.h); float16 and bfloat16
  * compute in float32. Launches on ctx->stream, on ctx->device_id.
  *
- * - Forward: one thread per output element (image, query, head, channel),
- *   so a warp reads a cell's channels together; each sample's location is
+ * - A head's channels go in 16-byte packs (4 float, 2 double, 8 half)
+ *   where they split so and the arrays are 16-byte aligned, else one by
+ *   one: each thread's arithmetic for a sample (location, corners,
+ *   weights) serves a pack's channels.
+ * - Forward: one thread per pack of an output item (image, query, head), so
+ *   that a warp reads a cell's channels together; each sample's location is
  *   loaded while the previous sample's cells are.
- * - Backward: one warp per (image, query, head); its lanes share the
- *   channels, and the sums over channels for the location and attention
- *   gradients are warp reductions in a fixed order (four at once,
- *   warp_sum4). grad_value is added with atomics (default backend), or
- *   (deterministic backend) by a second kernel with one warp per (image,
- *   head, channel) plane that takes every sample 32 at a time in order,
- *   adding with warp_ordered_add: the same sums in the same order on every
- *   run.
+ * - Backward: a group of lanes per item (one per pack, up to a warp); the
+ *   sums over channels for the location and attention gradients are group
+ *   reductions in a fixed order (four at once, group_sum4). grad_value is
+ *   added with atomics (default backend; float packs in one float4 atomic
+ *   on sm_90), or (deterministic backend) by a second kernel with one warp
+ *   per (image, head, channel) plane that takes every sample 32 at a time
+ *   in order, adding with warp_ordered_add: the same sums in the same order
+ *   on every run.
  * - The levels (spatial_shapes, level_start_index) are on the device. By
  *   default the first thread of the op's kernel checks them and reports a
  *   fault as a deferred error, and every thread reads only a level that
  *   lies within value's keys (others give NaN); in strict mode a check
  *   kernel and one sync come first, so the call raises and writes nothing. */
+#include <stdint.h>
+
+#include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "mmdispatch/cuda/common.cuh"
@@ -64,166 +72,234 @@ template <typename T> struct Arrays {
     const T *value, *locations, *weights;
 };
 
-template <typename T>
+/* V consecutive channels of a cell, in one 16-byte load or store where
+ * V = 16 / sizeof(T) (run() takes that path when the channels per head
+ * are a multiple of V and the arrays are 16-byte aligned), else one
+ * channel (V = 1). A thread's arithmetic for a sample (its location, the
+ * four cells and their weights) then serves V channels: with Deformable
+ * DETR's 32 channels per head, a float thread did that work for 1 channel
+ * of 32 and now for 4. */
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack {
+    T v[V];
+};
+
+template <typename T, int V> __device__ inline Pack<T, V> load_pack(const T *at) {
+    return *reinterpret_cast<const Pack<T, V> *>(at);
+}
+
+/* The next sample's location and attention weight of item (image, query,
+ * head) `item`, loaded a sample ahead: their loads overlap the previous
+ * sample's cell loads, where each sample's were a chain (its location,
+ * then its cells). */
+template <typename T> struct SampleStream {
+    typedef typename Compute<T>::type A;
+    const T *locations, *weights;
+    int64_t first, samples;
+    A x = 0, y = 0, weight = 0;
+
+    __device__ SampleStream(const Arrays<T> &in, int64_t item, int64_t samples)
+        : locations(in.locations), weights(in.weights), first(item * samples),
+          samples(samples) {
+        load(0);
+    }
+    __device__ void load(int64_t local) {
+        if (local >= samples) return;
+        const int64_t j = first + local;
+        x = to_compute(locations[2 * j]);
+        y = to_compute(locations[2 * j + 1]);
+        weight = to_compute(weights[j]);
+    }
+};
+
+/* One thread per V channels of an output item (image, query, head), so
+ * that a warp reads a cell's channels together. */
+template <typename T, int V>
 __global__ void forward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, T *output,
                                ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    const int64_t total = d.batch * d.queries * d.heads * d.dims;
+    const int64_t packs = d.dims / V, total = d.batch * d.queries * d.heads * packs;
     if (blockIdx.x == 0 && threadIdx.x == 0) levels.check(sink);
     MMD_GRID_STRIDE_LOOP(i, total) {
-        const int64_t k = i % d.dims, m = i / d.dims % d.heads;
-        const int64_t q = i / (d.dims * d.heads) % d.queries;
-        const int64_t n = i / (d.dims * d.heads * d.queries);
-        const int64_t samples = d.levels * d.points;
-        const int64_t first = ((n * d.queries + q) * d.heads + m) * samples;
+        const int64_t item = i / packs, k = i % packs * V;
+        const int64_t m = item % d.heads, n = item / (d.heads * d.queries);
         const int64_t stride = d.heads * d.dims;
-        /* sample `local`'s location and weight, loaded a sample ahead: their
-         * loads overlap the previous sample's cell loads, where each
-         * sample's were a chain (its location, then its cells) */
-        A next_x = 0, next_y = 0, next_weight = 0;
-        const auto prefetch = [&](int64_t local) {
-            if (local >= samples) return;
-            const int64_t j = first + local;
-            next_x = to_compute(in.locations[2 * j]);
-            next_y = to_compute(in.locations[2 * j + 1]);
-            next_weight = to_compute(in.weights[j]);
-        };
-        prefetch(0);
-        A sum = 0;
+        SampleStream<T> next(in, item, d.levels * d.points);
+        A sum[V];
+#pragma unroll
+        for (int c = 0; c < V; ++c) sum[c] = 0;
         for (int64_t l = 0; l < d.levels; ++l) {
             const Level level(levels, l);
             if (!level.inside) {
-                sum = (A)NAN;
-                prefetch((l + 1) * d.points);   /* the next level's first sample */
+#pragma unroll
+                for (int c = 0; c < V; ++c) sum[c] = (A)NAN;
+                next.load((l + 1) * d.points);   /* the next level's first sample */
                 continue;
             }
             const T *cells = in.value + ((n * d.keys + level.start) * d.heads + m) * d.dims + k;
             for (int64_t p = 0; p < d.points; ++p) {
-                const A x = next_x, y = next_y, weight = next_weight;
-                prefetch(l * d.points + p + 1);
+                const A x = next.x, y = next.y, weight = next.weight;
+                next.load(l * d.points + p + 1);
                 mmd_bilinear_sample<A> s;
                 mmd_msda_locate(x, y, level.h, level.w, &s);
-                A v[4];
-                for (int c = 0; c < 4; ++c)
-                    v[c] = s.index[c] >= 0 ? to_compute(cells[s.index[c] * stride]) : (A)0;
-                sum += weight * mmd_bilinear_value(s, v);
+                Pack<T, V> corner[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    if (s.index[q] >= 0) corner[q] = load_pack<T, V>(cells + s.index[q] * stride);
+#pragma unroll
+                for (int c = 0; c < V; ++c) {
+                    A v[4];
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        v[q] = s.index[q] >= 0 ? to_compute(corner[q].v[c]) : (A)0;
+                    sum[c] += weight * mmd_bilinear_value(s, v);
+                }
             }
         }
-        output[i] = from_compute<T>(sum);
+        Pack<T, V> out;
+#pragma unroll
+        for (int c = 0; c < V; ++c) out.v[c] = from_compute<T>(sum[c]);
+        *reinterpret_cast<Pack<T, V> *>(output + item * d.dims + k) = out;
     }
 }
 
 constexpr int kWarp = 32;
 
-/* Each of v[0..3] summed over the warp, into every lane, in a fixed order:
- * halves of the lanes trade the values they will not keep (lanes 16 apart
- * trade two, then lanes 8 apart one), so that lane L sums value
- * 2 * (L & 16 ? 1 : 0) + (L & 8 ? 1 : 0) over the rest of the butterfly, and
- * the four totals are read back from lanes 0, 8, 16 and 24: 10 shuffles
- * where four warp-wide sums take 20. */
-template <typename A> __device__ inline void warp_sum4(A v[4]) {
+/* Each of v[0..3] summed over the `lanes` lanes of a group (a power of two,
+ * at most a warp, groups aligned in the warp), into every lane of the
+ * group, in a fixed order. From 4 lanes on, halves of the group trade the
+ * values they will not keep (lanes lanes/2 apart trade two, then lanes/4
+ * apart one), so that a member m sums value 2 * (m & lanes/2 ? 1 : 0) +
+ * (m & lanes/4 ? 1 : 0) over the rest of the butterfly, and the four
+ * totals are read back from members 0, lanes/4, lanes/2 and 3 lanes/4: a
+ * warp of 32 makes 10 shuffles where four butterflies take 20. Every lane
+ * of the warp calls it. */
+template <typename A> __device__ inline void group_sum4(A v[4], int lanes) {
     constexpr unsigned kAll = 0xffffffffu;
-    const int lane = threadIdx.x % kWarp;
-    const bool upper = lane & 16, odd = lane & 8;
+    const int lane = threadIdx.x % kWarp, member = lane & (lanes - 1);
+    if (lanes < 4) {
+        for (int delta = lanes / 2; delta > 0; delta /= 2)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[c] += __shfl_xor_sync(kAll, v[c], delta);
+        return;
+    }
+    const int half = lanes / 2, quarter = lanes / 4;
+    const bool upper = member & half, odd = member & quarter;
     A keep0 = upper ? v[2] : v[0], keep1 = upper ? v[3] : v[1];
-    keep0 += __shfl_xor_sync(kAll, upper ? v[0] : v[2], 16);
-    keep1 += __shfl_xor_sync(kAll, upper ? v[1] : v[3], 16);
+    keep0 += __shfl_xor_sync(kAll, upper ? v[0] : v[2], half);
+    keep1 += __shfl_xor_sync(kAll, upper ? v[1] : v[3], half);
     A keep = odd ? keep1 : keep0;
-    keep += __shfl_xor_sync(kAll, odd ? keep0 : keep1, 8);
-    for (int delta = 4; delta > 0; delta /= 2) keep += __shfl_xor_sync(kAll, keep, delta);
-    for (int c = 0; c < 4; ++c) v[c] = __shfl_sync(kAll, keep, 8 * c);
+    keep += __shfl_xor_sync(kAll, odd ? keep0 : keep1, quarter);
+    for (int delta = quarter / 2; delta > 0; delta /= 2) keep += __shfl_xor_sync(kAll, keep, delta);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = __shfl_sync(kAll, keep, lane - member + quarter * c);
 }
 
-/* Lanes keep grad_output's channels lane, lane + 32, ... in registers for
- * up to kHeld of them (Deformable DETR's 32 dims per head take one), not
- * read again for every sample. More would cost registers: 4 took the
- * double kernel from 118 to 144 (half the warps per SM); 1 keeps every
- * variant's occupancy. */
-constexpr int kHeld = 1;
+/* The lanes of a backward group: the smallest power of two that gives each
+ * of an item's `packs` packs of channels a lane, at most a warp. */
+inline int group_lanes(int64_t packs) {
+    int lanes = 1;
+    while (lanes < packs && lanes < kWarp) lanes *= 2;
+    return lanes;
+}
 
 template <typename T> struct Grads {
     const T *output;   /* grad_output */
     T *value, *locations, *weights;
 };
 
-/* One warp per (image, query, head): the location and attention weight
- * gradients, and (`atomics`) grad_value. The warp's samples' locations and
- * attention weights are loaded 32 at a time, one sample per lane, and
- * handed to every lane by shuffles as the samples come: each sample's
- * value loads then wait for no load of its own location (the samples'
- * loads were a chain, one location's latency then its cells', per sample). */
-template <typename T>
+/* Adds scale * g[c] into the pack of channels at `cell`: one float4
+ * atomic where the device has them (float, V = 4), else V single ones. */
+template <typename T, int V, typename A>
+__device__ inline void add_pack(T *cell, A scale, const A g[V]) {
+    constexpr bool kVector = MMD_CUDA_VECTOR_ATOMICS && std::is_same<T, float>::value && V == 4;
+    if constexpr (kVector) {
+        atomicAdd(reinterpret_cast<float4 *>(cell),
+                  make_float4(scale * g[0], scale * g[1], scale * g[2], scale * g[3]));
+    } else {
+#pragma unroll
+        for (int c = 0; c < V; ++c) atomicAdd(cell + c, from_compute<T>(scale * g[c]));
+    }
+}
+
+/* A group of `lanes` lanes per item (image, query, head), each lane V
+ * channels at a time (its first V held in registers): the location and
+ * attention weight gradients, whose sums over the channels are group
+ * reductions in a fixed order (group_sum4), and (`atomics`) grad_value.
+ * Every lane of a warp takes part in every sample's reduction (the loops
+ * are the same in every lane; a lane past the last item, or a sample off
+ * the levels, adds zeros and writes nothing). */
+template <typename T, int V>
 __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, Grads<T> g,
-                                bool atomics, ErrorSink sink) {
+                                int lanes, bool atomics, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    const int64_t warps = d.batch * d.queries * d.heads;
-    const int lane = threadIdx.x % kWarp;
+    const int64_t items = d.batch * d.queries * d.heads, packs = d.dims / V;
+    const int per_warp = kWarp / lanes, member = (int)(threadIdx.x % kWarp) & (lanes - 1);
+    const int64_t warps = (items + per_warp - 1) / per_warp;
     if (blockIdx.x == 0 && threadIdx.x == 0) levels.check(sink);
     const int64_t step = (int64_t)gridDim.x * blockDim.x / kWarp;
     for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp; w < warps;
          w += step) {
-        const int64_t m = w % d.heads, n = w / (d.heads * d.queries);
+        const int64_t mine = w * per_warp + (int)(threadIdx.x % kWarp) / lanes;
+        const bool valid = mine < items;
+        const int64_t item = valid ? mine : 0;   /* a spare lane reads item 0's, adds zeros */
+        const int64_t m = item % d.heads, n = item / (d.heads * d.queries);
         const int64_t samples = d.levels * d.points, stride = d.heads * d.dims;
-        const int64_t first = w * samples;
-        A lane_x = 0, lane_y = 0, lane_attn = 0;   /* sample (chunk + lane)'s */
-        const T *grad = g.output + w * d.dims;
-        A held[kHeld];
+        const T *grad = g.output + item * d.dims;
+        A held[V];   /* grad_output's channels of the lane's first pack */
+        if (member < packs) {
+            const Pack<T, V> first = load_pack<T, V>(grad + member * V);
 #pragma unroll
-        for (int r = 0; r < kHeld; ++r) {
-            const int64_t k = lane + r * kWarp;
-            held[r] = k < d.dims ? to_compute(grad[k]) : (A)0;
+            for (int c = 0; c < V; ++c) held[c] = to_compute(first.v[c]);
         }
+        SampleStream<T> next(in, item, samples);
         for (int64_t l = 0; l < d.levels; ++l) {
             const Level level(levels, l);
             const int64_t offset = ((n * d.keys + (level.inside ? level.start : 0)) * d.heads + m) *
                                    d.dims;
             for (int64_t p = 0; p < d.points; ++p) {
-                const int64_t local = l * d.points + p, j = first + local;
-                const int src = (int)(local % kWarp);   /* the same in every lane */
-                if (src == 0 && local + lane < samples) {   /* the next 32 samples */
-                    const int64_t mine = j + lane;
-                    lane_x = to_compute(in.locations[2 * mine]);
-                    lane_y = to_compute(in.locations[2 * mine + 1]);
-                    lane_attn = to_compute(in.weights[mine]);
-                }
-                constexpr unsigned kAll = 0xffffffffu;
-                const A loc_x = __shfl_sync(kAll, lane_x, src);
-                const A loc_y = __shfl_sync(kAll, lane_y, src);
-                const A attn = __shfl_sync(kAll, lane_attn, src);
+                const int64_t j = item * samples + l * d.points + p;
+                const A loc_x = next.x, loc_y = next.y, attn = next.weight;
+                next.load(l * d.points + p + 1);
                 mmd_bilinear_sample<A> s;
                 mmd_msda_locate(loc_x, loc_y, level.h, level.w, &s);
-                if (!level.inside || s.undefined) {   /* NaN gradients, none for value */
-                    if (lane == 0) {
-                        const T nan = from_compute<T>((A)NAN);
-                        g.locations[2 * j] = g.locations[2 * j + 1] = g.weights[j] = nan;
+                /* off the levels or undefined: NaN gradients, none for value */
+                const bool skip = !valid || !level.inside || s.undefined;
+                /* grad's dot products with the four corners, from which those
+                 * with the sample and its derivatives follow (as on the CPU) */
+                A dots[4] = {0, 0, 0, 0};
+                for (int64_t pack = member; !skip && pack < packs; pack += lanes) {
+                    A gk[V];
+                    if (pack == member) {
+#pragma unroll
+                        for (int c = 0; c < V; ++c) gk[c] = held[c];
+                    } else {
+                        const Pack<T, V> read = load_pack<T, V>(grad + pack * V);
+#pragma unroll
+                        for (int c = 0; c < V; ++c) gk[c] = to_compute(read.v[c]);
                     }
+                    const int64_t k = pack * V;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if (s.index[q] < 0) continue;
+                        const int64_t at = offset + s.index[q] * stride + k;
+                        const Pack<T, V> cell = load_pack<T, V>(in.value + at);
+#pragma unroll
+                        for (int c = 0; c < V; ++c) dots[q] += gk[c] * to_compute(cell.v[c]);
+                        if (atomics) add_pack<T, V, A>(g.value + at, attn * s.weight[q], gk);
+                    }
+                }
+                group_sum4(dots, lanes);
+                if (member != 0 || !valid) continue;
+                if (!level.inside || s.undefined) {
+                    const T nan = from_compute<T>((A)NAN);
+                    g.locations[2 * j] = g.locations[2 * j + 1] = g.weights[j] = nan;
                     continue;
                 }
-                /* grad's dot products with the four corners, from which those with
-                 * the sample and its derivatives follow (as on the CPU) */
-                A dots[4] = {0, 0, 0, 0};
-                auto channel = [&](int64_t k, A gk) {
-                    for (int c = 0; c < 4; ++c) {
-                        if (s.index[c] < 0) continue;
-                        T *cell = g.value + offset + s.index[c] * stride + k;
-                        dots[c] += gk * to_compute(in.value[offset + s.index[c] * stride + k]);
-                        if (atomics) atomicAdd(cell, from_compute<T>(attn * s.weight[c] * gk));
-                    }
-                };
-#pragma unroll
-                for (int r = 0; r < kHeld; ++r)
-                    if (lane + r * kWarp < d.dims) channel(lane + r * kWarp, held[r]);
-                for (int64_t k = lane + kHeld * kWarp; k < d.dims; k += kWarp)
-                    channel(k, to_compute(grad[k]));
-                warp_sum4(dots);
-                const A sum_value = mmd_bilinear_value(s, dots);
-                const A sum_dy = mmd_bilinear_dvalue_dy(s, dots);
-                const A sum_dx = mmd_bilinear_dvalue_dx(s, dots);
-                if (lane == 0) {
-                    g.weights[j] = from_compute<T>(sum_value);
-                    g.locations[2 * j] = from_compute<T>(attn * sum_dx * (A)level.w);
-                    g.locations[2 * j + 1] = from_compute<T>(attn * sum_dy * (A)level.h);
-                }
+                g.weights[j] = from_compute<T>(mmd_bilinear_value(s, dots));
+                g.locations[2 * j] =
+                    from_compute<T>(attn * mmd_bilinear_dvalue_dx(s, dots) * (A)level.w);
+                g.locations[2 * j + 1] =
+                    from_compute<T>(attn * mmd_bilinear_dvalue_dy(s, dots) * (A)level.h);
             }
         }
     }
@@ -271,7 +347,11 @@ __global__ void value_grad_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d,
     }
 }
 
-unsigned warp_blocks(int64_t warps) { return blocks_for(warps * kWarp); }
+/* Blocks for `items` items of `lanes` lanes each (whole warps). */
+unsigned warp_blocks(int64_t items, int lanes = kWarp) {
+    const int per_warp = kWarp / lanes;
+    return blocks_for((items + per_warp - 1) / per_warp * kWarp);
+}
 
 int run(const mmd_tensor *value, const mmd_tensor *spatial_shapes,
         const mmd_tensor *level_start_index, const mmd_tensor *sampling_locations,
@@ -314,16 +394,36 @@ int run(const mmd_tensor *value, const mmd_tensor *spatial_shapes,
             typedef decltype(tag) T;
             const Arrays<T> in{(const T *)value->data, (const T *)sampling_locations->data,
                                (const T *)attention_weights->data};
+            constexpr int kPack = 16 / sizeof(T);
+            /* a head's channels in 16-byte packs where they split so and
+             * every array they are read from or written to is aligned */
+            const auto packed = [&](std::initializer_list<const mmd_tensor *> arrays) {
+                if (d.dims % kPack != 0) return false;
+                for (const mmd_tensor *a : arrays)
+                    if ((uintptr_t)a->data % 16 != 0) return false;
+                return true;
+            };
+            const int64_t items = d.batch * d.queries * d.heads;
             if (output) {
-                forward_kernel<T><<<blocks_for(mmd_numel(output)), kThreads, 0, stream>>>(
-                    in, levels, d, (T *)output->data, sink);
+                if (packed({value, output}))
+                    forward_kernel<T, kPack><<<blocks_for(items * (d.dims / kPack)), kThreads, 0,
+                                               stream>>>(in, levels, d, (T *)output->data, sink);
+                else
+                    forward_kernel<T, 1><<<blocks_for(items * d.dims), kThreads, 0, stream>>>(
+                        in, levels, d, (T *)output->data, sink);
                 return launch_status("multi_scale_deformable_attn launch");
             }
             const Grads<T> g{(const T *)grads[0]->data, (T *)grads[1]->data,
                              (T *)grads[2]->data, (T *)grads[3]->data};
-            const int64_t warps = d.batch * d.queries * d.heads;
-            backward_kernel<T><<<warp_blocks(warps), kThreads, 0, stream>>>(
-                in, levels, d, g, !deterministic, sink);
+            if (packed({value, grads[0], grads[1]})) {
+                const int lanes = group_lanes(d.dims / kPack);
+                backward_kernel<T, kPack><<<warp_blocks(items, lanes), kThreads, 0, stream>>>(
+                    in, levels, d, g, lanes, !deterministic, sink);
+            } else {
+                const int lanes = group_lanes(d.dims);
+                backward_kernel<T, 1><<<warp_blocks(items, lanes), kThreads, 0, stream>>>(
+                    in, levels, d, g, lanes, !deterministic, sink);
+            }
             int s = launch_status("multi_scale_deformable_attn backward launch");
             if (s || !deterministic || d.dims == 0) return s;
             value_grad_kernel<T><<<warp_blocks(d.batch * d.heads * d.dims), kThreads, 0,

@@ -449,6 +449,58 @@ def test_emulated_cuda_backward_over_one_warp_of_channels_and_more_equals_the_cp
         np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
 
 
+def misaligned(array):
+    """A copy of `array` whose data starts an element past a 16-byte boundary
+    (aligned to its dtype, as the dispatcher requires, but not to 16)."""
+    raw = np.empty(array.nbytes + 16 + array.itemsize, np.uint8)
+    start = (-raw.ctypes.data) % 16 + array.itemsize
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+@pytest.mark.parametrize("backend", ["default", "deterministic"])
+@pytest.mark.parametrize("dtype, d", [(np.float32, 4), (np.float32, 8), (np.float32, 12),
+                                      (np.float32, 32), (np.float32, 256), (np.float64, 2),
+                                      (np.float64, 70), (np.float16, 32), (np.float32, 6)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_emulated_cuda_kernels_in_16_byte_packs_of_channels_equal_the_cpu(
+        cuda_emulator, backend, dtype, d, aligned):
+    """A head's channels in 16-byte packs (4 float32, 2 float64, 8 float16)
+    where they split so: a thread per pack in the forward, and backward
+    groups of 1, 2, 4, 8 and 32 lanes per item (a lane per pack; 256
+    float32 channels give each lane two packs, 70 float64 ones three lanes
+    two), several items per warp; 6 float32 channels, and arrays that are
+    not 16-byte aligned, go channel by channel. The forward and every
+    gradient equal the CPU's (float16 computes in float32 on the GPU and
+    is compared with the float32 CPU kernel). Run by the emulator."""
+    from cuda_emu import DeviceView
+    rng = np.random.default_rng(d)
+    cpu_dtype = np.float32 if dtype == np.float16 else dtype
+    args = random_case(rng, np.float64, n=2, q=7, m=3, d=d, p=3)
+    args[3][1, 4, 2, 1, 2, 0] = np.nan   # one sample of the last item: NaN gradients
+    args = [a.astype(dtype) if a.dtype == np.float64 else a for a in args]
+    grad = rng.standard_normal((2, 7, 3 * d)).astype(dtype)
+    cpu = [a.astype(cpu_dtype) if a.dtype == dtype else a for a in args]
+    expected_out = multi_scale_deformable_attn(*cpu)
+    expected = multi_scale_deformable_attn_backward(*cpu, grad.astype(cpu_dtype))
+    place = (lambda a: a) if aligned else misaligned
+    out = place(np.full(expected_out.shape, 7.0, dtype))
+    got = [place(np.zeros(expected[0].shape, dtype))] + [
+        np.full(e.shape, 7.0, dtype) for e in expected[1:]]
+    device_args = [DeviceView(place(a)) if a.dtype == dtype else DeviceView(a) for a in args]
+    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend):
+        mmdispatch.multi_scale_deformable_attn_forward_impl(*device_args, DeviceView(out))
+        mmdispatch.multi_scale_deformable_attn_backward_impl(
+            *device_args, DeviceView(place(grad)), *[DeviceView(g) for g in got])
+        cuda_emulator.synchronize()
+    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(out.astype(cpu_dtype), expected_out, rtol=tol, atol=tol)
+    assert np.isnan(expected[1]).sum() == 2 and np.isnan(expected[2]).sum() == 1
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.astype(cpu_dtype), e, rtol=tol, atol=tol)
+
+
 def test_cuda_deterministic_backward_is_bit_identical_across_runs(cupy):
     rng = np.random.default_rng(12)
     # many queries sampling the same few cells: the atomic sums' order varies
