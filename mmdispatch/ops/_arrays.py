@@ -149,13 +149,27 @@ def check_ndim(op, name, x, ndim, layout):
 
 
 def pair(op, name, value, low=1):
-    """(h, w) from an int or a pair of ints, each >= low."""
-    try:  # runs the caller's __len__ / __iter__ / __index__, which may fail in any way
-        items = (value, value) if not hasattr(value, "__len__") else tuple(value)
-        h, w = (operator.index(v) for v in items)
+    """(h, w) from an int or a pair of ints (anything with __index__, numpy's
+    integers included, counts as an int), each >= low (low None: no bound;
+    the torch layer leaves bounds to the op). A tuple or list is taken as a
+    pair before anything else: torch 2.11's dynamo raises an internal
+    error, not a TypeError, for operator.index of a tuple, so torch.compile
+    of a call with a pair failed there."""
+    try:  # runs the caller's __index__ / __iter__, which may fail in any way
+        items = None
+        if not isinstance(value, (tuple, list)):
+            try:
+                size = operator.index(value)
+                items = (size, size)
+            except TypeError:
+                pass
+        if items is None:
+            h, w = value
+            items = (operator.index(h), operator.index(w))
     except Exception as exc:
         raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}") from exc
-    if h < low or w < low:
+    h, w = items
+    if low is not None and (h < low or w < low):
         raise ValueError(f"{op}: {name} must be >= {low}, got {value!r}")
     return h, w
 

@@ -7,11 +7,11 @@ Where our semantics differ from torchvision's they are documented on the
 function (box_iou of boxes with no area is 0, not NaN).
 """
 import math
-import operator
 
 import torch
 from torch import nn
 
+from mmdispatch.ops._arrays import pair
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
 from mmdispatch.torch._library import DERIVED
@@ -28,23 +28,9 @@ _AVG = _POOL_MODES["avg"]
 
 
 def _pair(op, value, name="output_size"):
-    """(h, w) from an int or a pair of ints (torchvision's output_size;
-    anything with __index__, numpy's integers included, counts as an int).
-    A tuple or list is taken as a pair before anything else: torch 2.11's
-    dynamo raises an internal error, not a TypeError, for operator.index of
-    a tuple, so torch.compile of a call with a pair failed there."""
-    if not isinstance(value, (tuple, list)):
-        try:
-            size = operator.index(value)
-            return size, size
-        except TypeError:
-            pass
-    try:
-        h, w = value
-        return operator.index(h), operator.index(w)
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got "
-                        f"{value!r}") from None
+    """(h, w) from an int or a pair of ints (torchvision's output_size),
+    unbounded: the op checks the sizes."""
+    return pair(op, name, value, low=None)
 
 
 def like_dtype(value, like):
@@ -250,11 +236,6 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     return loss
 
 
-def _int_pair(op, name, value):
-    """(h, w) from an int or a pair of ints (stride, padding, dilation)."""
-    return _pair(op, value, name)
-
-
 def deform_groups(op, input, offset, weight):
     """(groups, offset_groups) that the tensors' shapes imply, as
     torchvision infers them."""
@@ -278,9 +259,9 @@ def deform_conv2d(input, offset, weight, bias=None, stride=(1, 1), padding=(0, 0
     differentiable with respect to input, offset, weight, bias and mask."""
     op = "deform_conv2d"
     groups, offset_groups = deform_groups(op, input, offset, weight)
-    return _DEFORM_CONV2D(input, offset, mask, weight, bias, *_int_pair(op, "stride", stride),
-                          *_int_pair(op, "padding", padding),
-                          *_int_pair(op, "dilation", dilation), groups, offset_groups)
+    return _DEFORM_CONV2D(input, offset, mask, weight, bias, *_pair(op, stride, "stride"),
+                          *_pair(op, padding, "padding"),
+                          *_pair(op, dilation, "dilation"), groups, offset_groups)
 
 
 class DeformConv2d(nn.Module):
@@ -295,10 +276,10 @@ class DeformConv2d(nn.Module):
             raise ValueError(f"DeformConv2d: groups ({groups}) must divide in_channels "
                              f"({in_channels}) and out_channels ({out_channels})")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size = _int_pair("DeformConv2d", "kernel_size", kernel_size)
-        self.stride = _int_pair("DeformConv2d", "stride", stride)
-        self.padding = _int_pair("DeformConv2d", "padding", padding)
-        self.dilation = _int_pair("DeformConv2d", "dilation", dilation)
+        self.kernel_size = _pair("DeformConv2d", kernel_size, "kernel_size")
+        self.stride = _pair("DeformConv2d", stride, "stride")
+        self.padding = _pair("DeformConv2d", padding, "padding")
+        self.dilation = _pair("DeformConv2d", dilation, "dilation")
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups,
                                                *self.kernel_size))
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None

@@ -18,7 +18,7 @@ from mmdispatch.ops.roi_pool import CONVENTIONS as _ROI_POOL_CONVENTIONS
 from mmdispatch.ops.soft_nms import METHODS as _SOFT_NMS_METHODS
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
-from mmdispatch.torch._vision import _int_pair, _nms, _pair
+from mmdispatch.torch._vision import _nms, _pair
 from mmdispatch.torch._vision import deform_groups as _deform_groups_of
 from mmdispatch.torch._vision import like_dtype as _like_dtype
 from mmdispatch.torch._vision import rois_of as _rois_of
@@ -465,9 +465,9 @@ def _deform(op, input, offset, mask, weight, bias, stride, padding, dilation, gr
                          f"the shapes, which imply groups={implied[0]}, "
                          f"deform_groups={implied[1]} (weight (C_out, C_in // groups, "
                          f"kh, kw), offset (N, 2 * deform_groups * kh * kw, out_h, out_w))")
-    return _DEFORM_CONV2D(input, offset, mask, weight, bias, *_int_pair(op, "stride", stride),
-                          *_int_pair(op, "padding", padding),
-                          *_int_pair(op, "dilation", dilation), groups, deform_groups)
+    return _DEFORM_CONV2D(input, offset, mask, weight, bias, *_pair(op, stride, "stride"),
+                          *_pair(op, padding, "padding"),
+                          *_pair(op, dilation, "dilation"), groups, deform_groups)
 
 
 def deform_conv2d(input, offset, weight, stride=1, padding=0, dilation=1, groups=1,
@@ -500,10 +500,10 @@ class _DeformBase(nn.Module):
             raise ValueError(f"{op}: groups ({groups}) must divide in_channels "
                              f"({in_channels}) and out_channels ({out_channels})")
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size = _int_pair(op, "kernel_size", kernel_size)
-        self.stride = _int_pair(op, "stride", stride)
-        self.padding = _int_pair(op, "padding", padding)
-        self.dilation = _int_pair(op, "dilation", dilation)
+        self.kernel_size = _pair(op, kernel_size, "kernel_size")
+        self.stride = _pair(op, stride, "stride")
+        self.padding = _pair(op, padding, "padding")
+        self.dilation = _pair(op, dilation, "dilation")
         self.groups, self.deform_groups = groups, deform_groups
         self.transposed, self.output_padding = False, (0,)   # nn.Conv2d's attributes
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups,

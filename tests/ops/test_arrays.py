@@ -140,3 +140,42 @@ def test_another_librarys_index_array_goes_on_to_the_dispatchers_checks():
                                         "float32"):
         batched_nms(np.zeros((3, 4), np.float32), np.zeros(3, np.float32),
                     np.zeros(3, np.float32), 0.5)
+
+
+class _Index:
+    """An int only through __index__."""
+    def __index__(self):
+        return 3
+
+
+class _BadIter:
+    """Neither an int nor iterable without failing."""
+    def __iter__(self):
+        raise RuntimeError("broken iterator")
+
+
+@pytest.mark.parametrize("value, expected", [
+    (4, (4, 4)), (np.int32(5), (5, 5)), (np.array(6), (6, 6)), (_Index(), (3, 3)),
+    ((2, 3), (2, 3)), ([2, 3], (2, 3)), (np.array([2, 3]), (2, 3)), ((np.int64(2), 3), (2, 3)),
+    ({1: 0, 4: 0}, (1, 4))])
+def test_pair_takes_an_int_or_a_pair_of_ints(value, expected):
+    from mmdispatch.ops._arrays import pair
+    assert pair("op", "output_size", value) == expected
+    assert all(type(v) is int for v in pair("op", "output_size", value))
+
+
+@pytest.mark.parametrize("value", ["7", "ab", 2.0, (2.0, 3), (1, 2, 3), [4], None,
+                                   np.array([1.5, 2]), _BadIter()])
+def test_pair_refuses_what_is_not_an_int_or_a_pair_of_ints_naming_op_and_parameter(value):
+    from mmdispatch.ops._arrays import pair
+    with pytest.raises(TypeError, match=r"^op: stride must be an int or a pair of ints, got "):
+        pair("op", "stride", value)
+
+
+def test_pair_bounds_each_size_unless_the_bound_is_none():
+    from mmdispatch.ops._arrays import pair
+    with pytest.raises(ValueError, match=r"^op: padding must be >= 0, got \(1, -1\)$"):
+        pair("op", "padding", (1, -1), low=0)
+    with pytest.raises(ValueError, match=r"^op: output_size must be >= 1, got 0$"):
+        pair("op", "output_size", 0)
+    assert pair("op", "output_size", (0, -2), low=None) == (0, -2)   # the torch layer's call
