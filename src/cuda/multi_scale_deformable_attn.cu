@@ -5,7 +5,9 @@
  * - A head's channels go in 16-byte packs (4 float, 2 double, 8 half)
  *   where they split so and the arrays are 16-byte aligned, else one by
  *   one: each thread's arithmetic for a sample (location, corners,
- *   weights) serves a pack's channels.
+ *   weights) serves a pack's channels. The deterministic backward goes
+ *   channel by channel always (its sums over a group's lanes would
+ *   otherwise be grouped by the arrays' alignment).
  * - Forward: one thread per pack of an output item (image, query, head), so
  *   that a warp reads a cell's channels together; each sample's location is
  *   loaded while the previous sample's cells are.
@@ -415,7 +417,9 @@ int run(const mmd_tensor *value, const mmd_tensor *spatial_shapes,
             }
             const Grads<T> g{(const T *)grads[0]->data, (T *)grads[1]->data,
                              (T *)grads[2]->data, (T *)grads[3]->data};
-            if (packed({value, grads[0], grads[1]})) {
+            /* the deterministic backend's bits must not depend on where the
+             * arrays lie: per channel there, whatever the alignment */
+            if (!deterministic && packed({value, grads[0], grads[1]})) {
                 const int lanes = group_lanes(d.dims / kPack);
                 backward_kernel<T, kPack><<<warp_blocks(items, lanes), kThreads, 0, stream>>>(
                     in, levels, d, g, lanes, !deterministic, sink);
