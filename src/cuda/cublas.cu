@@ -35,6 +35,12 @@ typedef int (*SetStreamFn)(Handle, cudaStream_t);
 template <typename T>
 using GemmFn = int (*)(Handle, int, int, int, int, int, const T *, const T *, int, const T *,
                        int, const T *, T *, int);
+/* ...StridedBatched (cuBLAS 8 and later): each operand with its stride
+ * between batches, then the batch count */
+template <typename T>
+using BatchedFn = int (*)(Handle, int, int, int, int, int, const T *, const T *, int,
+                          long long, const T *, int, long long, const T *, T *, int, long long,
+                          int);
 enum { kOpN = 0, kOpT = 1, kStatusSuccess = 0 };
 
 struct Api {
@@ -42,11 +48,16 @@ struct Api {
     SetStreamFn set_stream = nullptr;
     GemmFn<float> sgemm = nullptr;
     GemmFn<double> dgemm = nullptr;
+    BatchedFn<float> sgemm_batched = nullptr;   /* null: products one at a time */
+    BatchedFn<double> dgemm_batched = nullptr;
 
     template <typename T> GemmFn<T> gemm() const;
+    template <typename T> BatchedFn<T> batched() const;
 };
 template <> GemmFn<float> Api::gemm<float>() const { return sgemm; }
 template <> GemmFn<double> Api::gemm<double>() const { return dgemm; }
+template <> BatchedFn<float> Api::batched<float>() const { return sgemm_batched; }
+template <> BatchedFn<double> Api::batched<double>() const { return dgemm_batched; }
 
 bool take_from(void *library, Api *api) {
     Api found;
@@ -55,23 +66,31 @@ bool take_from(void *library, Api *api) {
     found.sgemm = (GemmFn<float>)dlsym(library, "cublasSgemm_v2");
     found.dgemm = (GemmFn<double>)dlsym(library, "cublasDgemm_v2");
     if (!found.create || !found.set_stream || !found.sgemm || !found.dgemm) return false;
+    found.sgemm_batched = (BatchedFn<float>)dlsym(library, "cublasSgemmStridedBatched");
+    found.dgemm_batched = (BatchedFn<double>)dlsym(library, "cublasDgemmStridedBatched");
+    if (!found.sgemm_batched || !found.dgemm_batched)
+        found.sgemm_batched = nullptr, found.dgemm_batched = nullptr;
     *api = found;
     return true;
 }
 
 #ifdef MMD_CUDA_EMULATOR
 extern "C" int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm,
-                                        void **dgemm);
+                                        void **dgemm, void **sgemm_batched,
+                                        void **dgemm_batched);
 
-/* The emulator's stand-in, while the tests have it switched on. */
+/* The emulator's stand-in, while the tests have it switched on (its
+ * batched products null when they switch those off). */
 Api api() {
     Api a;
-    void *f[4];
-    if (mmd_emu_cublas_functions(&f[0], &f[1], &f[2], &f[3])) {
+    void *f[6];
+    if (mmd_emu_cublas_functions(&f[0], &f[1], &f[2], &f[3], &f[4], &f[5])) {
         a.create = (CreateFn)f[0];
         a.set_stream = (SetStreamFn)f[1];
         a.sgemm = (GemmFn<float>)f[2];
         a.dgemm = (GemmFn<double>)f[3];
+        a.sgemm_batched = (BatchedFn<float>)f[4];
+        a.dgemm_batched = (BatchedFn<double>)f[5];
     }
     return a;
 }
@@ -123,13 +142,15 @@ bool transpose_operand(int64_t rows, int64_t cols, int64_t row, int64_t col, int
 }
 
 template <typename T>
-bool gemm_with(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const T *a, int64_t a_row,
-               int64_t a_col, const T *b, int64_t b_row, int64_t b_col, T beta, T *c,
-               int64_t ldc) {
-    if (m <= 0 || n <= 0 || k <= 0) return false;
+bool gemm_with(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
+               const T *a, int64_t a_row, int64_t a_col, int64_t a_batch, const T *b,
+               int64_t b_row, int64_t b_col, int64_t b_batch, T beta, T *c, int64_t ldc,
+               int64_t c_batch) {
+    if (batches <= 0 || m <= 0 || n <= 0 || k <= 0 || batches > INT_MAX) return false;
     const Api functions = api();
     const GemmFn<T> gemm = functions.gemm<T>();
-    if (gemm == nullptr) return false;
+    const BatchedFn<T> batched = functions.batched<T>();
+    if (gemm == nullptr || (batches > 1 && batched == nullptr)) return false;
     int op_a, op_b;
     int64_t lda, ldb;
     /* C^T (n x m, column-major with leading dimension ldc) = b^T a^T */
@@ -150,22 +171,30 @@ bool gemm_with(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const T *a,
     if (d.handle == nullptr && !d.failed) d.failed = functions.create(&d.handle) != kStatusSuccess;
     if (d.failed || functions.set_stream(d.handle, stream) != kStatusSuccess) return false;
     const T one = 1;
-    return gemm(d.handle, op_b, op_a, (int)n, (int)m, (int)k, &one, b, (int)ldb, a, (int)lda,
-                &beta, c, (int)ldc) == kStatusSuccess;
+    if (batches == 1)
+        return gemm(d.handle, op_b, op_a, (int)n, (int)m, (int)k, &one, b, (int)ldb, a,
+                    (int)lda, &beta, c, (int)ldc) == kStatusSuccess;
+    return batched(d.handle, op_b, op_a, (int)n, (int)m, (int)k, &one, b, (int)ldb, b_batch, a,
+                   (int)lda, a_batch, &beta, c, (int)ldc, c_batch,
+                   (int)batches) == kStatusSuccess;
 }
 
 }  // namespace
 
-bool cublas_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const float *a,
-                 int64_t a_row, int64_t a_col, const float *b, int64_t b_row, int64_t b_col,
-                 float beta, float *c, int64_t ldc) {
-    return gemm_with(stream, m, n, k, a, a_row, a_col, b, b_row, b_col, beta, c, ldc);
+bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
+                 const float *a, int64_t a_row, int64_t a_col, int64_t a_batch, const float *b,
+                 int64_t b_row, int64_t b_col, int64_t b_batch, float beta, float *c,
+                 int64_t ldc, int64_t c_batch) {
+    return gemm_with(stream, batches, m, n, k, a, a_row, a_col, a_batch, b, b_row, b_col,
+                     b_batch, beta, c, ldc, c_batch);
 }
 
-bool cublas_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const double *a,
-                 int64_t a_row, int64_t a_col, const double *b, int64_t b_row, int64_t b_col,
-                 double beta, double *c, int64_t ldc) {
-    return gemm_with(stream, m, n, k, a, a_row, a_col, b, b_row, b_col, beta, c, ldc);
+bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
+                 const double *a, int64_t a_row, int64_t a_col, int64_t a_batch,
+                 const double *b, int64_t b_row, int64_t b_col, int64_t b_batch, double beta,
+                 double *c, int64_t ldc, int64_t c_batch) {
+    return gemm_with(stream, batches, m, n, k, a, a_row, a_col, a_batch, b, b_row, b_col,
+                     b_batch, beta, c, ldc, c_batch);
 }
 
 }  // namespace mmd_cuda

@@ -1,26 +1,27 @@
 /* deform_conv2d on CUDA (torchvision semantics, sampling math shared with
- * the CPU kernels through mmdispatch/ops/deform_conv2d.h): deformable
- * im2col + matrix products, per image and per chunk of output pixels whose
- * column buffer holds at most kColumnBudget values. The products of float
- * and double operands go to the process's cuBLAS where one is loaded
+ * the CPU kernels through mmdispatch/ops/deform_conv2d.h): deformable im2col
+ * + matrix products, in passes over a few whole images at a time (their
+ * columns within kImagesBudget values), or over an image's output pixels in
+ * chunks whose columns hold at most kColumnBudget values. The products of
+ * float and double operands go to the process's cuBLAS where one is loaded
  * (mmdispatch/cuda/cublas.cuh: torch's, for torch users), as torchvision's
- * do; the others, and all of the deterministic backend's, to
- * register-tiled products of our own (k split in slices where the product
- * has few tiles).
+ * do, a pass's images in one strided batched product; the others, and all of
+ * the deterministic backend's, to register-tiled products of our own (k
+ * split in slices where the product has few tiles).
  *
- * Forward: a thread per (channel, pixel) writes its taps' column values,
- * then per weight group one product with the weight, the bias added as it
- * is written (cuBLAS: the bias written first, the product added to it).
- * Backward: the columns again; grad_weight += grad_output x columns^T; the
- * columns' gradient weight^T x grad_output; a thread per (offset group,
- * tap, pixel) sums grad_offset and grad_mask over the group's channels;
- * grad_input gets the columns' gradient at each sample's four cells, with
- * atomics (`default`: a thread per (channel, pixel) through the taps, as
- * im2col; float on sm_90+ adds a sample's cells that share an aligned 4 in
- * one float4 atomic) or a warp per input channel adding its samples 32 at
- * a time, summed in lane order (`deterministic`: the same bits on every
- * run). In the deterministic backend every product and sum has a fixed
- * order.
+ * Forward: a thread per (image, channel, pixel) writes its taps' column
+ * values, then per weight group one product with the weight per image, the
+ * bias added as it is written (cuBLAS: the bias written first, the product
+ * added to it). Backward: the columns again; grad_weight += grad_output x
+ * columns^T; the columns' gradient weight^T x grad_output; a thread per
+ * (image, offset group, tap, pixel) sums grad_offset and grad_mask over the
+ * group's channels; grad_input gets the columns' gradient at each sample's
+ * four cells, with atomics (`default`: a thread per (channel, pixel) through
+ * the taps, as im2col; float on sm_90+ adds a sample's cells that share an
+ * aligned 4 in one float4 atomic) or a warp per (image, input channel) plane
+ * adding its samples 32 at a time, summed in lane order (`deterministic`:
+ * the same bits on every run). In the deterministic backend every product
+ * and sum has a fixed order.
  *
  * float16 and bfloat16 compute in float32: the columns, grad_weight,
  * grad_bias and grad_input are summed in float32 buffers and written once.
@@ -40,7 +41,23 @@ namespace {
 
 using namespace mmd_cuda;
 
-constexpr int64_t kColumnBudget = int64_t(1) << 24;   /* values in a column buffer */
+/* Values in a column buffer of one image's pixels (the emulator's build
+ * lowers both budgets, so that its tests take several passes). */
+#ifndef MMD_DCN_COLUMN_BUDGET
+#define MMD_DCN_COLUMN_BUDGET (int64_t(1) << 24)
+#endif
+#ifndef MMD_DCN_IMAGES_BUDGET
+#define MMD_DCN_IMAGES_BUDGET (int64_t(1) << 25)
+#endif
+constexpr int64_t kColumnBudget = MMD_DCN_COLUMN_BUDGET;
+/* Whole images whose columns fit in kImagesBudget values in all go through
+ * im2col, col2im and their products together (one strided batched cuBLAS
+ * product per weight group where the process's cuBLAS has them, and one
+ * launch of each kernel): the bench's workload (2304 rows of columns by
+ * 4096 pixels an image) then takes both images in one product of 2 x 64
+ * tiles of 128 x 128, where an image alone has 64 tiles for an H100's 132
+ * SMs. */
+constexpr int64_t kImagesBudget = MMD_DCN_IMAGES_BUDGET;
 
 template <typename A> using Sample = mmd_bilinear_sample<A>;
 
@@ -49,6 +66,42 @@ int64_t chunk_of(const mmd_dcn_shape &d) {
     int64_t pixels = rows > 0 ? kColumnBudget / rows : d.pixels();
     if (pixels < 1) pixels = 1;
     return pixels < d.pixels() ? pixels : d.pixels();
+}
+
+/* What one pass of im2col takes: images [n0, n0 + images) and pixels
+ * [p0, p0 + count) of each, their columns one image after another (rows x
+ * count each, rows = in_channels * taps). Several images only when each
+ * is whole (p0 0, count all pixels). */
+struct Span {
+    int64_t n0, images, p0, count;
+};
+
+/* The images and pixels a pass takes at most: whole images, as many as
+ * kImagesBudget values of columns hold, where one image's columns fit in
+ * kColumnBudget; else one image's pixels in chunks of kColumnBudget. */
+Span pass_of(const mmd_dcn_shape &d) {
+    const int64_t rows = d.in_channels * d.taps(), pixels = d.pixels(), count = chunk_of(d);
+    int64_t images = 1;
+    if (count == pixels && rows > 0 && pixels > 0) {   /* rows * pixels <= kColumnBudget */
+        images = kImagesBudget / (rows * pixels);
+        if (images > d.batch) images = d.batch;
+        if (images < 1) images = 1;
+    }
+    return Span{0, images, 0, count};
+}
+
+/* f(span) for each pass over the batch's images and pixels, in order (a
+ * nonzero return stops the walk and is returned). */
+template <typename F> int for_each_pass(const mmd_dcn_shape &d, const Span &most, F f) {
+    const int64_t pixels = d.pixels();
+    for (int64_t n0 = 0; n0 < d.batch; n0 += most.images)
+        for (int64_t p0 = 0; p0 < pixels; p0 += most.count) {
+            const Span span{n0, d.batch - n0 < most.images ? d.batch - n0 : most.images, p0,
+                            pixels - p0 < most.count ? pixels - p0 : most.count};
+            const int s = f(span);
+            if (s) return s;
+        }
+    return MMD_OK;
 }
 
 /* Where tap (ki, kj) of output pixel (oy, ox) samples; dy points at the
@@ -82,21 +135,26 @@ __device__ inline typename Compute<T>::type mask_at(const T *mask, const mmd_dcn
                 : (A)1;
 }
 
-/* A thread of im2col and col2im: channel c, pixel p0 + q, through the K
- * taps (the index split once, not per tap: a thread per column value took
- * 199 us per image for im2col on the bench's workload, twice torchvision's
- * per image, ncu on an H100, 2026-11-26). */
+/* A thread of im2col and col2im: image n (the span's j-th), channel c,
+ * pixel p0 + q, through the K taps (the index split once, not per tap: a
+ * thread per column value took 199 us per image for im2col on the bench's
+ * workload, twice torchvision's per image, ncu on an H100, 2026-11-26);
+ * `column` is its tap 0's place in the span's columns. */
 template <typename T> struct TapWalk {
     typedef typename Compute<T>::type A;
-    int64_t q, c, oy, ox;
+    int64_t n, c, oy, ox, column;
     const T *dy, *m;   /* tap 0's y offset and mask of the pixel (m null: no mask) */
 
-    __device__ TapWalk(const T *offset, const T *mask, const mmd_dcn_shape &d, int64_t n,
-                       int64_t p0, int64_t count, int64_t i) {
-        const int64_t taps = d.taps(), pixels = d.pixels();
-        q = i % count;
-        c = i / count;
-        const int64_t p = p0 + q, pair = n * d.offset_groups + c / d.channels_per_offset_group();
+    __device__ TapWalk(const T *offset, const T *mask, const mmd_dcn_shape &d, const Span &span,
+                       int64_t i) {
+        const int64_t taps = d.taps(), pixels = d.pixels(), count = span.count;
+        const int64_t q = i % count, rest = i / count;
+        c = rest % d.in_channels;
+        const int64_t j = rest / d.in_channels;
+        n = span.n0 + j;
+        column = (j * d.in_channels + c) * taps * count + q;
+        const int64_t p = span.p0 + q;
+        const int64_t pair = n * d.offset_groups + c / d.channels_per_offset_group();
         oy = p / d.out_w;
         ox = p - oy * d.out_w;
         dy = offset + pair * 2 * taps * pixels + p;
@@ -115,18 +173,18 @@ template <typename T> struct TapWalk {
     }
 };
 
-/* columns[(c * K + t) * count + q] = mask * sample of channel c, pixel
- * p0 + q, tap t: a thread per (channel, pixel), pixels fastest. */
+/* columns[((j * C + c) * K + t) * count + q] = mask * sample of image
+ * n0 + j, channel c, pixel p0 + q, tap t: a thread per (image, channel,
+ * pixel), pixels fastest. */
 template <typename T>
 __global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mmd_dcn_shape d,
-                              int64_t n, int64_t p0, int64_t count,
-                              typename Compute<T>::type *columns) {
+                              Span span, typename Compute<T>::type *columns) {
     typedef typename Compute<T>::type A;
-    const int64_t taps = d.taps(), plane = d.height * d.width;
-    MMD_GRID_STRIDE_LOOP(i, d.in_channels * count) {
-        const TapWalk<T> w(offset, mask, d, n, p0, count, i);
-        const T *x = input + (n * d.in_channels + w.c) * plane;
-        A *out = columns + w.c * taps * count + w.q;
+    const int64_t plane = d.height * d.width, count = span.count;
+    MMD_GRID_STRIDE_LOOP(i, span.images * d.in_channels * count) {
+        const TapWalk<T> w(offset, mask, d, span, i);
+        const T *x = input + (w.n * d.in_channels + w.c) * plane;
+        A *out = columns + w.column;
         w.each(d, [&](int64_t t, const Sample<A> &s, A weight) {
             A v[4];
             mmd_bilinear_corners(s, x, v);
@@ -286,43 +344,48 @@ int gemm_in(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, Vi
     return MMD_OK;
 }
 
-/* c[i * ldc + j] = bias[i] for the m x n product's elements. */
+/* c[b * c_batch + i * ldc + j] = bias[i] for the elements of `batches`
+ * m x n products. */
 template <typename E>
-__global__ void fill_rows_kernel(E *c, int64_t ldc, int64_t m, int64_t n, const E *bias) {
-    MMD_GRID_STRIDE_LOOP(e, m * n) c[(e / n) * ldc + e % n] = bias[e / n];
+__global__ void fill_rows_kernel(E *c, int64_t ldc, int64_t c_batch, int64_t batches, int64_t m,
+                                 int64_t n, const E *bias) {
+    MMD_GRID_STRIDE_LOOP(e, batches * m * n) {
+        const int64_t b = e / (m * n), r = e % (m * n);
+        c[b * c_batch + (r / n) * ldc + r % n] = bias[r / n];
+    }
 }
 
-/* The product (gemm_in's contract) through the process's cuBLAS
- * (mmdispatch/cuda/cublas.cuh), where it has one and the operands are all
- * of the compute type: the bias first written into c, then added to by
- * the product. False, with c unwritten or to be overwritten (beta 0),
- * where it did not. */
+/* `batches` products (gemm_in's contract each; product j's operands and
+ * result a_batch, b_batch and c_batch elements past product 0's, a stride
+ * of 0 sharing one) in one call to the process's cuBLAS
+ * (mmdispatch/cuda/cublas.cuh), where it has one (with strided batched
+ * products, for batches > 1) and the operands are all of the compute
+ * type: the bias first written into c, then added to by the product.
+ * False, with c unwritten or to be overwritten (beta 0), where it did not. */
 template <typename Acc, typename EA, typename EB, typename EC>
-bool library_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b,
-                  EC *c, int64_t ldc, Acc beta, const EC *bias) {
+bool library_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
+                  View<EA> a, int64_t a_batch, View<EB> b, int64_t b_batch, EC *c, int64_t ldc,
+                  int64_t c_batch, Acc beta, const EC *bias) {
     if constexpr (std::is_same<EA, Acc>::value && std::is_same<EB, Acc>::value &&
                   std::is_same<EC, Acc>::value) {
         if (bias != nullptr && beta != 0) return false;
-        if (bias != nullptr && m > 0 && n > 0 && k > 0) {
-            fill_rows_kernel<<<blocks_for(m * n), kThreads, 0, stream>>>(c, ldc, m, n, bias);
+        if (bias != nullptr && batches > 0 && m > 0 && n > 0 && k > 0) {
+            fill_rows_kernel<<<blocks_for(batches * m * n), kThreads, 0, stream>>>(
+                c, ldc, c_batch, batches, m, n, bias);
             if (cudaGetLastError() != cudaSuccess) return false;
             beta = 1;
         }
-        return cublas_gemm(stream, m, n, k, a.data, a.row, a.col, b.data, b.row, b.col, beta, c,
-                           ldc);
+        return cublas_gemm(stream, batches, m, n, k, a.data, a.row, a.col, a_batch, b.data,
+                           b.row, b.col, b_batch, beta, c, ldc, c_batch);
     }
     return false;
 }
 
-/* c = a x b + beta * c (+ bias per row): through the process's cuBLAS
- * where `library` allows it (not the deterministic backend: cuBLAS keeps
- * its bits only while one stream is active) and it can, else the own
- * tiles. */
+/* One product (gemm_in's contract) in the own tiles: 128 x 128 for float
+ * products of 128 rows and columns or more, else 64 x 64. */
 template <typename Acc, typename EA, typename EB, typename EC>
-int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b, EC *c,
-         int64_t ldc, Acc beta, const EC *bias, bool library) {
-    if (library && library_gemm(stream, m, n, k, a, b, c, ldc, beta, bias))
-        return launch_status("deform_conv2d product (cuBLAS)");
+int own_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<EB> b,
+             EC *c, int64_t ldc, Acc beta, const EC *bias) {
     if constexpr (sizeof(Acc) == 4) {
         if (m >= LargeTile::BM && n >= LargeTile::BN)
             return gemm_in<LargeTile>(stream, m, n, k, a, b, c, ldc, beta, bias);
@@ -330,19 +393,49 @@ int gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, View<
     return gemm_in<SmallTile>(stream, m, n, k, a, b, c, ldc, beta, bias);
 }
 
-/* grad_offset and grad_mask of pixels [p0, p0 + count): a thread per
- * (offset group, tap, pixel), summing over the group's channels in order. */
+/* `batches` products c_j = a_j x b_j + beta * c_j (+ bias per row), at
+ * library_gemm's strides: in one call to the process's cuBLAS where
+ * `library` allows it (not the deterministic backend: cuBLAS keeps its
+ * bits only while one stream is active) and it can, else one at a time,
+ * each through cuBLAS as above or the own tiles. */
+template <typename Acc, typename EA, typename EB, typename EC>
+int gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k, View<EA> a,
+         int64_t a_batch, View<EB> b, int64_t b_batch, EC *c, int64_t ldc, int64_t c_batch,
+         Acc beta, const EC *bias, bool library) {
+    if (library && library_gemm(stream, batches, m, n, k, a, a_batch, b, b_batch, c, ldc,
+                                c_batch, beta, bias))
+        return launch_status("deform_conv2d product (cuBLAS)");
+    for (int64_t j = 0; j < batches; ++j) {
+        const View<EA> aj{a.data + j * a_batch, a.row, a.col};
+        const View<EB> bj{b.data + j * b_batch, b.row, b.col};
+        EC *cj = c + j * c_batch;
+        const int s =
+            batches > 1 && library &&
+                    library_gemm(stream, 1, m, n, k, aj, 0, bj, 0, cj, ldc, 0, beta, bias)
+                ? launch_status("deform_conv2d product (cuBLAS)")
+                : own_gemm(stream, m, n, k, aj, bj, cj, ldc, beta, bias);
+        if (s) return s;
+    }
+    return MMD_OK;
+}
+
+/* grad_offset and grad_mask of the span's images and pixels: a thread per
+ * (image, offset group, tap, pixel), summing over the group's channels in
+ * order. */
 template <typename T>
 __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T *mask,
-                                        mmd_dcn_shape d, int64_t n, int64_t p0, int64_t count,
+                                        mmd_dcn_shape d, Span span,
                                         const typename Compute<T>::type *grad_columns,
                                         T *grad_offset, T *grad_mask) {
     typedef typename Compute<T>::type A;
     const int64_t taps = d.taps(), per_group = d.channels_per_offset_group();
-    const int64_t plane = d.height * d.width, pixels = d.pixels();
-    MMD_GRID_STRIDE_LOOP(i, d.offset_groups * taps * count) {
-        const int64_t q = i % count, t = (i / count) % taps, g = i / count / taps;
-        const int64_t p = p0 + q;
+    const int64_t plane = d.height * d.width, pixels = d.pixels(), count = span.count;
+    MMD_GRID_STRIDE_LOOP(i, span.images * d.offset_groups * taps * count) {
+        const int64_t q = i % count, t = (i / count) % taps, rest = i / count / taps;
+        const int64_t g = rest % d.offset_groups, j = rest / d.offset_groups;
+        const int64_t n = span.n0 + j, p = span.p0 + q;
+        /* the image's columns' gradient */
+        const A *image_grads = grad_columns + j * d.in_channels * taps * count;
         Sample<A> s;
         locate(offset, d, n, g, t, p, &s);
         const A m = mask_at(mask, d, n, g, t, p);
@@ -350,7 +443,7 @@ __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             A v[4];
             mmd_bilinear_corners(s, input + (n * d.in_channels + c) * plane, v);
-            const A gc = grad_columns[(c * taps + t) * count + q];
+            const A gc = image_grads[(c * taps + t) * count + q];
             gm += gc * mmd_bilinear_value(s, v);
             /* the mask in each channel's term, as the CPU kernel has it */
             gy += gc * m * mmd_bilinear_dvalue_dy(s, v);
@@ -363,7 +456,7 @@ __global__ void offset_mask_grad_kernel(const T *input, const T *offset, const T
             for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
                 A v[4];
                 mmd_bilinear_corners(at, input + (n * d.in_channels + c) * plane, v);
-                ge += grad_columns[(c * taps + t) * count + q] * m *
+                ge += image_grads[(c * taps + t) * count + q] * m *
                       mmd_bilinear_edge_derivative(s.edge, at, v);
             }
             (s.edge == MMD_BILINEAR_EDGE_Y ? gy : gx) = ge;
@@ -403,45 +496,49 @@ __device__ inline void add_sample(A *plane, int64_t plane_size, const Sample<A> 
 /* grad_input (in A) += the columns' gradient at each sample's cells, with
  * atomics: a thread per (channel, pixel) through the K taps, as im2col. */
 template <typename T>
-__global__ void col2im_atomic_kernel(const T *offset, const T *mask, mmd_dcn_shape d, int64_t n,
-                                     int64_t p0, int64_t count,
+__global__ void col2im_atomic_kernel(const T *offset, const T *mask, mmd_dcn_shape d, Span span,
                                      const typename Compute<T>::type *grad_columns,
                                      typename Compute<T>::type *grad_input) {
     typedef typename Compute<T>::type A;
-    const int64_t taps = d.taps(), plane_size = d.height * d.width;
-    MMD_GRID_STRIDE_LOOP(i, d.in_channels * count) {
-        const TapWalk<T> w(offset, mask, d, n, p0, count, i);
-        A *plane = grad_input + (n * d.in_channels + w.c) * plane_size;
-        const A *grads = grad_columns + w.c * taps * count + w.q;
+    const int64_t plane_size = d.height * d.width, count = span.count;
+    MMD_GRID_STRIDE_LOOP(i, span.images * d.in_channels * count) {
+        const TapWalk<T> w(offset, mask, d, span, i);
+        A *plane = grad_input + (w.n * d.in_channels + w.c) * plane_size;
+        const A *grads = grad_columns + w.column;
         w.each(d, [&](int64_t t, const Sample<A> &s, A weight) {
             add_sample(plane, plane_size, s, grads[t * count] * weight);
         });
     }
 }
 
-/* The same, a warp per input channel (blockIdx.x): its (tap, pixel) items
- * 32 at a time, each of the 4 cells added with warp_ordered_add. */
+/* The same, a warp per (image, input channel) plane (blocks of one warp,
+ * a grid-stride loop over the planes): its (tap, pixel) items 32 at a
+ * time, each of the 4 cells added with warp_ordered_add. */
 template <typename T>
 __global__ void col2im_deterministic_kernel(const T *offset, const T *mask, mmd_dcn_shape d,
-                                            int64_t n, int64_t p0, int64_t count,
+                                            Span span,
                                             const typename Compute<T>::type *grad_columns,
                                             typename Compute<T>::type *grad_input) {
     typedef typename Compute<T>::type A;
-    const int64_t taps = d.taps(), c = blockIdx.x, g = c / d.channels_per_offset_group();
-    A *plane = grad_input + (n * d.in_channels + c) * d.height * d.width;
-    const int64_t items = taps * count;
-    for (int64_t i0 = 0; i0 < items; i0 += 32) {
-        const int64_t i = i0 + threadIdx.x;
-        Sample<A> s;
-        A grad = 0;
-        for (int k = 0; k < 4; ++k) s.index[k] = -1, s.weight[k] = 0;
-        if (i < items) {
-            const int64_t t = i / count, q = i % count;
-            locate(offset, d, n, g, t, p0 + q, &s);
-            grad = grad_columns[c * items + i] * mask_at(mask, d, n, g, t, p0 + q);
+    const int64_t taps = d.taps(), count = span.count, items = taps * count;
+    for (int64_t b = blockIdx.x; b < span.images * d.in_channels; b += gridDim.x) {
+        const int64_t c = b % d.in_channels, j = b / d.in_channels, n = span.n0 + j;
+        const int64_t g = c / d.channels_per_offset_group();
+        A *plane = grad_input + (n * d.in_channels + c) * d.height * d.width;
+        const A *grads = grad_columns + (j * d.in_channels + c) * items;
+        for (int64_t i0 = 0; i0 < items; i0 += 32) {
+            const int64_t i = i0 + threadIdx.x;
+            Sample<A> s;
+            A grad = 0;
+            for (int k = 0; k < 4; ++k) s.index[k] = -1, s.weight[k] = 0;
+            if (i < items) {
+                const int64_t t = i / count, q = i % count;
+                locate(offset, d, n, g, t, span.p0 + q, &s);
+                grad = grads[i] * mask_at(mask, d, n, g, t, span.p0 + q);
+            }
+            for (int k = 0; k < 4; ++k)
+                warp_ordered_add(plane, s.index[k], grad * s.weight[k]);
         }
-        for (int k = 0; k < 4; ++k)
-            warp_ordered_add(plane, s.index[k], grad * s.weight[k]);
     }
 }
 
@@ -476,31 +573,31 @@ int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *ma
     typedef typename Compute<T>::type A;
     const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
     if (d.batch * d.out_channels * pixels == 0) return MMD_OK;
-    const int64_t chunk = chunk_of(d), out_per_group = d.out_channels / d.groups;
-    const int64_t k = rows / d.groups;
+    const Span most = pass_of(d);
+    const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
     StreamBuffer columns(stream);
-    cudaError_t err = columns.allocate(sizeof(A) * rows * chunk);
+    cudaError_t err = columns.allocate(sizeof(A) * rows * most.count * most.images);
     if (err != cudaSuccess) return cuda_error(err, "deform_conv2d column buffer");
-    for (int64_t n = 0; n < d.batch; ++n)
-        for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
-            const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            if (rows > 0) {
-                im2col_kernel<T><<<blocks_for(d.in_channels * count), kThreads, 0, stream>>>(
-                    input, offset, mask, d, n, p0, count, columns.as<A>());
-                int s = launch_status("deform_conv2d im2col launch");
-                if (s) return s;
-            }
-            for (int64_t g = 0; g < d.groups; ++g) {
-                const View<T> w{weight + g * out_per_group * k, k, 1};
-                const View<A> cols{columns.as<A>() + g * k * count, count, 1};
-                int s = gemm<A>(stream, out_per_group, count, k, w, cols,
-                                output + (n * d.out_channels + g * out_per_group) * pixels + p0,
-                                pixels, (A)0, bias ? bias + g * out_per_group : nullptr,
-                                !deterministic);
-                if (s) return s;
-            }
+    return for_each_pass(d, most, [&](const Span &span) -> int {
+        const int64_t count = span.count;
+        if (rows > 0) {
+            im2col_kernel<T><<<blocks_for(span.images * d.in_channels * count), kThreads, 0,
+                                stream>>>(input, offset, mask, d, span, columns.as<A>());
+            int s = launch_status("deform_conv2d im2col launch");
+            if (s) return s;
         }
-    return MMD_OK;
+        /* per weight group, one product per image (batched) */
+        for (int64_t g = 0; g < d.groups; ++g) {
+            const View<T> w{weight + g * out_per_group * k, k, 1};
+            const View<A> cols{columns.as<A>() + g * k * count, count, 1};
+            T *out = output + (span.n0 * d.out_channels + g * out_per_group) * pixels + span.p0;
+            int s = gemm<A>(stream, span.images, out_per_group, count, k, w, 0, cols,
+                            rows * count, out, pixels, d.out_channels * pixels, (A)0,
+                            bias ? bias + g * out_per_group : nullptr, !deterministic);
+            if (s) return s;
+        }
+        return MMD_OK;
+    });
 }
 
 /* Where backward sums a gradient: the output itself when T computes in T,
@@ -570,45 +667,48 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
         s = grad_input.finish(stream);
         return s ? s : grad_weight.finish(stream);
     }
-    const int64_t chunk = chunk_of(d);
+    const Span most = pass_of(d);
     StreamBuffer columns(stream);
-    cudaError_t err = columns.allocate(sizeof(A) * rows * chunk);
+    cudaError_t err = columns.allocate(sizeof(A) * rows * most.count * most.images);
     if (err != cudaSuccess) return cuda_error(err, "deform_conv2d column buffer");
-    for (int64_t n = 0; n < d.batch; ++n)
-        for (int64_t p0 = 0; p0 < pixels; p0 += chunk) {
-            const int64_t count = p0 + chunk < pixels ? chunk : pixels - p0;
-            im2col_kernel<T><<<blocks_for(d.in_channels * count), kThreads, 0, stream>>>(
-                input, offset, mask, d, n, p0, count, columns.as<A>());
-            s = launch_status("deform_conv2d im2col launch");
-            for (int64_t g = 0; g < d.groups && !s; ++g) {
-                const T *grad_g = grad_output + (n * d.out_channels + g * out_per_group) * pixels + p0;
-                A *cols = columns.as<A>() + g * k * count;
-                /* grad_weight += grad_output x columns^T */
-                s = gemm<A>(stream, out_per_group, k, count, View<T>{grad_g, pixels, 1},
-                            View<A>{cols, 1, count}, grad_weight.data + g * out_per_group * k, k,
-                            (A)1, (const A *)nullptr, !deterministic);
-                /* the columns' gradient: weight^T x grad_output */
-                if (!s)
-                    s = gemm<A>(stream, k, count, out_per_group,
-                                View<T>{weight + g * out_per_group * k, 1, k},
-                                View<T>{grad_g, pixels, 1}, cols, count, (A)0,
-                                (const A *)nullptr, !deterministic);
-            }
-            if (s) return s;
-            offset_mask_grad_kernel<T>
-                <<<blocks_for(d.offset_groups * d.taps() * count), kThreads, 0, stream>>>(
-                    input, offset, mask, d, n, p0, count, columns.as<A>(), grads.offset,
-                    grads.mask);
-            if (deterministic)
-                col2im_deterministic_kernel<T><<<(unsigned)d.in_channels, 32, 0, stream>>>(
-                    offset, mask, d, n, p0, count, columns.as<A>(), grad_input.data);
-            else
-                col2im_atomic_kernel<T><<<blocks_for(d.in_channels * count), kThreads, 0,
-                                          stream>>>(
-                    offset, mask, d, n, p0, count, columns.as<A>(), grad_input.data);
-            s = launch_status("deform_conv2d backward launch");
-            if (s) return s;
+    s = for_each_pass(d, most, [&](const Span &span) -> int {
+        const int64_t count = span.count, items = span.images * d.in_channels;
+        im2col_kernel<T><<<blocks_for(items * count), kThreads, 0, stream>>>(
+            input, offset, mask, d, span, columns.as<A>());
+        int s = launch_status("deform_conv2d im2col launch");
+        for (int64_t g = 0; g < d.groups && !s; ++g) {
+            const T *grad_g =
+                grad_output + (span.n0 * d.out_channels + g * out_per_group) * pixels + span.p0;
+            A *cols = columns.as<A>() + g * k * count;
+            /* grad_weight += grad_output x columns^T, image by image in order */
+            for (int64_t j = 0; j < span.images && !s; ++j)
+                s = gemm<A>(stream, 1, out_per_group, k, count,
+                            View<T>{grad_g + j * d.out_channels * pixels, pixels, 1}, 0,
+                            View<A>{cols + j * rows * count, 1, count}, 0,
+                            grad_weight.data + g * out_per_group * k, k, 0, (A)1,
+                            (const A *)nullptr, !deterministic);
+            /* the columns' gradient: weight^T x grad_output, per image (batched) */
+            if (!s)
+                s = gemm<A>(stream, span.images, k, count, out_per_group,
+                            View<T>{weight + g * out_per_group * k, 1, k}, 0,
+                            View<T>{grad_g, pixels, 1}, d.out_channels * pixels, cols, count,
+                            rows * count, (A)0, (const A *)nullptr, !deterministic);
         }
+        if (s) return s;
+        offset_mask_grad_kernel<T>
+            <<<blocks_for(span.images * d.offset_groups * d.taps() * count), kThreads, 0,
+               stream>>>(input, offset, mask, d, span, columns.as<A>(), grads.offset,
+                         grads.mask);
+        if (deterministic)
+            col2im_deterministic_kernel<T>
+                <<<(unsigned)(items < kMaxBlocks ? items : kMaxBlocks), 32, 0, stream>>>(
+                    offset, mask, d, span, columns.as<A>(), grad_input.data);
+        else
+            col2im_atomic_kernel<T><<<blocks_for(items * count), kThreads, 0, stream>>>(
+                offset, mask, d, span, columns.as<A>(), grad_input.data);
+        return launch_status("deform_conv2d backward launch");
+    });
+    if (s) return s;
     s = grad_input.finish(stream);
     return s ? s : grad_weight.finish(stream);
 }

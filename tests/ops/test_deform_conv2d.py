@@ -655,13 +655,29 @@ def test_cuda_deterministic_backward_repeats_bit_for_bit(cupy):
         assert bool((a == b).all())
 
 
-@pytest.mark.parametrize("backend, cublas", [("default", False), ("default", True),
-                                             ("deterministic", True)])
+def cublas_products(n, rows, pixels, groups, batched):
+    """The cuBLAS calls the default backend's forward and backward make
+    under the emulator's lowered column budgets (cuda_emu): passes of whole
+    images where an image's columns fit, else of an image's pixels in
+    chunks; per pass and weight group, the forward's product and the
+    columns' gradient batched over the pass's images (one call each, or one
+    per image without batched products), grad_weight one per image."""
+    import cuda_emu
+    count = min(pixels, max(1, cuda_emu.DCN_COLUMN_BUDGET // rows))
+    images = max(1, min(n, cuda_emu.DCN_IMAGES_BUDGET // (rows * pixels))) \
+        if count == pixels else 1
+    passes = [min(images, n - n0) for n0 in range(0, n, images) for _ in range(0, pixels, count)]
+    return groups * sum((1 if batched else i) * 2 + i for i in passes)
+
+
+@pytest.mark.parametrize("backend, cublas", [("default", None), ("default", "batched"),
+                                             ("default", "single"),
+                                             ("deterministic", "batched")])
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("hw", [(11, 12), (24, 25)])
+@pytest.mark.parametrize("n, hw", [(2, (11, 12)), (2, (24, 25)), (5, (11, 12))])
 @pytest.mark.parametrize("dtype, c_out, tol", [(np.float64, 70, 1e-12), (np.float32, 130, 2e-4)])
 def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
-        cuda_emulator, backend, cublas, groups, hw, dtype, c_out, tol):
+        cuda_emulator, backend, cublas, groups, n, hw, dtype, c_out, tol):
     """The CUDA kernels' matrix products, 16 deep, in tiles of 64 x 64
     (double; float products under 128 rows or columns) or 128 x 128 (float):
     70 or 130 output channels, 9 * 10 = 90 rows of columns per group (k not
@@ -669,18 +685,23 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
     part tile left; the weight read along k, its transpose along rows, the
     columns along pixels and across them (grad_weight). With 24 x 25 = 600
     pixels, grad_weight's few tiles split its k (the pixels) in two slices of
-    300, summed in order. Run by the emulator. Where the process has cuBLAS
-    (the emulator's stand-in), the default backend's products (three per
-    group and image: forward, grad_weight, the columns' gradient) go to it,
-    in every operand layout; the deterministic backend's never do."""
+    300, summed in order. Under the emulator's lowered column budgets, an
+    image of 600 pixels goes in 4 chunks of pixels, and images of 132 two at
+    a time (5 images: passes of 2, 2 and 1), through im2col, col2im and the
+    products together. Run by the emulator. Where the process has cuBLAS
+    (the emulator's stand-in), the default backend's products go to it, in
+    every operand layout: the forward's and the columns' gradient in one
+    strided batched call per pass and group (or, where cuBLAS lacks those,
+    one per image), grad_weight one per image; the deterministic backend's
+    never do."""
     import contextlib
 
     from cuda_emu import DeviceView
     rng = np.random.default_rng(21)
-    x, offset, mask, weight, bias = random_case(rng, dtype, n=2, c_in=20, c_out=c_out,
+    x, offset, mask, weight, bias = random_case(rng, dtype, n=n, c_in=20, c_out=c_out,
                                                 hw=hw, groups=groups, offset_groups=2)
     geometry = (1, 1, 1, 1, 1, 1, groups, 2)
-    expected = np.zeros((2, c_out) + hw, dtype)
+    expected = np.zeros((n, c_out) + hw, dtype)
     mmdispatch.deform_conv2d_forward_impl(x, offset, mask, weight, bias, expected, *geometry)
     grad = rng.standard_normal(expected.shape).astype(dtype)
     expected_grads = [np.zeros_like(a) for a in (x, offset, mask, weight, bias)]
@@ -689,7 +710,8 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
     out = np.full_like(expected, 7.0)
     grads = [np.full_like(a, 7.0) for a in expected_grads]
     with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend), \
-            (cuda_emulator.cublas() if cublas else contextlib.nullcontext()):
+            (cuda_emulator.cublas(batched=cublas == "batched") if cublas
+             else contextlib.nullcontext()):
         calls = cuda_emulator.counters()["cublas_calls"]
         view = [DeviceView(a) for a in (x, offset, mask, weight, bias, grad)]
         mmdispatch.deform_conv2d_forward_impl(*view[:5], DeviceView(out), *geometry)
@@ -697,7 +719,8 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
                                                *geometry)
         cuda_emulator.synchronize()
         calls = cuda_emulator.counters()["cublas_calls"] - calls
-    assert calls == (3 * groups * 2 if cublas and backend == "default" else 0)
+    assert calls == (cublas_products(n, 20 * 9, hw[0] * hw[1], groups, cublas == "batched")
+                     if cublas and backend == "default" else 0)
     np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())

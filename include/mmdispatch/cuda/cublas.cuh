@@ -14,19 +14,24 @@
 
 namespace mmd_cuda {
 
-/* C (m x n, row-major, leading dimension ldc) = a x b + beta * C on
- * `stream` of the current device, where a (m x k) and b (k x n) are
- * views (element (i, j) of a at a[i * a_row + j * a_col]) with one unit
- * stride each. True when cuBLAS did it; false, having written nothing,
- * where the process has no cuBLAS or cuBLAS cannot take these operands
- * (sizes past 32 bits, a view with no unit stride): the caller then
- * computes it itself. */
-bool cublas_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const float *a,
-                 int64_t a_row, int64_t a_col, const float *b, int64_t b_row, int64_t b_col,
-                 float beta, float *c, int64_t ldc);
-bool cublas_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, const double *a,
-                 int64_t a_row, int64_t a_col, const double *b, int64_t b_row, int64_t b_col,
-                 double beta, double *c, int64_t ldc);
+/* For each of `batches` products j: C_j (m x n, row-major, leading
+ * dimension ldc) = a_j x b_j + beta * C_j on `stream` of the current
+ * device, where a_j (m x k) and b_j (k x n) are views (element (i, l) of
+ * a_j at a[j * a_batch + i * a_row + l * a_col]) with one unit stride each,
+ * and C_j starts at c + j * c_batch (a stride of 0 shares an operand; the
+ * C_j must not overlap). One call (cuBLAS's strided batched product where
+ * batches > 1). True when cuBLAS did it; false, having written nothing,
+ * where the process has no cuBLAS (or none with batched products, for
+ * batches > 1) or cuBLAS cannot take these operands (sizes past 32 bits,
+ * a view with no unit stride): the caller then computes it itself. */
+bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
+                 const float *a, int64_t a_row, int64_t a_col, int64_t a_batch, const float *b,
+                 int64_t b_row, int64_t b_col, int64_t b_batch, float beta, float *c,
+                 int64_t ldc, int64_t c_batch);
+bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
+                 const double *a, int64_t a_row, int64_t a_col, int64_t a_batch,
+                 const double *b, int64_t b_row, int64_t b_col, int64_t b_batch, double beta,
+                 double *c, int64_t ldc, int64_t c_batch);
 
 }  // namespace mmd_cuda
 

@@ -57,8 +57,14 @@ SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-po
 # kernels, whatever its size; MMD_CUDA_MAX_BLOCKS (common.cuh): grids of at
 # most 3 blocks, so that every grid-stride loop runs more than once;
 # MMD_CUDA_EMULATOR (cublas.cu): the products take the emulator's cuBLAS
-# stand-in, while a test switches it on (Emulator.cublas)
+# stand-in, while a test switches it on (Emulator.cublas);
+# MMD_DCN_COLUMN_BUDGET and _IMAGES_BUDGET (deform_conv2d.cu's column
+# buffers, in values): the tests' small calls take several passes, an
+# image's pixels in chunks or a few whole images a pass.
+DCN_COLUMN_BUDGET, DCN_IMAGES_BUDGET = 30000, 50000
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_MAX_GRID_Y=2",
+            f"-DMMD_DCN_COLUMN_BUDGET={DCN_COLUMN_BUDGET}",
+            f"-DMMD_DCN_IMAGES_BUDGET={DCN_IMAGES_BUDGET}",
             "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8",
             "-DMMD_CUDA_CELL_WALK_MAX=64", "-DMMD_CUDA_TRANSPOSED_MIN_READS=0",
             "-DMMD_CUDA_TRANSPOSED_MIN_ROIS=0", "-DMMD_CUDA_MAX_BLOCKS=3",
@@ -268,12 +274,14 @@ class Emulator:
         return self.lib.mmd_cuda_empty_cache(-1)
 
     @contextlib.contextmanager
-    def cublas(self):
+    def cublas(self, batched=True):
         """The products of the kernels that use the process's cuBLAS
         (mmdispatch/cuda/cublas.cuh) go to the emulator's stand-in while the
         block runs (outside it the process has none); counters() counts its
-        products as cublas_calls."""
-        self.lib.mmd_emu_use_cublas(1)
+        calls as cublas_calls (a strided batched call counts once). With
+        batched=False the stand-in lacks the strided batched products, as a
+        cuBLAS before 8 would."""
+        self.lib.mmd_emu_use_cublas(1 if batched else 2)
         try:
             yield self
         finally:

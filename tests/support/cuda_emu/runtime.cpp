@@ -522,10 +522,11 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t size, cudaMemcpyK
 /* A stand-in for cuBLAS (src/cuda/cublas.cu takes it in the emulator's
  * build while the tests switch it on): reference column-major products
  * that refuse what cuBLAS refuses (leading dimensions below the rows of
- * what they describe) and read c only where beta is not 0, as BLAS
- * defines them. */
+ * what they describe, a batch count below 0) and read c only where beta
+ * is not 0, as BLAS defines them; the strided batched ones, one product
+ * per batch at its strides, unless the tests leave them out. */
 namespace {
-bool g_cublas_on = false;
+int g_cublas_on = 0;   /* 0 off, 1 on, 2 on without the strided batched products */
 long long g_cublas_calls = 0;
 
 int emu_cublas_create(void **handle) {
@@ -537,13 +538,8 @@ int emu_cublas_create(void **handle) {
 int emu_cublas_set_stream(void *, cudaStream_t) { return 0; }
 
 template <typename T>
-int emu_gemm(void *, int trans_a, int trans_b, int m, int n, int k, const T *alpha, const T *a,
-             int lda, const T *b, int ldb, const T *beta, T *c, int ldc) {
-    const int rows_a = trans_a ? k : m, rows_b = trans_b ? n : k;
-    if (m < 0 || n < 0 || k < 0 || lda < (rows_a > 1 ? rows_a : 1) ||
-        ldb < (rows_b > 1 ? rows_b : 1) || ldc < (m > 1 ? m : 1))
-        return 7;   /* CUBLAS_STATUS_INVALID_VALUE */
-    ++g_cublas_calls;
+void emu_product(int trans_a, int trans_b, int m, int n, int k, const T *alpha, const T *a,
+                 int lda, const T *b, int ldb, const T *beta, T *c, int ldc) {
     for (int j = 0; j < n; ++j)
         for (int i = 0; i < m; ++i) {
             T sum = 0;
@@ -553,6 +549,34 @@ int emu_gemm(void *, int trans_a, int trans_b, int m, int n, int k, const T *alp
             T *out = c + i + (size_t)j * ldc;
             *out = *alpha * sum + (*beta == 0 ? (T)0 : *beta * *out);
         }
+}
+
+bool emu_refuses(int trans_a, int trans_b, int m, int n, int k, int lda, int ldb, int ldc) {
+    const int rows_a = trans_a ? k : m, rows_b = trans_b ? n : k;
+    return m < 0 || n < 0 || k < 0 || lda < (rows_a > 1 ? rows_a : 1) ||
+           ldb < (rows_b > 1 ? rows_b : 1) || ldc < (m > 1 ? m : 1);
+}
+
+template <typename T>
+int emu_gemm(void *, int trans_a, int trans_b, int m, int n, int k, const T *alpha, const T *a,
+             int lda, const T *b, int ldb, const T *beta, T *c, int ldc) {
+    if (emu_refuses(trans_a, trans_b, m, n, k, lda, ldb, ldc))
+        return 7;   /* CUBLAS_STATUS_INVALID_VALUE */
+    ++g_cublas_calls;
+    emu_product(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return 0;
+}
+
+template <typename T>
+int emu_gemm_batched(void *, int trans_a, int trans_b, int m, int n, int k, const T *alpha,
+                     const T *a, int lda, long long stride_a, const T *b, int ldb,
+                     long long stride_b, const T *beta, T *c, int ldc, long long stride_c,
+                     int batches) {
+    if (batches < 0 || emu_refuses(trans_a, trans_b, m, n, k, lda, ldb, ldc)) return 7;
+    ++g_cublas_calls;
+    for (int i = 0; i < batches; ++i)
+        emu_product(trans_a, trans_b, m, n, k, alpha, a + i * stride_a, lda, b + i * stride_b, ldb,
+                    beta, c + i * stride_c, ldc);
     return 0;
 }
 }  // namespace
@@ -587,15 +611,19 @@ void *mmd_emu_kernel_fn(int i) { return g_recorded[i].fn; }
 
 long long mmd_emu_launches(void) { return g_launches; }
 long long mmd_emu_host_waits(void) { return g_host_waits; }
-int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, void **dgemm) {
+int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, void **dgemm,
+                             void **sgemm_batched, void **dgemm_batched) {
     if (!g_cublas_on) return 0;
     *create = (void *)emu_cublas_create;
     *set_stream = (void *)emu_cublas_set_stream;
     *sgemm = (void *)emu_gemm<float>;
     *dgemm = (void *)emu_gemm<double>;
+    const bool batched = g_cublas_on == 1;
+    *sgemm_batched = batched ? (void *)emu_gemm_batched<float> : nullptr;
+    *dgemm_batched = batched ? (void *)emu_gemm_batched<double> : nullptr;
     return 1;
 }
-void mmd_emu_use_cublas(int on) { g_cublas_on = on != 0; }
+void mmd_emu_use_cublas(int on) { g_cublas_on = on; }
 long long mmd_emu_cublas_calls(void) { return g_cublas_calls; }
 
 long long mmd_emu_pool_maps(void) {
