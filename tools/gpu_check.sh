@@ -6,9 +6,10 @@
 #   tools/gpu_check.sh tests      build, then the whole suite from outside the tree
 #   tools/gpu_check.sh sanitize   build, then compute-sanitizer memcheck on the CUDA
 #                                 tests and racecheck on the deterministic backend
-#   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows),
-#                                 then torchvision's Faster/Mask R-CNN on its kernels
-#                                 and on ours (tools/bench_models.py --device cuda)
+#   tools/gpu_check.sh bench      build, then python -m mmdispatch bench (CUDA rows;
+#                                 GPU_ONLY=1: only those), the BASELINE builds' GPU
+#                                 rows, then torchvision's Faster/Mask R-CNN on its
+#                                 kernels and on ours (tools/bench_models.py --device cuda)
 #   tools/gpu_check.sh profile    build, then ncu's per-kernel summary (throughput,
 #                                 warp stalls, occupancy) of the bench's roi_align, roi_pool,
 #                                 deform_conv2d, msda forward+backward and nms (2,000
@@ -18,9 +19,9 @@
 #                                 deform_conv2d with and without cuBLAS (--products)
 #   tools/gpu_check.sh all        for a short loan (15 minutes of device time, one
 #                                 call of at most 10): build once, the suite, the
-#                                 bench's GPU rows only (--gpu-only), the whole
-#                                 models (at most 90 s), the profile, the
-#                                 BASELINE builds' GPU rows, then memcheck and
+#                                 bench's GPU rows only (--gpu-only), the BASELINE
+#                                 builds' GPU rows, the whole models (at most
+#                                 90 s), the profile, then memcheck and
 #                                 racecheck, each cut to what is left of BUDGET
 #                                 seconds (default 540), in that order of priority
 #
@@ -133,10 +134,39 @@ tests|all)
     ;;&
 bench|all)
     flags=(--repeat 5 --json "$out/bench.json")
-    [ "$part" = all ] && flags+=(--gpu-only)
+    { [ "$part" = all ] || [ "${GPU_ONLY:-0}" = 1 ]; } && flags+=(--gpu-only)
     timeout "$(left 3000)" "$py" -m mmdispatch bench "${flags[@]}" > "$out/bench.txt" 2>&1
     echo "bench exit $? ($(( $(date +%s) - began )) s in)"; tail -70 "$out/bench.txt"
     clocks "after the bench"; pack
+    ;;&
+bench|all)
+    # earlier builds' GPU rows, each compared with the next (about 20 s a
+    # build on the H200 of 2026-11-27: before the models and the profile, so
+    # that a run cut short still times a change against the build before it)
+    runs=()
+    for wheel in ${BASELINE:-}; do   # each earlier build (oldest first), first on the path
+        name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
+        install_baseline "$wheel" "$out/$name-install.log" || continue
+        PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 120)" "$py" -m mmdispatch \
+            bench --gpu-only --repeat 5 --json "$out/bench-$name.json" \
+            > "$out/bench-$name.txt" 2>&1
+        echo "$name bench exit $? ($(( $(date +%s) - began )) s in)"
+        # row by row against the build after it (the next baseline, or this one)
+        [ -s "$out/bench-$name.json" ] && runs+=("$out/bench-$name.json") \
+            || runs+=("$out/bench-$name.txt")
+        pack
+    done
+    [ -s "$out/bench.json" ] && runs+=("$out/bench.json") || runs+=("$out/bench.txt")
+    for (( i = 0; i + 1 < ${#runs[@]}; i++ )); do
+        to=$(basename "${runs[i+1]}"); to=${to%.*}
+        "$py" -m mmdispatch bench --compare "${runs[i]}" "${runs[i+1]}" \
+            > "$out/compare-to-$to.txt" 2>&1
+        echo "compare $(basename "${runs[i]}") -> $(basename "${runs[i+1]}"):"
+        grep -E "slower|faster|only in|Error|error" "$out/compare-to-$to.txt"
+    done
+    pack
+    ;;&
+bench|all)
     # whole torchvision detection models, its kernels vs ours behind its ops
     timeout "$(left 90)" "$py" "$repo/tools/bench_models.py" --device cuda --repeat 5 \
         > "$out/models.txt" 2>&1
@@ -168,32 +198,6 @@ profile|all)
         MMDISPATCH_CUBLAS=$cublas timeout "$(left 60)" "$py" "$repo/tools/gpu_profile.py" \
             --products > "$out/products-$cublas.txt" 2>&1
         echo "products ($cublas) exit $?"; grep "gpu_profile:" "$out/products-$cublas.txt"
-    done
-    pack
-    ;;&
-bench|all)
-    # earlier builds' GPU rows, each compared with the next (after the
-    # profile in part all: the profile is what a short loan needs more)
-    runs=()
-    for wheel in ${BASELINE:-}; do   # each earlier build (oldest first), first on the path
-        name=baseline-$(basename "$(dirname "$wheel")" | sed 's/^\.//')
-        install_baseline "$wheel" "$out/$name-install.log" || continue
-        PYTHONPATH=/tmp/baseline${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 120)" "$py" -m mmdispatch \
-            bench --gpu-only --repeat 5 --json "$out/bench-$name.json" \
-            > "$out/bench-$name.txt" 2>&1
-        echo "$name bench exit $? ($(( $(date +%s) - began )) s in)"
-        # row by row against the build after it (the next baseline, or this one)
-        [ -s "$out/bench-$name.json" ] && runs+=("$out/bench-$name.json") \
-            || runs+=("$out/bench-$name.txt")
-        pack
-    done
-    [ -s "$out/bench.json" ] && runs+=("$out/bench.json") || runs+=("$out/bench.txt")
-    for (( i = 0; i + 1 < ${#runs[@]}; i++ )); do
-        to=$(basename "${runs[i+1]}"); to=${to%.*}
-        "$py" -m mmdispatch bench --compare "${runs[i]}" "${runs[i+1]}" \
-            > "$out/compare-to-$to.txt" 2>&1
-        echo "compare $(basename "${runs[i]}") -> $(basename "${runs[i+1]}"):"
-        grep -E "slower|faster|only in|Error|error" "$out/compare-to-$to.txt"
     done
     pack
     ;;&
