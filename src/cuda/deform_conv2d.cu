@@ -76,14 +76,22 @@ struct Span {
     int64_t n0, images, p0, count;
 };
 
+/* Images a pass takes at most: cuBLAS's strided batched products of more
+ * than 65535 went wrong on Volta GPUs (PyTorch issue 45724, which PyTorch
+ * works around in chunks). */
+constexpr int64_t kMaxPassImages = 65535;
+
 /* The images and pixels a pass takes at most: whole images, as many as
- * kImagesBudget values of columns hold, where one image's columns fit in
- * kColumnBudget; else one image's pixels in chunks of kColumnBudget. */
+ * kImagesBudget values of columns hold (at most kMaxPassImages), where one
+ * image's columns fit in kColumnBudget; else one image's pixels in chunks
+ * of kColumnBudget (of one pixel where a pixel's columns alone exceed it). */
 Span pass_of(const mmd_dcn_shape &d) {
     const int64_t rows = d.in_channels * d.taps(), pixels = d.pixels(), count = chunk_of(d);
     int64_t images = 1;
-    if (count == pixels && rows > 0 && pixels > 0) {   /* rows * pixels <= kColumnBudget */
+    /* rows * pixels <= kColumnBudget, except for one pixel of more rows */
+    if (count == pixels && rows > 0 && pixels > 0 && rows * pixels <= kColumnBudget) {
         images = kImagesBudget / (rows * pixels);
+        if (images > kMaxPassImages) images = kMaxPassImages;
         if (images > d.batch) images = d.batch;
         if (images < 1) images = 1;
     }
