@@ -186,7 +186,14 @@ __global__ void backward_kernel(const T *grad_output, const T *rois, const int64
  * and visits the rois in order; a roi on image n adds its bins' gradients
  * at their argmax, 32 bins at a time, bins naming the same element summed
  * in bin order by the first of them (__match_any_sync), so every element is
- * a sum in a fixed order. */
+ * a sum in a fixed order. A warp's adds are one chain, so it reads ahead:
+ * the geometry of 32 rois at once (a lane each, then a ballot of those on
+ * image n), and the argmax entries and gradients of kAhead chunks of 32
+ * bins before adding the first of them (each chunk's loads waited for its
+ * own, then its adds, where every warp has only its plane's work: 512
+ * warps on the bench's workload). The same adds in the same order. */
+constexpr int kAhead = 8;
+
 template <typename T>
 __global__ void deterministic_backward_kernel(const T *grad_output, const T *rois,
                                               const int64_t *argmax, T *grad_input,
@@ -196,33 +203,53 @@ __global__ void deterministic_backward_kernel(const T *grad_output, const T *roi
                                               typename Compute<T>::type scale, int convention,
                                               ErrorSink sink) {
     typedef typename Compute<T>::type A;
+    constexpr unsigned kAll = 0xffffffffu;
     const int64_t n = blockIdx.x / channels, c = blockIdx.x % channels;
     const int lane = threadIdx.x;
-    const int64_t bins = pooled_h * pooled_w;
+    const int64_t bins = pooled_h * pooled_w, chunks = (bins + 31) / 32;
     T *plane = grad_input + (int64_t)blockIdx.x * plane_size;
-    for (int64_t k = 0; k < num_rois; ++k) {
-        Geometry<T> g;
-        const int code = roi_geometry(rois, k, batch, scale, convention, pooled_h, pooled_w,
-                                      &g);
-        if (code != MMD_ROI_OK) {
-            if (blockIdx.x == 0 && lane == 0) sink.report(k, code);
-            continue;
-        }
-        if (g.batch != n) continue;
-        const int64_t base = (k * channels + c) * bins;
-        for (int64_t b0 = 0; b0 < bins; b0 += 32) {
-            const int64_t b = b0 + lane;
-            int64_t element = -1;
-            A grad = 0;
-            if (b < bins) {
-                const int64_t a = argmax[base + b];
-                if (a < -1 || a >= plane_size)
-                    sink.report(num_rois + base + b, kBadArgmax);
-                else
-                    element = a;
-                grad = to_compute(grad_output[base + b]);
+    for (int64_t k0 = 0; k0 < num_rois; k0 += 32) {
+        bool on_plane = false;   /* roi k0 + lane is good and on image n */
+        if (k0 + lane < num_rois) {
+            Geometry<T> g;
+            const int code = roi_geometry(rois, k0 + lane, batch, scale, convention, pooled_h,
+                                          pooled_w, &g);
+            if (code != MMD_ROI_OK) {
+                if (blockIdx.x == 0) sink.report(k0 + lane, code);
+            } else {
+                on_plane = g.batch == n;
             }
-            warp_ordered_add(plane, element, grad);
+        }
+        unsigned left = __ballot_sync(kAll, on_plane);   /* the rois still to add, in order */
+        int64_t chunk = 0;                              /* the next chunk of the first of them */
+        while (left) {
+            int64_t element[kAhead];
+            A grad[kAhead];
+            int count = 0;
+#pragma unroll
+            for (int i = 0; i < kAhead; ++i) {   /* the loads of the next kAhead chunks */
+                element[i] = -1;
+                grad[i] = 0;
+                if (!left) continue;
+                const int64_t base = ((k0 + __ffs((int)left) - 1) * channels + c) * bins;
+                const int64_t b = chunk * 32 + lane;
+                if (b < bins) {
+                    const int64_t a = argmax[base + b];
+                    if (a < -1 || a >= plane_size)
+                        sink.report(num_rois + base + b, kBadArgmax);
+                    else
+                        element[i] = a;
+                    grad[i] = to_compute(grad_output[base + b]);
+                }
+                ++count;
+                if (++chunk == chunks) {
+                    chunk = 0;
+                    left &= left - 1;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kAhead; ++i)
+                if (i < count) warp_ordered_add(plane, element[i], grad[i]);
         }
     }
 }
