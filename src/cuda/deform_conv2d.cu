@@ -16,12 +16,12 @@
  * columns^T; the columns' gradient weight^T x grad_output; a thread per
  * (image, offset group, tap, pixel) sums grad_offset and grad_mask over the
  * group's channels; grad_input gets the columns' gradient at each sample's
- * four cells, with atomics (`default`: a thread per (channel, pixel) through
- * the taps, as im2col; float on sm_90+ adds a sample's cells that share an
- * aligned 4 in one float4 atomic) or a warp per (image, input channel) plane
- * adding its samples 32 at a time, summed in lane order (`deterministic`:
- * the same bits on every run). In the deterministic backend every product
- * and sum has a fixed order.
+ * four cells, with atomics (`default`: a thread per (image, channel, pixel)
+ * through the taps, as im2col; float on sm_90+ adds a sample's cells that
+ * share an aligned 4 in one float4 atomic) or a warp per (image, input
+ * channel) plane adding its samples 32 at a time, summed in lane order
+ * (`deterministic`: the same bits on every run). In the deterministic
+ * backend every product and sum has a fixed order.
  *
  * float16 and bfloat16 compute in float32: the columns, grad_weight,
  * grad_bias and grad_input are summed in float32 buffers and written once.

@@ -265,7 +265,7 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
                 mmd_bilinear_sample<A> s;
                 mmd_msda_locate(loc_x, loc_y, level.h, level.w, &s);
                 /* off the levels or undefined: NaN gradients, none for value */
-                const bool skip = !valid || !level.inside || s.undefined;
+                const bool off = !level.inside || s.undefined, skip = !valid || off;
                 /* grad's dot products with the four corners, from which those
                  * with the sample and its derivatives follow (as on the CPU) */
                 A dots[4] = {0, 0, 0, 0};
@@ -292,7 +292,7 @@ __global__ void backward_kernel(Arrays<T> in, Levels levels, mmd_msda_shape d, G
                 }
                 group_sum4(dots, lanes);
                 if (member != 0 || !valid) continue;
-                if (!level.inside || s.undefined) {
+                if (off) {
                     const T nan = from_compute<T>((A)NAN);
                     g.locations[2 * j] = g.locations[2 * j + 1] = g.weights[j] = nan;
                     continue;
