@@ -15,7 +15,9 @@
  * whose bins read the map's cells twice over or more, on 16 channels or
  * more, take the transposed kernels instead (avg_forward_transposed_kernel:
  * the map 32 channels at a time transposed into scratch, a warp per bin and
- * a lane per channel, each cell one coalesced load of its 32 channels);
+ * a lane per channel, each cell one coalesced load of its 32 channels, the
+ * cells and weights of a roi's rows and columns of bins listed once per roi
+ * in shared memory, BinAxes);
  * the default backward likewise adds into scratch of that layout
  * (avg_backward_transposed_kernel), then into grad_input. max
  * pooling: a thread per output element (channel-major, common.cuh's
@@ -270,6 +272,9 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
  * between L2 and the SMs for a 124 MB map). The bins' sums collect in
  * shared memory and leave as the chunk's contiguous block of output. */
 constexpr int kLanes = 32;
+/* Blocks of the transposed kernels an SM keeps resident at least (their
+ * registers capped to fit: 24 warps, for the gathers' latency) */
+constexpr int kTransposedBlocks = 3;
 
 /* A thread of the transposed kernels: its lane (the chunk's channel c0 +
  * lane) and warp; the bins and the map's cells; whether the map is walked;
@@ -316,6 +321,76 @@ __device__ inline void walk_bin(const Geometry<A> &g, int64_t ph, int64_t pw, in
     });
 }
 
+/* The cells, and their summed weights, that each row of bins (ph) and each
+ * column of bins (pw) of a roi reads: for_each_cell's walk of that axis, in
+ * its order, worked out once per roi by pooled_h + pooled_w threads into
+ * shared memory, where the transposed kernels' warps read them (a
+ * broadcast) instead of each walking its bin, a walk that redid the
+ * columns' interpolations (a division each) for every row: about 2,000
+ * instructions a bin and chunk of 32 channels, where the loads are 16
+ * (ncu on the H200, 2026-11-27: the forward issue-bound, 4.6 % of memory
+ * throughput). An axis of more than `cap` cells (a bin of many samples, at
+ * adaptive sampling of a large roi) leaves the roi to the walk. Entry e of
+ * list i (rows 0 .. pooled_h - 1, then columns) is cells[i * cap + e]. */
+#ifndef MMD_CUDA_AXIS_CAP
+#define MMD_CUDA_AXIS_CAP 64
+#endif
+template <typename A> struct BinAxes {
+    int cap;      /* entries a list holds; 0: none (every roi walks) */
+    A *weights;   /* [(pooled_h + pooled_w) * cap] */
+    int *cells;   /* [(pooled_h + pooled_w) * cap] */
+    int *counts;  /* [pooled_h + pooled_w]: a list's cells */
+
+    /* The lists' shared memory after `offset` bytes (a multiple of
+     * sizeof(A)): weights, cells, counts. */
+    __device__ BinAxes(unsigned char *shared, size_t offset, int cap_, int64_t lists)
+        : cap(cap_), weights(reinterpret_cast<A *>(shared + offset)),
+          cells(reinterpret_cast<int *>(weights + lists * cap_)), counts(cells + lists * cap_) {}
+
+    /* Bin (ph, pw)'s row list (ys, wys; rows entries) and column list. */
+    struct Bin {
+        int rows, columns;
+        const int *ys, *xs;
+        const A *wys, *wxs;
+    };
+    __device__ Bin of_bin(int64_t ph, int64_t pw, int64_t pooled_h) const {
+        const int64_t column = pooled_h + pw;
+        return {counts[ph], counts[column], cells + ph * cap, cells + column * cap,
+                weights + ph * cap, weights + column * cap};
+    }
+
+    /* Bytes of the lists of `lists` axes of `cap` entries (none for 0). */
+    static size_t bytes(int64_t lists, int cap) {
+        return cap ? (size_t)lists * ((size_t)cap * (sizeof(A) + sizeof(int)) + sizeof(int)) : 0;
+    }
+
+    /* Fills the lists for roi geometry g where `use` (uniform in the block);
+     * whether they hold every axis of the roi. A barrier of the block:
+     * every thread calls it. */
+    __device__ bool fill(bool use, const Geometry<A> &g, int64_t pooled_h, int64_t pooled_w,
+                         int64_t height, int64_t width) const {
+        int missing = !use || cap == 0;
+        if (!missing)
+            for (int64_t i = threadIdx.x; i < pooled_h + pooled_w; i += blockDim.x) {
+                const bool row = i < pooled_h;
+                const int64_t bin = row ? i : i - pooled_h;
+                const A start = row ? mmd_roi_align_bin_start(g.start_h, g.bin_h, bin)
+                                    : mmd_roi_align_bin_start(g.start_w, g.bin_w, bin);
+                int *to = cells + i * cap;
+                A *weight = weights + i * cap;
+                int n = 0;
+                for_each_cell(start, row ? g.bin_h : g.bin_w, (int)(row ? g.grid_h : g.grid_w),
+                              (int)(row ? height : width), [&](int cell, A w) {
+                    if (n < cap) to[n] = cell, weight[n] = w;
+                    ++n;
+                });
+                counts[i] = n;
+                if (n > cap) missing = 1;
+            }
+        return !__syncthreads_or(missing);
+    }
+};
+
 /* chunk[((n * cells + i) * kLanes + c] = input[n, c0 + c, i] for the
  * chunk's `count` channels (0 in the lanes past them): a block of 32 x 8
  * threads per tile of 32 cells of an image, through shared memory, so that
@@ -343,18 +418,21 @@ __global__ void transpose_chunk_kernel(const T *input, T *chunk, int64_t batch,
 }
 
 template <typename T>
-__global__ void avg_forward_transposed_kernel(
+__global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_transposed_kernel(
     const T *input, const T *chunk, const T *rois, T *output, int64_t num_rois,
     int64_t channels, int64_t c0, int64_t count, int64_t height, int64_t width, int64_t pooled_h,
     int64_t pooled_w, int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio,
-    int aligned, ErrorSink sink) {
+    int aligned, int axis_cap, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const ChunkThread t(height, width, pooled_h, pooled_w);
     const int64_t bins = t.bins, plane_size = t.plane_size;
     const bool walk = t.walk;
     A *sums = t.shared<A>();
+    const BinAxes<A> axes(t.shared<unsigned char>(), sizeof(A) * kLanes * bins, axis_cap,
+                          pooled_h + pooled_w);
     for_each_block_roi(rois, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
                        c0, sink, [&](int64_t k, bool good, const Geometry<A> &g) {
+        const bool listed = axes.fill(good && walk, g, pooled_h, pooled_w, height, width);
         if (good) {
             const T *cells = chunk + g.batch * plane_size * kLanes + t.lane;
             /* the lane's channel's plane (lanes past the chunk's channels read none) */
@@ -365,7 +443,33 @@ __global__ void avg_forward_transposed_kernel(
             for (int64_t b = t.warp; b < bins; b += t.warps) {
                 const int64_t ph = b / pooled_w, pw = b % pooled_w;
                 A sum = 0;
-                if (walk)
+                const auto load = [&](const T *row, int x) {
+                    return to_compute(row[(int64_t)x * kLanes]);
+                };
+                if (listed) {
+                    /* the walk's cells and sums, from the lists: per row, its
+                     * columns 4 at a time (their loads in flight together),
+                     * the terms in the walk's order */
+                    const auto lists = axes.of_bin(ph, pw, pooled_h);
+                    const int rows = lists.rows, columns = lists.columns;
+                    const int *ys = lists.ys, *xs = lists.xs;
+                    const A *wys = lists.wys, *wxs = lists.wxs;
+                    for (int r = 0; r < rows; ++r) {
+                        const T *row = cells + (int64_t)ys[r] * width * kLanes;
+                        A dot = 0;
+                        int c = 0;
+                        for (; c + 4 <= columns; c += 4) {
+                            const A v0 = load(row, xs[c]), v1 = load(row, xs[c + 1]);
+                            const A v2 = load(row, xs[c + 2]), v3 = load(row, xs[c + 3]);
+                            dot += wxs[c] * v0;
+                            dot += wxs[c + 1] * v1;
+                            dot += wxs[c + 2] * v2;
+                            dot += wxs[c + 3] * v3;
+                        }
+                        for (; c < columns; ++c) dot += wxs[c] * load(row, xs[c]);
+                        sum += wys[r] * dot;
+                    }
+                } else if (walk)
                     walk_bin(g, ph, pw, height, width, [&](int y, A wy, auto columns) {
                         const T *row = cells + (int64_t)y * width * kLanes;
                         A dot = 0;
@@ -375,12 +479,10 @@ __global__ void avg_forward_transposed_kernel(
                          * terms in the walk's order */
                         int x0 = 0, x1 = 0, x2 = 0, x3 = 0, n = 0;
                         A w0 = 0, w1 = 0, w2 = 0, w3 = 0;
-                        const auto load = [&](int x) {
-                            return to_compute(row[(int64_t)x * kLanes]);
-                        };
                         const auto drain = [&]() {
-                            const A v0 = load(x0), v1 = n > 1 ? load(x1) : (A)0;
-                            const A v2 = n > 2 ? load(x2) : (A)0, v3 = n > 3 ? load(x3) : (A)0;
+                            const A v0 = load(row, x0), v1 = n > 1 ? load(row, x1) : (A)0;
+                            const A v2 = n > 2 ? load(row, x2) : (A)0;
+                            const A v3 = n > 3 ? load(row, x3) : (A)0;
                             dot += w0 * v0;
                             if (n > 1) dot += w1 * v1;
                             if (n > 2) dot += w2 * v2;
@@ -589,16 +691,18 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
  * that is not finite, and maps past the walk's limit, are added sample by
  * sample straight into grad_input, as the per-bin kernel adds them. */
 template <typename T>
-__global__ void avg_backward_transposed_kernel(
+__global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_transposed_kernel(
     const T *grad_output, const T *rois, T *grad_input, typename Compute<T>::type *chunk,
     int64_t num_rois, int64_t channels, int64_t c0, int64_t count, int64_t height, int64_t width,
     int64_t pooled_h, int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
-    int64_t sampling_ratio, int aligned, ErrorSink sink) {
+    int64_t sampling_ratio, int aligned, int axis_cap, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const ChunkThread t(height, width, pooled_h, pooled_w);
     const int64_t bins = t.bins, plane_size = t.plane_size;
     const bool walk = t.walk;
     A *shares = t.shared<A>();
+    const BinAxes<A> axes(t.shared<unsigned char>(), sizeof(A) * kLanes * bins, axis_cap,
+                          pooled_h + pooled_w);
     for_each_block_roi(rois, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
                        c0, sink, [&](int64_t k, bool good, const Geometry<A> &g) {
         if (good) {   /* a bad roi adds nothing */
@@ -606,7 +710,8 @@ __global__ void avg_backward_transposed_kernel(
             for (int64_t i = threadIdx.x; i < kLanes * bins; i += blockDim.x)
                 shares[i] = i < count * bins ? to_compute(grads[i]) : (A)0;
         }
-        __syncthreads();
+        /* (a barrier: the shares are staged too) */
+        const bool listed = axes.fill(good && walk, g, pooled_h, pooled_w, height, width);
         if (good) {
             A *cells = chunk + g.batch * plane_size * kLanes + t.lane;
             /* the lane's channel's plane (lanes past the chunk's channels add none) */
@@ -620,6 +725,20 @@ __global__ void avg_backward_transposed_kernel(
                 const bool mine = t.lane < count, walked = walk && isfinite(share);
                 if (mine && !walked)
                     scatter_samples<T, A>(plane, height, width, g, ph, pw, share);
+                if (listed) {   /* the walk's adds, from the lists */
+                    const auto lists = axes.of_bin(ph, pw, pooled_h);
+                    const int rows = lists.rows, columns = lists.columns;
+                    const int *ys = lists.ys, *xs = lists.xs;
+                    const A *wys = lists.wys, *wxs = lists.wxs;
+                    for (int r = 0; r < rows; ++r) {
+                        A *row = cells + (int64_t)ys[r] * width * kLanes;
+                        const A part = share * wys[r];
+                        for (int c = 0; c < columns; ++c)
+                            if (mine && walked) atomicAdd(row + (int64_t)xs[c] * kLanes,
+                                                          part * wxs[c]);
+                    }
+                    continue;
+                }
                 if (!walk) continue;   /* uniform: the walk is the warp's */
                 walk_bin(g, ph, pw, height, width, [&](int y, A wy, auto columns) {
                     A *row = cells + (int64_t)y * width * kLanes;
@@ -933,18 +1052,31 @@ inline bool scratch_for(StreamBuffer *chunk, size_t bytes) {
 /* The transposed kernels' launches for a (batch, channels, height, width)
  * map and num_rois rois of `bins` bins: each(f) calls f(c0, count) for
  * each chunk of kLanes channels, [c0, c0 + count), until one fails. */
-struct ChunkPlan {
+constexpr size_t kAxesShared = 48 * 1024;
+
+template <typename A> struct ChunkPlan {
     int64_t channels, cells;
     unsigned transpose_blocks, roi_blocks;
-    size_t shared;   /* the [channel][bin] values of a chunk, in the compute type */
+    int axis_cap;    /* entries of a BinAxes list (0: none) */
+    size_t shared;   /* the [channel][bin] values of a chunk, in the compute type, then the
+                        BinAxes lists */
 
     ChunkPlan(int64_t batch, int64_t channels_, int64_t height, int64_t width, int64_t num_rois,
-              int64_t bins, size_t compute_size)
+              int64_t pooled_h, int64_t pooled_w)
         : channels(channels_), cells(height * width) {
         const int64_t tiles = batch * ((cells + kLanes - 1) / kLanes);
         transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
         roi_blocks = (unsigned)(num_rois < kMaxBlocks ? num_rois : kMaxBlocks);
-        shared = compute_size * kLanes * (size_t)bins;
+        shared = sizeof(A) * kLanes * (size_t)(pooled_h * pooled_w);
+        /* the longest lists that fit the 48 KB a launch gets without opting
+         * in, at most MMD_CUDA_AXIS_CAP entries (transposed_pays bounds the
+         * sums to 48 KB) */
+        const int64_t lists = pooled_h + pooled_w;
+        const size_t room = shared < kAxesShared ? kAxesShared - shared : 0;
+        int64_t cap = (int64_t)(room / (size_t)lists) - (int64_t)sizeof(int);
+        cap = cap > 0 ? cap / (int64_t)(sizeof(A) + sizeof(int)) : 0;
+        axis_cap = (int)(cap < MMD_CUDA_AXIS_CAP ? cap : MMD_CUDA_AXIS_CAP);
+        shared += BinAxes<A>::bytes(lists, axis_cap);
     }
     template <typename F> int each(F f) const {
         for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
@@ -958,7 +1090,7 @@ struct ChunkPlan {
 /* One chunk's transposed forward: the chunk of the map into scratch, then
  * its bins. */
 template <typename T>
-int forward_chunk(const ChunkPlan &plan, T *chunk, int64_t c0, int64_t count,
+int forward_chunk(const ChunkPlan<typename Compute<T>::type> &plan, T *chunk, int64_t c0, int64_t count,
                   const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
                   int64_t pooled_h, int64_t pooled_w, typename Compute<T>::type scale,
                   int64_t sampling_ratio, int aligned, const ErrorSink &sink,
@@ -971,7 +1103,7 @@ int forward_chunk(const ChunkPlan &plan, T *chunk, int64_t c0, int64_t count,
     avg_forward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
         (const T *)input->data, chunk, (const T *)rois->data, (T *)output->data, rois->shape[0],
         plan.channels, c0, count, input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
-        scale, sampling_ratio, aligned, sink);
+        scale, sampling_ratio, aligned, plan.axis_cap, sink);
     return launch_status("roi_align forward launch");
 }
 
@@ -979,7 +1111,8 @@ int forward_chunk(const ChunkPlan &plan, T *chunk, int64_t c0, int64_t count,
  * fill_untouched_kernel), then the scratch into grad_input, which leaves it
  * -0.0 again. */
 template <typename T>
-int backward_chunk(const ChunkPlan &plan, typename Compute<T>::type *chunk, int64_t c0,
+int backward_chunk(const ChunkPlan<typename Compute<T>::type> &plan,
+                   typename Compute<T>::type *chunk, int64_t c0,
                    int64_t count, const mmd_tensor *grad_output, const mmd_tensor *rois,
                    const mmd_tensor *grad_input, int64_t pooled_h, int64_t pooled_w,
                    typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
@@ -989,7 +1122,7 @@ int backward_chunk(const ChunkPlan &plan, typename Compute<T>::type *chunk, int6
     avg_backward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
         (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, chunk,
         rois->shape[0], plan.channels, c0, count, grad_input->shape[2], grad_input->shape[3],
-        pooled_h, pooled_w, batch, scale, sampling_ratio, aligned, sink);
+        pooled_h, pooled_w, batch, scale, sampling_ratio, aligned, plan.axis_cap, sink);
     const int s = launch_status("roi_align backward launch");
     if (s) return s;
     transpose_add_kernel<T, A><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
@@ -1020,8 +1153,8 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             input->shape[2], input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
             sampling_ratio, aligned, sink);
     } else {
-        const ChunkPlan plan(batch, input->shape[1], input->shape[2], input->shape[3],
-                             rois->shape[0], pooled_h * pooled_w, sizeof(A));
+        const ChunkPlan<A> plan(batch, input->shape[1], input->shape[2], input->shape[3],
+                                rois->shape[0], pooled_h, pooled_w);
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
                             input->shape[3], pooled_h, pooled_w, sampling_ratio, sizeof(A)) &&
@@ -1116,8 +1249,8 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     } else {
-        const ChunkPlan plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
-                             rois->shape[0], pooled_h * pooled_w, sizeof(A));
+        const ChunkPlan<A> plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
+                                rois->shape[0], pooled_h, pooled_w);
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
                             grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,

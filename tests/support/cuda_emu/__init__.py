@@ -54,7 +54,10 @@ SANITIZE = [f"-fsanitize={os.environ['CUDA_EMU_SANITIZE']}", "-fno-omit-frame-po
 # wider or taller than 64 sample by sample;
 # MMD_CUDA_TRANSPOSED_MIN_READS and _MIN_ROIS (roi_align.cu): every avg
 # forward and default backward of 16 channels or more takes the transposed
-# kernels, whatever its size; MMD_CUDA_MAX_BLOCKS (common.cuh): grids of at
+# kernels, whatever its size; MMD_CUDA_AXIS_CAP (roi_align.cu): those
+# kernels take a roi's cells from lists of at most 5 per row or column of
+# bins, and walk the bins of rois that read more (both in most calls);
+# MMD_CUDA_MAX_BLOCKS (common.cuh): grids of at
 # most 3 blocks, so that every grid-stride loop runs more than once;
 # MMD_CUDA_EMULATOR (cublas.cu): the products take the emulator's cuBLAS
 # stand-in, while a test switches it on (Emulator.cublas);
@@ -67,7 +70,8 @@ CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_M
             f"-DMMD_DCN_IMAGES_BUDGET={DCN_IMAGES_BUDGET}",
             "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8",
             "-DMMD_CUDA_CELL_WALK_MAX=64", "-DMMD_CUDA_TRANSPOSED_MIN_READS=0",
-            "-DMMD_CUDA_TRANSPOSED_MIN_ROIS=0", "-DMMD_CUDA_MAX_BLOCKS=3",
+            "-DMMD_CUDA_TRANSPOSED_MIN_ROIS=0", "-DMMD_CUDA_AXIS_CAP=5",
+            "-DMMD_CUDA_MAX_BLOCKS=3",
             "-DMMD_CUDA_EMULATOR", *SANITIZE]
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
