@@ -65,6 +65,18 @@ py=${PYTHON:-python3}
 [ -e "$final/gpu-logs.tgz" ] || rm -rf "$out"
 mkdir -p "$out" "$final"
 began=$(date +%s)
+# the wheels' paths absolute: the parts run from /tmp (outside the source
+# tree), where a relative BASELINE or PROFILE_BASELINE did not install
+# (the H200 run of 2026-11-27: "its wheel did not install")
+absolute() {
+    local path out=()
+    for path in $1; do
+        out+=("$(cd "$(dirname "$path")" 2> /dev/null && pwd || dirname "$path")/$(basename "$path")")
+    done
+    echo "${out[*]}"
+}
+WHEEL=$(absolute "${WHEEL:-}") BASELINE=$(absolute "${BASELINE:-}")
+PROFILE_BASELINE=$(absolute "${PROFILE_BASELINE:-}")
 # the logs so far, as one file in $OUT (written aside, then renamed)
 pack() {
     tar czf "$final/.gpu-logs.tgz" -C "$out" . 2> /dev/null &&

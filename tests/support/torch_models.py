@@ -2,6 +2,8 @@
 for every FPN level, a torchvision Mask R-CNN run, and the mark of tests
 that trace ops of data-dependent size (needs torch, and torchvision for the
 model run; imported by tests that have checked for what they use)."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -41,10 +43,39 @@ def boxes_of_every_level(n, size=(128, 160), seed=41, dtype=torch.float32, devic
     return torch.cat([centre - side / 2, centre + side / 2], 1).to(device)
 
 
+@contextlib.contextmanager
+def full_float32():
+    """cuDNN's convolutions in float32, deterministically, for the block.
+
+    cuDNN convolves float32 in TF32 by default on Ampere and newer (a 10-bit
+    mantissa), so two runs whose pooled features differ in the last bits
+    (their roi_aligns round differently) round some of the mask head's and
+    FPN's products to neighbouring TF32 values, 1e-3 apart: the H200 run of
+    2026-11-27 saw backbone.body.conv1.weight's gradients 1.4e-3 of their
+    largest magnitude apart, torchvision's pooler against ours. In float32
+    only the poolers' own rounding is left to compare."""
+    backends = torch.backends
+    saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32,
+             backends.cudnn.deterministic, backends.cudnn.benchmark)
+    backends.cudnn.allow_tf32 = backends.cuda.matmul.allow_tf32 = False
+    backends.cudnn.deterministic, backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32,
+         backends.cudnn.deterministic, backends.cudnn.benchmark) = saved
+
+
 def mask_rcnn_run(pooler, device="cpu"):
     """torchvision's Mask R-CNN on a small ResNet-18 FPN, with `pooler`'s
     MultiScaleRoIAlign as its box and mask poolers: the losses and the
-    gradients of one training step, then the detections in eval mode."""
+    gradients of one training step, then the detections in eval mode, with
+    cuDNN in float32 (full_float32)."""
+    with full_float32():
+        return _mask_rcnn_run(pooler, device)
+
+
+def _mask_rcnn_run(pooler, device):
     from torchvision.models.detection import MaskRCNN
     from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 
@@ -79,13 +110,14 @@ def assert_same_run(ours, theirs):
     them), gradients and detections (some), within 1e-4.
 
     On the CPU each gradient agrees element by element. On CUDA, both
-    libraries' roi_align backwards (and cuDNN's convolution backwards) add
-    with atomics, so not even two runs of torchvision agree bit for bit, and
-    the backbone's gradients carry that rounding through every layer below
-    the poolers: an element that is a near-cancelling sum (the H200 run of
-    2026-11-27 failed on backbone.body.conv1.weight elementwise) has no
-    relative precision left. There each gradient agrees within 1e-4 of its
-    own largest magnitude."""
+    libraries' roi_align backwards add with atomics, so not even two runs of
+    torchvision agree bit for bit, and the backbone's gradients carry that
+    rounding through every layer below the poolers: an element that is a
+    near-cancelling sum (an H200 run of 2026-11-27 failed on
+    backbone.body.conv1.weight elementwise) has no relative precision left.
+    There each gradient agrees within 1e-4 of its own largest magnitude
+    (which TF32 convolutions did not meet either: mask_rcnn_run's
+    full_float32)."""
     assert ours[0].keys() == theirs[0].keys() and "loss_mask" in ours[0]
     np.testing.assert_allclose(list(ours[0].values()), list(theirs[0].values()), rtol=1e-4,
                                atol=1e-4)
