@@ -13,6 +13,8 @@
  * outside [-1, H * W) adds nothing, and the first bad item is reported as a
  * deferred error. In strict mode a check kernel validates everything first
  * and the call raises, writing nothing. */
+#include <limits.h>
+
 #include "mmdispatch/cuda/common.cuh"
 #include "mmdispatch/ops/roi_pool.h"
 #include "mmdispatch/registry.h"
@@ -137,17 +139,27 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
         A best = 0;
         int64_t best_index = -1;
         bool saw_nan = false;
-        for (int64_t h = h0; h < h1; ++h)
-            for (int64_t x = w0; x < w1; ++x) {
-                const int64_t at = h * width + x;
-                const A v = to_compute(plane[at]);
-                if (v != v)
-                    saw_nan = true;
-                else if (best_index < 0 || v > best) {
-                    best = v;
-                    best_index = at;
-                }
+        /* the first cell that is not NaN, then each greater one; a cell's
+         * index worked out only where it is taken, a row's cells through a
+         * pointer with an int count (ncu on the H200, 2026-11-27: this
+         * kernel issue-bound at 1.48 ms, its 64-bit index per cell, where
+         * torchvision's took 0.85 ms bound by memory) */
+        const auto consider = [&](A v, int64_t h, int64_t x) {
+            saw_nan |= v != v;
+            if (v > best || (best_index < 0 && v == v)) {
+                best = v;
+                best_index = h * width + x;
             }
+        };
+        const T *row = plane + h0 * width + w0;
+        if (w1 - w0 <= INT_MAX) {
+            const int cells = (int)(w1 - w0);
+            for (int64_t h = h0; h < h1; ++h, row += width)
+                for (int j = 0; j < cells; ++j) consider(to_compute(row[j]), h, w0 + j);
+        } else {
+            for (int64_t h = h0; h < h1; ++h, row += width)
+                for (int64_t j = 0; j < w1 - w0; ++j) consider(to_compute(row[j]), h, w0 + j);
+        }
         output[e.at] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
         argmax[e.at] = best_index;
     }

@@ -326,6 +326,31 @@ def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backe
             assert_same(got, want)
 
 
+def test_roi_pool_forward_skips_nan_cells_and_a_bin_of_only_nans_is_nan_with_no_argmax(emu):
+    """The forward's max over a bin passes over NaN cells (a bin of some
+    takes the largest other cell, -inf included, at its first place) and
+    gives NaN with argmax -1 for a bin of NaNs only, as the CPU does."""
+    x = np.arange(2 * 6 * 8, dtype=np.float32).reshape(1, 2, 6, 8) % 7
+    x[0, 0, :3, :4] = np.nan                           # bin (0, 0) of channel 0: all NaN
+    x[0, 1, :3, :4] = -np.inf
+    x[0, 1, 1, 1] = np.nan                             # bin (0, 0) of channel 1: -inf, a NaN
+    x[0, 0, 3:, 4:] = np.where(np.arange(12).reshape(3, 4) % 2, np.nan, 3.0)   # NaN, 3.0, ...
+    rois = np.array([[0, 0, 0, 7, 5], [0, 1, 1, 6, 4]], np.float32)
+    shape = (2, 2, 2, 2)
+
+    def run(wrap):
+        out, argmax = np.zeros(shape, np.float32), np.zeros(shape, np.int64)
+        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), 2, 2, 1.0, 0)
+        return out, argmax
+
+    expected = run(list)
+    assert np.isnan(expected[0][0, 0, 0, 0]) and expected[1][0, 0, 0, 0] == -1
+    assert expected[0][0, 1, 0, 0] == -np.inf and expected[1][0, 1, 0, 0] == 0
+    assert expected[0][0, 0, 1, 1] == 3.0 and expected[1][0, 0, 1, 1] == 3 * 8 + 4
+    for got, want in zip(run(on_gpu), expected):
+        assert_same(got, want)
+
+
 @pytest.mark.parametrize("pooled", [(7, 7), (2, 3)])
 def test_deterministic_roi_pool_backward_over_many_rois_and_chunks_matches_the_cpu(
         emu, pooled):
