@@ -9,8 +9,9 @@
  * the deterministic backend's, to register-tiled products of our own (k
  * split in slices where the product has few tiles).
  *
- * Forward: a thread per (image, channel, pixel) writes its taps' column
- * values, then per weight group one product with the weight per image, the
+ * Forward: a thread per (image, 4 channels, pixel) writes its taps' column
+ * values (a thread per channel where 4 does not divide an offset group's
+ * channels), then per weight group one product with the weight per image, the
  * bias added as it is written (cuBLAS: the bias written first, the product
  * added to it). Backward: the columns again; grad_weight += grad_output x
  * columns^T; the columns' gradient weight^T x grad_output; a thread per
@@ -153,12 +154,14 @@ template <typename T> struct TapWalk {
     int64_t n, c, oy, ox, column;
     const T *dy, *m;   /* tap 0's y offset and mask of the pixel (m null: no mask) */
 
+    /* (a thread of `group` channels, from c, where group divides the
+     * channels of an offset group: i counts (image, channel group, pixel)) */
     __device__ TapWalk(const T *offset, const T *mask, const mmd_dcn_shape &d, const Span &span,
-                       int64_t i) {
+                       int64_t i, int group = 1) {
         const int64_t taps = d.taps(), pixels = d.pixels(), count = span.count;
-        const int64_t q = i % count, rest = i / count;
-        c = rest % d.in_channels;
-        const int64_t j = rest / d.in_channels;
+        const int64_t q = i % count, rest = i / count, groups = d.in_channels / group;
+        c = rest % groups * group;
+        const int64_t j = rest / groups;
         n = span.n0 + j;
         column = (j * d.in_channels + c) * taps * count + q;
         const int64_t p = span.p0 + q;
@@ -182,23 +185,46 @@ template <typename T> struct TapWalk {
 };
 
 /* columns[((j * C + c) * K + t) * count + q] = mask * sample of image
- * n0 + j, channel c, pixel p0 + q, tap t: a thread per (image, channel,
- * pixel), pixels fastest. */
-template <typename T>
-__global__ void im2col_kernel(const T *input, const T *offset, const T *mask, mmd_dcn_shape d,
-                              Span span, typename Compute<T>::type *columns) {
+ * n0 + j, channel c, pixel p0 + q, tap t: a thread per (image, group of G
+ * channels, pixel), pixels fastest. The G channels of an offset group
+ * sample the same places: a tap's offsets, mask and corners are worked out
+ * once for them (ncu on the H200, 2026-11-27: a thread per channel, this
+ * kernel took 168 us of the bench's forward, issue-bound, where
+ * torchvision's took 81 us). */
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreads, 3)   /* 3 blocks an SM: 80 registers */
+im2col_kernel(const T *input, const T *offset, const T *mask, mmd_dcn_shape d, Span span,
+              typename Compute<T>::type *columns) {
     typedef typename Compute<T>::type A;
-    const int64_t plane = d.height * d.width, count = span.count;
-    MMD_GRID_STRIDE_LOOP(i, span.images * d.in_channels * count) {
-        const TapWalk<T> w(offset, mask, d, span, i);
+    const int64_t plane = d.height * d.width, count = span.count, step = d.taps() * count;
+    MMD_GRID_STRIDE_LOOP(i, span.images * (d.in_channels / G) * count) {
+        const TapWalk<T> w(offset, mask, d, span, i, G);
         const T *x = input + (w.n * d.in_channels + w.c) * plane;
         A *out = columns + w.column;
         w.each(d, [&](int64_t t, const Sample<A> &s, A weight) {
-            A v[4];
-            mmd_bilinear_corners(s, x, v);
-            out[t * count] = weight * mmd_bilinear_value(s, v);
+            A v[G][4];
+#pragma unroll   /* the G channels' corner loads in flight together */
+            for (int g = 0; g < G; ++g) mmd_bilinear_corners(s, x + g * plane, v[g]);
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+                out[g * step + t * count] = weight * mmd_bilinear_value(s, v[g]);
         });
     }
+}
+
+/* im2col_kernel over a span: 4 channels a thread where they divide the
+ * channels of an offset group, else one. */
+template <typename T>
+int im2col(const mmd_dcn_shape &d, const Span &span, const T *input, const T *offset,
+           const T *mask, typename Compute<T>::type *columns, cudaStream_t stream) {
+    const int64_t items = span.images * d.in_channels * span.count;
+    if (d.channels_per_offset_group() % 4 == 0)
+        im2col_kernel<T, 4><<<blocks_for(items / 4), kThreads, 0, stream>>>(input, offset, mask,
+                                                                          d, span, columns);
+    else
+        im2col_kernel<T, 1><<<blocks_for(items), kThreads, 0, stream>>>(input, offset, mask, d,
+                                                                       span, columns);
+    return launch_status("deform_conv2d im2col launch");
 }
 
 /* A row-major matrix view: element (i, j) at data[i * row + j * col]. */
@@ -589,9 +615,7 @@ int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *ma
     return for_each_pass(d, most, [&](const Span &span) -> int {
         const int64_t count = span.count;
         if (rows > 0) {
-            im2col_kernel<T><<<blocks_for(span.images * d.in_channels * count), kThreads, 0,
-                                stream>>>(input, offset, mask, d, span, columns.as<A>());
-            int s = launch_status("deform_conv2d im2col launch");
+            const int s = im2col<T>(d, span, input, offset, mask, columns.as<A>(), stream);
             if (s) return s;
         }
         /* per weight group, one product per image (batched) */
@@ -681,9 +705,7 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
     if (err != cudaSuccess) return cuda_error(err, "deform_conv2d column buffer");
     s = for_each_pass(d, most, [&](const Span &span) -> int {
         const int64_t count = span.count, items = span.images * d.in_channels;
-        im2col_kernel<T><<<blocks_for(items * count), kThreads, 0, stream>>>(
-            input, offset, mask, d, span, columns.as<A>());
-        int s = launch_status("deform_conv2d im2col launch");
+        int s = im2col<T>(d, span, input, offset, mask, columns.as<A>(), stream);
         for (int64_t g = 0; g < d.groups && !s; ++g) {
             const T *grad_g =
                 grad_output + (span.n0 * d.out_channels + g * out_per_group) * pixels + span.p0;
