@@ -293,6 +293,11 @@ struct ChunkThread {
     }
 };
 
+/* Bin b's row: in int (a chunk's bins fit 48 KB of shared memory, so
+ * there are at most 384), where a 64-bit division takes several times the
+ * instructions. */
+__device__ inline int64_t bin_row(int64_t b, int64_t pooled_w) { return (int)b / (int)pooled_w; }
+
 /* f(k, good, geometry) for each roi of the block (a grid-stride loop over
  * the rois; uniform in the block); the first chunk's first thread reports
  * a bad roi (once per call). */
@@ -441,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_trans
             const int64_t samples = g.grid_h * g.grid_w;
             const A divisor = (A)(samples > 1 ? samples : 1);
             for (int64_t b = t.warp; b < bins; b += t.warps) {
-                const int64_t ph = b / pooled_w, pw = b % pooled_w;
+                const int64_t ph = bin_row(b, pooled_w), pw = b - ph * pooled_w;
                 A sum = 0;
                 const auto load = [&](const T *row, int x) {
                     return to_compute(row[(int64_t)x * kLanes]);
@@ -720,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_tran
             const int64_t samples = g.grid_h * g.grid_w;
             const A divisor = (A)(samples > 1 ? samples : 1);
             for (int64_t b = t.warp; b < bins; b += t.warps) {
-                const int64_t ph = b / pooled_w, pw = b % pooled_w;
+                const int64_t ph = bin_row(b, pooled_w), pw = b - ph * pooled_w;
                 const A share = shares[t.lane * bins + b] / divisor;
                 const bool mine = t.lane < count, walked = walk && isfinite(share);
                 if (mine && !walked)
