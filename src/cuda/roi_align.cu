@@ -337,8 +337,8 @@ __device__ inline void walk_bin(const Geometry<A> &g, int64_t ph, int64_t pw, in
  * throughput). An axis of more than `cap` cells (a bin of many samples, at
  * adaptive sampling of a large roi) leaves the roi to the walk. Entry e of
  * list i (rows 0 .. pooled_h - 1, then columns) is cells[i * cap + e]. */
-#ifndef MMD_CUDA_AXIS_CAP
-#define MMD_CUDA_AXIS_CAP 64
+#ifndef MMD_CUDA_AXIS_CAP   /* odd: the lists' fills (a thread each) hit distinct banks */
+#define MMD_CUDA_AXIS_CAP 63
 #endif
 template <typename A> struct BinAxes {
     int cap;      /* entries a list holds; 0: none (every roi walks) */
@@ -1054,11 +1054,13 @@ inline bool scratch_for(StreamBuffer *chunk, size_t bytes) {
     return false;
 }
 
-/* The transposed kernels' launches for a (batch, channels, height, width)
- * map and num_rois rois of `bins` bins: each(f) calls f(c0, count) for
- * each chunk of kLanes channels, [c0, c0 + count), until one fails. */
+/* The shared memory a launch gets without opting in. */
 constexpr size_t kAxesShared = 48 * 1024;
 
+/* The transposed kernels' launches for a (batch, channels, height, width)
+ * map and num_rois rois of pooled_h x pooled_w bins: each(f) calls
+ * f(c0, count) for each chunk of kLanes channels, [c0, c0 + count), until
+ * one fails. */
 template <typename A> struct ChunkPlan {
     int64_t channels, cells;
     unsigned transpose_blocks, roi_blocks;
@@ -1067,20 +1069,24 @@ template <typename A> struct ChunkPlan {
                         BinAxes lists */
 
     ChunkPlan(int64_t batch, int64_t channels_, int64_t height, int64_t width, int64_t num_rois,
-              int64_t pooled_h, int64_t pooled_w)
+              int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio)
         : channels(channels_), cells(height * width) {
         const int64_t tiles = batch * ((cells + kLanes - 1) / kLanes);
         transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
         roi_blocks = (unsigned)(num_rois < kMaxBlocks ? num_rois : kMaxBlocks);
         shared = sizeof(A) * kLanes * (size_t)(pooled_h * pooled_w);
         /* the longest lists that fit the 48 KB a launch gets without opting
-         * in, at most MMD_CUDA_AXIS_CAP entries (transposed_pays bounds the
-         * sums to 48 KB) */
+         * in (transposed_pays bounds the sums to 48 KB), at most
+         * MMD_CUDA_AXIS_CAP entries, and at most the 2 cells a sample of
+         * a fixed sampling_ratio's reads (the rest of the shared memory
+         * left to L1 for the gathers) */
         const int64_t lists = pooled_h + pooled_w;
         const size_t room = shared < kAxesShared ? kAxesShared - shared : 0;
         int64_t cap = (int64_t)(room / (size_t)lists) - (int64_t)sizeof(int);
         cap = cap > 0 ? cap / (int64_t)(sizeof(A) + sizeof(int)) : 0;
-        axis_cap = (int)(cap < MMD_CUDA_AXIS_CAP ? cap : MMD_CUDA_AXIS_CAP);
+        cap = cap < MMD_CUDA_AXIS_CAP ? cap : MMD_CUDA_AXIS_CAP;
+        if (sampling_ratio > 0 && sampling_ratio < cap / 2) cap = 2 * sampling_ratio;
+        axis_cap = (int)cap;
         shared += BinAxes<A>::bytes(lists, axis_cap);
     }
     template <typename F> int each(F f) const {
@@ -1159,7 +1165,7 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             sampling_ratio, aligned, sink);
     } else {
         const ChunkPlan<A> plan(batch, input->shape[1], input->shape[2], input->shape[3],
-                                rois->shape[0], pooled_h, pooled_w);
+                                rois->shape[0], pooled_h, pooled_w, sampling_ratio);
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
                             input->shape[3], pooled_h, pooled_w, sampling_ratio, sizeof(A)) &&
@@ -1255,7 +1261,7 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             (A)spatial_scale, sampling_ratio, aligned, sink);
     } else {
         const ChunkPlan<A> plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
-                                rois->shape[0], pooled_h, pooled_w);
+                                rois->shape[0], pooled_h, pooled_w, sampling_ratio);
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
                             grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
