@@ -456,14 +456,13 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_trans
                      * columns 4 at a time (their loads in flight together),
                      * the terms in the walk's order */
                     const auto lists = axes.of_bin(ph, pw, pooled_h);
-                    const int rows = lists.rows, columns = lists.columns;
-                    const int *ys = lists.ys, *xs = lists.xs;
-                    const A *wys = lists.wys, *wxs = lists.wxs;
-                    for (int r = 0; r < rows; ++r) {
-                        const T *row = cells + (int64_t)ys[r] * width * kLanes;
+                    const int *xs = lists.xs;
+                    const A *wxs = lists.wxs;
+                    for (int r = 0; r < lists.rows; ++r) {
+                        const T *row = cells + (int64_t)lists.ys[r] * width * kLanes;
                         A dot = 0;
                         int c = 0;
-                        for (; c + 4 <= columns; c += 4) {
+                        for (; c + 4 <= lists.columns; c += 4) {
                             const A v0 = load(row, xs[c]), v1 = load(row, xs[c + 1]);
                             const A v2 = load(row, xs[c + 2]), v3 = load(row, xs[c + 3]);
                             dot += wxs[c] * v0;
@@ -471,8 +470,8 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_trans
                             dot += wxs[c + 2] * v2;
                             dot += wxs[c + 3] * v3;
                         }
-                        for (; c < columns; ++c) dot += wxs[c] * load(row, xs[c]);
-                        sum += wys[r] * dot;
+                        for (; c < lists.columns; ++c) dot += wxs[c] * load(row, xs[c]);
+                        sum += lists.wys[r] * dot;
                     }
                 } else if (walk)
                     walk_bin(g, ph, pw, height, width, [&](int y, A wy, auto columns) {
@@ -732,13 +731,12 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_tran
                     scatter_samples<T, A>(plane, height, width, g, ph, pw, share);
                 if (listed) {   /* the walk's adds, from the lists */
                     const auto lists = axes.of_bin(ph, pw, pooled_h);
-                    const int rows = lists.rows, columns = lists.columns;
-                    const int *ys = lists.ys, *xs = lists.xs;
-                    const A *wys = lists.wys, *wxs = lists.wxs;
-                    for (int r = 0; r < rows; ++r) {
-                        A *row = cells + (int64_t)ys[r] * width * kLanes;
-                        const A part = share * wys[r];
-                        for (int c = 0; c < columns; ++c)
+                    const int *xs = lists.xs;
+                    const A *wxs = lists.wxs;
+                    for (int r = 0; r < lists.rows; ++r) {
+                        A *row = cells + (int64_t)lists.ys[r] * width * kLanes;
+                        const A part = share * lists.wys[r];
+                        for (int c = 0; c < lists.columns; ++c)
                             if (mine && walked) atomicAdd(row + (int64_t)xs[c] * kLanes,
                                                           part * wxs[c]);
                     }
@@ -1101,11 +1099,11 @@ template <typename A> struct ChunkPlan {
 /* One chunk's transposed forward: the chunk of the map into scratch, then
  * its bins. */
 template <typename T>
-int forward_chunk(const ChunkPlan<typename Compute<T>::type> &plan, T *chunk, int64_t c0, int64_t count,
-                  const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
-                  int64_t pooled_h, int64_t pooled_w, typename Compute<T>::type scale,
-                  int64_t sampling_ratio, int aligned, const ErrorSink &sink,
-                  cudaStream_t stream) {
+int forward_chunk(const ChunkPlan<typename Compute<T>::type> &plan, T *chunk, int64_t c0,
+                  int64_t count, const mmd_tensor *input, const mmd_tensor *rois,
+                  const mmd_tensor *output, int64_t pooled_h, int64_t pooled_w,
+                  typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
+                  const ErrorSink &sink, cudaStream_t stream) {
     const int64_t batch = input->shape[0];
     transpose_chunk_kernel<T><<<plan.transpose_blocks, dim3(kLanes, 8), 0, stream>>>(
         (const T *)input->data, chunk, batch, plan.channels, plan.cells, c0, count);

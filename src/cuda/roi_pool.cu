@@ -151,15 +151,16 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
                 best_index = h * width + x;
             }
         };
-        const T *row = plane + h0 * width + w0;
-        if (w1 - w0 <= INT_MAX) {
-            const int cells = (int)(w1 - w0);
+        /* the bin's rows, `cells` of each (an int, or int64 for rows past it) */
+        const auto scan = [&](auto cells) {
+            const T *row = plane + h0 * width + w0;
             for (int64_t h = h0; h < h1; ++h, row += width)
-                for (int j = 0; j < cells; ++j) consider(to_compute(row[j]), h, w0 + j);
-        } else {
-            for (int64_t h = h0; h < h1; ++h, row += width)
-                for (int64_t j = 0; j < w1 - w0; ++j) consider(to_compute(row[j]), h, w0 + j);
-        }
+                for (decltype(cells) j = 0; j < cells; ++j) consider(to_compute(row[j]), h, w0 + j);
+        };
+        if (w1 - w0 <= INT_MAX)
+            scan((int)(w1 - w0));
+        else
+            scan(w1 - w0);
         output[e.at] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
         argmax[e.at] = best_index;
     }
