@@ -41,6 +41,7 @@
 
 #include <type_traits>
 
+#include "mmdispatch/cuda/chunks.cuh"
 #include "mmdispatch/cuda/rois.cuh"
 #include "mmdispatch/ops/roi_align.h"
 #include "mmdispatch/registry.h"
@@ -270,8 +271,8 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
  * coalesced load, where avg_forward_kernel's lanes are 32 bins, each load a
  * sector of its own (on an H100 at sr=2 that forward moved about 3 GB
  * between L2 and the SMs for a 124 MB map). The bins' sums collect in
- * shared memory and leave as the chunk's contiguous block of output. */
-constexpr int kLanes = 32;
+ * shared memory and leave as the chunk's contiguous block of output
+ * (mmdispatch/cuda/chunks.cuh: the chunks and their transposition). */
 /* Blocks of the transposed kernels an SM keeps resident at least (their
  * registers capped to fit: 24 warps, for the gathers' latency) */
 constexpr int kTransposedBlocks = 3;
@@ -396,73 +397,6 @@ template <typename A> struct BinAxes {
     }
 };
 
-/* The transpositions between the map's planes and a chunk's (n, h, w, kLanes)
- * scratch move tiles of kLanes channels x kTileCells cells through shared
- * memory, a block of kLanes x kTransposeRows threads per tile, so that both
- * sides' accesses coalesce. Each thread issues its kTileSpans x
- * kLanes / kTransposeRows loads together (unrolled) before it uses any.
- * Tiles of 32 cells, loaded in a loop of stride blockDim.y with a shared
- * store between the loads, kept one load a thread in flight: 15 us a chunk
- * of the bench's map (ncu on the H200, 2026-11-27), 2 TB/s for the 31 MB
- * read and written, 43 % of the card's peak (this version is not timed). */
-constexpr int kTransposeRows = 8;
-constexpr int kTileSpans = 4;
-constexpr int kTileCells = kTileSpans * kLanes;
-constexpr int kChannelsPerRow = kLanes / kTransposeRows;      /* a thread's channels */
-constexpr int kCellsPerRow = kTileCells / kTransposeRows;     /* a thread's cells */
-
-/* Tiles of a (batch, cells) map: f(n, cell0) for each of the block's
- * (grid-stride). */
-template <typename F>
-__device__ inline void for_each_tile(int64_t batch, int64_t cells, F f) {
-    const int64_t tiles = (cells + kTileCells - 1) / kTileCells;
-    for (int64_t t = blockIdx.x; t < batch * tiles; t += gridDim.x)
-        f(t / tiles, (t % tiles) * kTileCells);
-}
-
-/* f(i, s, c, cell) for each of the thread's kChannelsPerRow x kTileSpans
- * places (channel c, cell) of a [channel][cell] tile, unrolled (the
- * loads of the places in flight together). */
-template <typename F> __device__ inline void for_each_place(F f) {
-#pragma unroll
-    for (int i = 0; i < kChannelsPerRow; ++i)
-#pragma unroll
-        for (int s = 0; s < kTileSpans; ++s)
-            f(i, s, (int)threadIdx.y + i * kTransposeRows, s * kLanes + (int)threadIdx.x);
-}
-
-/* f(i, j) for each of the thread's kCellsPerRow cells j of a
- * [cell][channel] tile (its channel threadIdx.x), unrolled. */
-template <typename F> __device__ inline void for_each_cell_place(F f) {
-#pragma unroll
-    for (int i = 0; i < kCellsPerRow; ++i) f(i, (int)threadIdx.y + i * kTransposeRows);
-}
-
-/* chunk[((n * cells + i) * kLanes + c] = input[n, c0 + c, i] for the
- * chunk's `count` channels (0 in the lanes past them). */
-template <typename T>
-__global__ void __launch_bounds__(kLanes * kTransposeRows)
-    transpose_chunk_kernel(const T *input, T *chunk, int64_t batch, int64_t channels,
-                           int64_t cells, int64_t c0, int64_t count) {
-    typedef typename Compute<T>::type A;
-    __shared__ A tile[kLanes][kTileCells + 1];   /* [channel][cell] */
-    for_each_tile(batch, cells, [&](int64_t n, int64_t cell0) {
-        const T *from = input + (n * channels + c0) * cells + cell0;
-        A v[kChannelsPerRow][kTileSpans];
-        for_each_place([&](int i, int s, int c, int cell) {
-            v[i][s] = c < count && cell0 + cell < cells ? to_compute(from[c * cells + cell])
-                                                        : (A)0;
-        });
-        for_each_place([&](int i, int s, int c, int cell) { tile[c][cell] = v[i][s]; });
-        __syncthreads();
-        T *to = chunk + (n * cells + cell0) * kLanes + threadIdx.x;
-        for_each_cell_place([&](int, int j) {
-            if (cell0 + j < cells) to[j * kLanes] = from_compute<T>(tile[threadIdx.x][j]);
-        });
-        __syncthreads();
-    });
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_transposed_kernel(
     const T *input, const T *chunk, const T *rois, T *output, int64_t num_rois,
@@ -559,30 +493,15 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_trans
     });
 }
 
-/* Whether an avg forward or default backward takes the transposed kernels:
- * a map with cells, MMD_CUDA_TRANSPOSED_MIN_ROIS rois or more (fewer leave
- * most of a GPU's SMs idle in each of the chunks' launches, where the
- * per-bin kernel spreads them over one launch), a chunk's channels filling
- * half a warp or more, its sums fitting in 48 KB of shared memory, and the
- * bins' samples (sampling_ratio 0 counted as 2 x 2 a bin) reading at least
- * MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the transposition
- * reads and writes the map once). */
-#ifndef MMD_CUDA_TRANSPOSED_MIN_READS
-#define MMD_CUDA_TRANSPOSED_MIN_READS 2
-#endif
-#ifndef MMD_CUDA_TRANSPOSED_MIN_ROIS
-#define MMD_CUDA_TRANSPOSED_MIN_ROIS 256
-#endif
+/* Whether an avg forward or default backward takes the transposed kernels
+ * (chunks_pay): the bins' samples (sampling_ratio 0 counted as 2 x 2 a
+ * bin) read 4 cells each, and a chunk's sums fit in 48 KB. */
 inline bool transposed_pays(int64_t num_rois, int64_t channels, int64_t batch, int64_t height,
                             int64_t width, int64_t pooled_h, int64_t pooled_w,
                             int64_t sampling_ratio, size_t compute_size) {
-    const int64_t bins = pooled_h * pooled_w, grid = sampling_ratio > 0 ? sampling_ratio : 2;
-    if (batch <= 0 || height <= 0 || width <= 0 || num_rois <= 0 ||
-        num_rois < MMD_CUDA_TRANSPOSED_MIN_ROIS || channels < kLanes / 2 ||
-        bins > (int64_t)(48 * 1024 / (kLanes * compute_size)))
-        return false;
-    const double reads = (double)num_rois * (double)bins * (double)(grid * grid) * 4;
-    return reads >= MMD_CUDA_TRANSPOSED_MIN_READS * (double)batch * (double)height * (double)width;
+    const int64_t grid = sampling_ratio > 0 ? sampling_ratio : 2;
+    return chunks_pay(num_rois, channels, batch, height, width, pooled_h * pooled_w,
+                      (double)(grid * grid) * 4, kLanes * compute_size);
 }
 
 /* max: a thread per output element (common.cuh, PooledElement: channel-major),
@@ -1090,34 +1009,16 @@ __global__ void deterministic_max_backward_kernel(
     }
 }
 
-/* Allocates the transposed kernels' scratch; false (the error cleared)
- * where the device has no memory for it: the per-bin kernels need none. */
-inline bool scratch_for(StreamBuffer *chunk, size_t bytes) {
-    if (chunk->allocate(bytes) == cudaSuccess) return true;
-    cudaGetLastError();
-    return false;
-}
-
-/* The shared memory a launch gets without opting in. */
-constexpr size_t kAxesShared = 48 * 1024;
-
-/* The transposed kernels' launches for a (batch, channels, height, width)
- * map and num_rois rois of pooled_h x pooled_w bins: each(f) calls
- * f(c0, count) for each chunk of kLanes channels, [c0, c0 + count), until
- * one fails. */
-template <typename A> struct ChunkPlan {
-    int64_t channels, cells;
-    unsigned transpose_blocks, roi_blocks;
+/* The transposed kernels' launches (Chunks) for rois of pooled_h x
+ * pooled_w bins, and their shared memory. */
+template <typename A> struct ChunkPlan : Chunks {
     int axis_cap;    /* entries of a BinAxes list (0: none) */
     size_t shared;   /* the [channel][bin] values of a chunk, in the compute type, then the
                         BinAxes lists */
 
-    ChunkPlan(int64_t batch, int64_t channels_, int64_t height, int64_t width, int64_t num_rois,
+    ChunkPlan(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t num_rois,
               int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio)
-        : channels(channels_), cells(height * width) {
-        const int64_t tiles = batch * ((cells + kTileCells - 1) / kTileCells);
-        transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
-        roi_blocks = (unsigned)(num_rois < kMaxBlocks ? num_rois : kMaxBlocks);
+        : Chunks(batch, channels, height, width, num_rois) {
         shared = sizeof(A) * kLanes * (size_t)(pooled_h * pooled_w);
         /* the longest lists that fit the 48 KB a launch gets without opting
          * in (transposed_pays bounds the sums to 48 KB), at most
@@ -1125,20 +1026,13 @@ template <typename A> struct ChunkPlan {
          * a fixed sampling_ratio's reads (the rest of the shared memory
          * left to L1 for the gathers) */
         const int64_t lists = pooled_h + pooled_w;
-        const size_t room = shared < kAxesShared ? kAxesShared - shared : 0;
+        const size_t room = shared < kChunkShared ? kChunkShared - shared : 0;
         int64_t cap = (int64_t)(room / (size_t)lists) - (int64_t)sizeof(int);
         cap = cap > 0 ? cap / (int64_t)(sizeof(A) + sizeof(int)) : 0;
         cap = cap < MMD_CUDA_AXIS_CAP ? cap : MMD_CUDA_AXIS_CAP;
         if (sampling_ratio > 0 && sampling_ratio < cap / 2) cap = 2 * sampling_ratio;
         axis_cap = (int)cap;
         shared += BinAxes<A>::bytes(lists, axis_cap);
-    }
-    template <typename F> int each(F f) const {
-        for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
-            const int s = f(c0, channels - c0 < kLanes ? channels - c0 : kLanes);
-            if (s) return s;
-        }
-        return MMD_OK;
     }
 };
 
@@ -1150,14 +1044,12 @@ int forward_chunk(const ChunkPlan<typename Compute<T>::type> &plan, T *chunk, in
                   const mmd_tensor *output, int64_t pooled_h, int64_t pooled_w,
                   typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
                   const ErrorSink &sink, cudaStream_t stream) {
-    const int64_t batch = input->shape[0];
-    transpose_chunk_kernel<T><<<plan.transpose_blocks, dim3(kLanes, kTransposeRows), 0, stream>>>(
-        (const T *)input->data, chunk, batch, plan.channels, plan.cells, c0, count);
-    const int s = launch_status("roi_align transpose launch");
+    const int s = plan.transpose((const T *)input->data, chunk, c0, count,
+                                 "roi_align transpose launch", stream);
     if (s) return s;
     avg_forward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
         (const T *)input->data, chunk, (const T *)rois->data, (T *)output->data, rois->shape[0],
-        plan.channels, c0, count, input->shape[2], input->shape[3], pooled_h, pooled_w, batch,
+        plan.channels, c0, count, input->shape[2], input->shape[3], pooled_h, pooled_w, plan.batch,
         scale, sampling_ratio, aligned, plan.axis_cap, sink);
     return launch_status("roi_align forward launch");
 }
@@ -1173,15 +1065,15 @@ int backward_chunk(const ChunkPlan<typename Compute<T>::type> &plan,
                    typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
                    const ErrorSink &sink, cudaStream_t stream) {
     typedef typename Compute<T>::type A;
-    const int64_t batch = grad_input->shape[0];
     avg_backward_transposed_kernel<T><<<plan.roi_blocks, kThreads, plan.shared, stream>>>(
         (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data, chunk,
         rois->shape[0], plan.channels, c0, count, grad_input->shape[2], grad_input->shape[3],
-        pooled_h, pooled_w, batch, scale, sampling_ratio, aligned, plan.axis_cap, sink);
+        pooled_h, pooled_w, plan.batch, scale, sampling_ratio, aligned, plan.axis_cap, sink);
     const int s = launch_status("roi_align backward launch");
     if (s) return s;
-    transpose_add_kernel<T, A><<<plan.transpose_blocks, dim3(kLanes, kTransposeRows), 0, stream>>>(
-        chunk, (T *)grad_input->data, batch, plan.channels, plan.cells, c0, count);
+    transpose_add_kernel<T, A><<<plan.transpose_blocks, dim3(kLanes, kTransposeRows), 0,
+                                 stream>>>(chunk, (T *)grad_input->data, plan.batch,
+                                           plan.channels, plan.cells, c0, count);
     return launch_status("roi_align transpose launch");
 }
 

@@ -1,5 +1,8 @@
 /* roi_pool on CUDA (math shared with the CPU kernels through
- * mmdispatch/ops/roi_pool.h). Forward: a thread per output element.
+ * mmdispatch/ops/roi_pool.h). Forward: a thread per output element, or,
+ * where the bins read the map's cells many times over, the map's channels
+ * in chunks of 32 (mmdispatch/cuda/chunks.cuh: a warp per bin, a lane per
+ * channel).
  * Backward (`default`): one thread per grad_output element, adding into
  * grad_input with atomics; (`deterministic`): a warp per (image, channel)
  * plane of grad_input, adding the rois in order, so the sums are the same
@@ -15,7 +18,7 @@
  * and the call raises, writing nothing. */
 #include <limits.h>
 
-#include "mmdispatch/cuda/common.cuh"
+#include "mmdispatch/cuda/chunks.cuh"
 #include "mmdispatch/ops/roi_pool.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
@@ -108,6 +111,50 @@ int check_inputs(const mmd_context *ctx, const mmd_tensor *rois, int64_t batch,
     return s;
 }
 
+/* The maximum of a bin's cells and its index in the plane (h * width + x),
+ * as the CPU kernel takes it: the first cell that is not NaN, then each
+ * greater one; NaN where every cell is NaN, 0 for an empty bin (index -1).
+ * A cell's index is worked out only where it is taken, and NaN is tracked
+ * without a branch (ncu on the H200, 2026-11-27: forward_kernel
+ * issue-bound at 1.48 ms with a 64-bit index per cell, where torchvision's
+ * took 0.85 ms bound by memory). */
+template <typename A> struct BinMax {
+    A best = 0;
+    int64_t index = -1;
+    bool saw_nan = false;
+
+    /* Scans bin (ph, pw) of roi geometry g over a map whose cell (h, x) is
+     * at plane[(h * width + x) * step]: rows, then a row's cells through a
+     * pointer with an int count (int64 for rows past it). */
+    template <typename T, typename G>
+    __device__ void scan(const T *plane, int step, const G &g, int64_t ph, int64_t pw,
+                         int64_t height, int64_t width) {
+        int64_t h0, h1, w0, w1;
+        mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, ph, height, &h0, &h1);
+        mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pw, width, &w0, &w1);
+        const auto cells_of_rows = [&](auto cells) {
+            const T *row = plane + (h0 * width + w0) * step;
+            for (int64_t h = h0; h < h1; ++h, row += width * step) {
+                const T *cell = row;
+#pragma unroll 4   /* loads in flight together */
+                for (decltype(cells) j = 0; j < cells; ++j, cell += step) {
+                    const A v = to_compute(*cell);
+                    saw_nan |= v != v;
+                    if (v > best || (index < 0 && v == v)) {
+                        best = v;
+                        index = h * width + w0 + j;
+                    }
+                }
+            }
+        };
+        if (w1 - w0 <= INT_MAX)
+            cells_of_rows((int)(w1 - w0));
+        else
+            cells_of_rows(w1 - w0);
+    }
+    __device__ A value() const { return index >= 0 ? best : (saw_nan ? (A)NAN : (A)0); }
+};
+
 /* Forward: a thread per output element (PooledElement's order). A thread
  * per bin and 8 channels, the bin's cells found once for the 8, took
  * 2.72 ms on the bench's workload where torchvision's thread per element
@@ -132,38 +179,71 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
             argmax[e.at] = -1;
             continue;
         }
-        int64_t h0, h1, w0, w1;
-        mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, e.ph, height, &h0, &h1);
-        mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, e.pw, width, &w0, &w1);
-        const T *plane = input + (g.batch * channels + e.c) * height * width;
-        A best = 0;
-        int64_t best_index = -1;
-        bool saw_nan = false;
-        /* the first cell that is not NaN, then each greater one; a cell's
-         * index worked out only where it is taken, a row's cells through a
-         * pointer with an int count (ncu on the H200, 2026-11-27: this
-         * kernel issue-bound at 1.48 ms, its 64-bit index per cell, where
-         * torchvision's took 0.85 ms bound by memory) */
-        const auto consider = [&](A v, int64_t h, int64_t x) {
-            saw_nan |= v != v;
-            if (v > best || (best_index < 0 && v == v)) {
-                best = v;
-                best_index = h * width + x;
-            }
-        };
-        /* the bin's rows, `cells` of each (an int, or int64 for rows past it) */
-        const auto scan = [&](auto cells) {
-            const T *row = plane + h0 * width + w0;
-            for (int64_t h = h0; h < h1; ++h, row += width)
-                for (decltype(cells) j = 0; j < cells; ++j) consider(to_compute(row[j]), h, w0 + j);
-        };
-        if (w1 - w0 <= INT_MAX)
-            scan((int)(w1 - w0));
-        else
-            scan(w1 - w0);
-        output[e.at] = from_compute<T>(best_index >= 0 ? best : (saw_nan ? (A)NAN : (A)0));
-        argmax[e.at] = best_index;
+        BinMax<A> m;
+        m.scan(input + (g.batch * channels + e.c) * height * width, 1, g, e.ph, e.pw, height,
+               width);
+        output[e.at] = from_compute<T>(m.value());
+        argmax[e.at] = m.index;
     }
+}
+
+/* The chunked forward, where chunks_pay: per chunk of kLanes channels (its
+ * map in (batch, height, width, kLanes) scratch), a block per roi, a warp
+ * per bin, a lane per channel: each cell of a bin is one coalesced load of
+ * the chunk's channels, and the bin's bounds are worked out once for them
+ * (forward_kernel's warps are 32 bins of different bounds, each load a
+ * sector of its own, the warp as long as its largest bin). The bins' maxima
+ * and argmaxes collect in shared memory and leave as the chunk's contiguous
+ * blocks of output and argmax. Each lane scans its bin as forward_kernel's
+ * thread does (BinMax): the same values and argmax. */
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    forward_chunk_kernel(const T *chunk, const T *rois, T *output, int64_t *argmax,
+                         int64_t num_rois, int64_t channels, int64_t c0, int64_t count,
+                         int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w,
+                         int64_t batch, typename Compute<T>::type scale, int convention,
+                         ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    extern __shared__ unsigned char shared_bytes[];
+    const int64_t bins = pooled_h * pooled_w;
+    int64_t *indices = reinterpret_cast<int64_t *>(shared_bytes);   /* [kLanes][bins] */
+    A *maxima = reinterpret_cast<A *>(indices + kLanes * bins);      /* [kLanes][bins] */
+    const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
+    const int warps = blockDim.x / kLanes;
+    for (int64_t k = blockIdx.x; k < num_rois; k += gridDim.x) {
+        Geometry<T> g;
+        const int code = roi_geometry(rois, k, batch, scale, convention, pooled_h, pooled_w,
+                                      &g);
+        const bool good = code == MMD_ROI_OK;
+        if (!good && c0 == 0 && threadIdx.x == 0) sink.report(k, code);   /* once a call */
+        if (good)
+            for (int64_t b = warp; b < bins; b += warps) {
+                /* (a chunk's bins fit 48 KB: an int division) */
+                const int64_t ph = (int)b / (int)pooled_w, pw = b - ph * pooled_w;
+                BinMax<A> m;
+                m.scan(chunk + g.batch * height * width * kLanes + lane, kLanes, g, ph, pw,
+                       height, width);
+                maxima[lane * bins + b] = m.value();
+                indices[lane * bins + b] = m.index;
+            }
+        __syncthreads();
+        const int64_t first = (k * channels + c0) * bins;   /* the chunk's, contiguous */
+        for (int64_t i = threadIdx.x; i < count * bins; i += blockDim.x) {
+            output[first + i] = from_compute<T>(good ? maxima[i] : (A)NAN);
+            argmax[first + i] = good ? indices[i] : -1;
+        }
+        __syncthreads();
+    }
+}
+
+/* Whether a forward takes the chunked kernel (chunks_pay): a bin is
+ * assumed to read 3 x 3 cells (the rois are on the device; the bench's
+ * bins read about 7 x 7, an FPN level's 1 to 4 cells a side), and a
+ * block holds a chunk's maxima and argmaxes. */
+inline bool chunks_pay_for(int64_t num_rois, const mmd_tensor *input, int64_t bins,
+                           size_t compute_size) {
+    return chunks_pay(num_rois, input->shape[1], input->shape[0], input->shape[2],
+                      input->shape[3], bins, 9.0, kLanes * (compute_size + sizeof(int64_t)));
 }
 
 /* Default backward: a thread per grad_output element (PooledElement's
@@ -284,6 +364,24 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                                     pooled_height, pooled_width, nullptr, 0, 0, stream,
                                     total > 0, &sink);
             if (s || total == 0) return s;
+            const int64_t num_rois = rois->shape[0], bins = pooled_height * pooled_width;
+            const Chunks plan(batch, input->shape[1], input->shape[2], input->shape[3], num_rois);
+            StreamBuffer chunk(stream);
+            if (chunks_pay_for(num_rois, input, bins, sizeof(A)) &&
+                scratch_for(&chunk, sizeof(T) * (size_t)(batch * plan.cells * kLanes))) {
+                const size_t shared = (size_t)bins * kLanes * (sizeof(A) + sizeof(int64_t));
+                return plan.each([&](int64_t c0, int64_t count) {
+                    const int s = plan.transpose((const T *)input->data, chunk.as<T>(), c0,
+                                                 count, "roi_pool transpose launch", stream);
+                    if (s) return s;
+                    forward_chunk_kernel<T><<<plan.roi_blocks, kThreads, shared, stream>>>(
+                        chunk.as<T>(), (const T *)rois->data, (T *)output->data,
+                        (int64_t *)argmax->data, num_rois, plan.channels, c0, count,
+                        input->shape[2], input->shape[3], pooled_height, pooled_width, batch,
+                        (A)spatial_scale, (int)convention, sink);
+                    return launch_status("roi_pool forward launch");
+                });
+            }
             auto kernel = total <= INT32_MAX ? forward_kernel<T, int32_t>
                                              : forward_kernel<T, int64_t>;
             kernel<<<blocks_for(total), kThreads, 0, stream>>>(

@@ -351,6 +351,101 @@ def test_roi_pool_forward_skips_nan_cells_and_a_bin_of_only_nans_is_nan_with_no_
         assert_same(got, want)
 
 
+def roi_pool_run(x, rois, pooled, convention, grad_output=None):
+    """run(wrap) -> (output, argmax[, grad_input]) of roi_pool on x and rois
+    (spatial_scale 0.5), on the CPU (wrap=list) or the emulated GPU (on_gpu)."""
+    shape = (len(rois), x.shape[1], *pooled)
+
+    def run(wrap):
+        out, argmax = np.full(shape, 5.0, x.dtype), np.full(shape, 7, np.int64)
+        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), *pooled, 0.5,
+                                         convention)
+        if grad_output is None:
+            return out, argmax
+        grad = np.zeros_like(x)
+        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), *pooled,
+                                          0.5, convention)
+        return out, argmax, grad
+
+    return run
+
+
+@pytest.mark.parametrize("convention", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("channels", [16, 45, 70])
+def test_roi_pool_chunked_forward_matches_the_cpu_in_chunks_of_32_channels(
+        emu, channels, dtype, convention):
+    """Forwards of 16 channels or more take the chunked kernel (in the
+    emulator's build whatever the call's size; on a GPU where the bins read
+    the map's cells twice over or more): the map 32 channels at a time in
+    (n, h, w, 32) scratch, a warp per bin and a lane per channel, the last
+    chunk partial (45, 70), the output and argmax written chunk by chunk.
+    Rois of all sizes across the edges (empty bins: 0, argmax -1), both
+    conventions; NaN cells (passed over), a bin of NaNs only (NaN, argmax
+    -1) and -inf cells. The backward from that argmax adds as the CPU's."""
+    rng = np.random.default_rng(channels + convention)
+    x, rois = roi_workload(rng, dtype, channels=channels, num_rois=11)
+    x[0, channels - 1, :5, :6] = np.nan                  # roi 0's first bins: NaN only
+    x[1, 17 % channels, 3:9, 2:12:2] = np.nan            # some NaN cells
+    x[0, 3, :6, :7] = -np.inf                            # roi 0's bins: -inf
+    rois[0] = [0, 0, 0, 10, 10]
+    rois[1] = [1, 4, 4, 26, 20]
+    grad_output = rng.standard_normal((len(rois), channels, 3, 4)).astype(dtype)
+    run = roi_pool_run(x, rois, (3, 4), convention, grad_output)
+    expected = run(list)
+    output, argmax = expected[:2]
+    assert np.isnan(output[0, -1, 0, 0]) and argmax[0, -1, 0, 0] == -1
+    assert np.isneginf(output[0, 3]).all() and (argmax[0, 3] >= 0).all()
+    assert np.isfinite(output).any() and (argmax[2:] == -1).any()   # empty bins
+    for got, want in zip(run(on_gpu), expected):
+        assert_same(got, want)
+
+
+def test_roi_pool_chunked_forward_gives_a_bad_rois_bins_nan_in_every_chunk(emu):
+    """The chunked kernel (40 channels: two chunks) gives every bin of a bad
+    roi NaN with argmax -1 in both chunks, the good rois the CPU's values,
+    and the call's deferred error names the roi, once."""
+    x = np.random.default_rng(9).random((2, 40, 9, 9), dtype=np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [2, 2, 1, 8, 6.5], [1, 1, 1, 7, 8]], np.float32)
+    expected, expected_argmax = roi_pool_run(x, rois[[0, 2]], (2, 3), 0)(list)
+    with mmdispatch.strict(False):
+        output, argmax = roi_pool_run(x, rois, (2, 3), 0)(on_gpu)
+    assert np.isnan(output[1]).all() and (argmax[1] == -1).all()
+    np.testing.assert_array_equal(output[[0, 2]], expected)
+    np.testing.assert_array_equal(argmax[[0, 2]], expected_argmax)
+    status, message = emu.synchronize()
+    assert status != 0 and message.startswith("roi_pool_forward_impl: rois[1, 0] (batch index)")
+    assert emu.synchronize() == (0, "")
+
+
+@pytest.mark.parametrize("dtype,pooled", [(np.float32, (8, 16)), (np.float32, (11, 12)),
+                                          (np.float64, (8, 12)), (np.float64, (1, 97))])
+def test_roi_pool_with_many_bins_matches_the_cpu_on_either_side_of_the_shared_limit(
+        emu, dtype, pooled):
+    """The chunked kernel holds a chunk's 32 channels of maxima and argmaxes
+    in 48 KB of shared memory: 128 float bins (8 x 16) or 96 double bins
+    (8 x 12) fit, and more (11 x 12, 1 x 97) take the per-element kernel."""
+    rng = np.random.default_rng(pooled[0] * pooled[1])
+    x, rois = roi_workload(rng, dtype, channels=20, num_rois=3, size=(17, 19))
+    grad_output = rng.standard_normal((3, 20, *pooled)).astype(dtype)
+    run = roi_pool_run(x, rois, pooled, 0, grad_output)
+    for got, want in zip(run(on_gpu), run(list)):
+        assert_same(got, want)
+
+
+def test_roi_pool_chunked_float16_matches_the_cpu_in_float32(emu):
+    """float16 maps through the chunked kernel (computed in float32): the
+    CPU's float32 maxima on the same values, to float16's rounding, and the
+    same argmax."""
+    rng = np.random.default_rng(16)
+    x, rois = roi_workload(rng, np.float16, channels=36, num_rois=7)
+    got = roi_pool_run(x, rois, (3, 3), 0)(on_gpu)
+    expected = roi_pool_run(x.astype(np.float32), rois.astype(np.float32), (3, 3), 0)(list)
+    assert got[0].dtype == np.float16
+    assert_same(got[0], expected[0].astype(np.float16))
+    assert_same(got[1], expected[1])
+
+
 @pytest.mark.parametrize("pooled", [(7, 7), (2, 3)])
 def test_deterministic_roi_pool_backward_over_many_rois_and_chunks_matches_the_cpu(
         emu, pooled):

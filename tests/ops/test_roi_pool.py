@@ -879,6 +879,34 @@ def test_cuda_matches_cpu_exactly_in_forward_and_closely_in_backward(cupy, seed,
     np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("convention", ["torchvision", "mmcv"])
+def test_cuda_chunked_forward_matches_cpu_exactly_on_many_rois_and_channels(
+        cupy, convention, dtype):
+    """300 rois over a 40-channel map whose bins read its cells many times
+    over: the forward takes the chunked kernel on a GPU (chunks of 32
+    channels, the second partial; 256 rois or more), which the smaller cases
+    above do not reach. Maxima and argmax exactly the CPU's (float16 against
+    the CPU's float32 on the same values); the backward from that argmax
+    too."""
+    rng = np.random.default_rng(len(convention))
+    x = rng.standard_normal((2, 40, 30, 36)).astype(dtype)
+    x[1, 33, 4:12, 5:20:3] = np.nan
+    rois = random_rois(rng, 300, 2, 30, 36, 0.5).astype(dtype)
+    compute = np.float32 if dtype == np.float16 else dtype
+    out, argmax = roi_pool_forward(x.astype(compute), rois.astype(compute), 7, 0.5, convention)
+    out_gpu, argmax_gpu = roi_pool_forward(cupy.asarray(x), cupy.asarray(rois), 7, 0.5,
+                                           convention)
+    np.testing.assert_array_equal(cupy.asnumpy(out_gpu), out.astype(dtype))
+    np.testing.assert_array_equal(cupy.asnumpy(argmax_gpu), argmax)
+    grad_out = rng.standard_normal(out.shape).astype(compute)
+    grad = roi_pool_backward(grad_out, rois.astype(compute), argmax, x.shape, 0.5, convention)
+    grad_gpu = roi_pool_backward(cupy.asarray(grad_out), cupy.asarray(rois.astype(compute)),
+                                 argmax_gpu, x.shape, 0.5, convention)
+    tol = 1e-4 if compute == np.float32 else 1e-10
+    np.testing.assert_allclose(cupy.asnumpy(grad_gpu), grad, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_matches_mmcv_published_values_and_nan_handling(cupy, dtype):
     for case in MMCV_CASES:
