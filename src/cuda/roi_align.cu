@@ -850,6 +850,19 @@ __device__ inline bool roi_in_plane(const T *rois, int64_t k, int64_t n, int64_t
  * after the weight arrays (A), aligned for its int64_t fields. */
 inline size_t geometry_offset(size_t weight_bytes) { return (weight_bytes + 15) / 16 * 16; }
 
+/* (q, r) = (i / n, i % n) for i = start, start + step, ... (all of them
+ * ints), a division only at the start. */
+struct DivStep {
+    int q, r, n, dq, dr;
+    __device__ DivStep(int start, int step, int n_)
+        : q(start / n_), r(start % n_), n(n_), dq(step / n_), dr(step % n_) {}
+    __device__ void next() {
+        q += dq;
+        r += dr;
+        if (r >= n) r -= n, ++q;
+    }
+};
+
 template <typename T>
 __global__ void deterministic_avg_backward_kernel(
     const T *grad_output, const T *rois, T *grad_input, int64_t num_rois, int64_t channels,
@@ -903,10 +916,16 @@ __global__ void deterministic_avg_backward_kernel(
                 grad[i] = to_compute(g_out[i]) / divisor;
                 nonfinite |= !isfinite(grad[i]);
             }
-            for (int64_t i = tid; i < pooled_h * rows; i += threads)
-                wy[(i / rows) * height + w.y0 + i % rows] = 0;
-            for (int64_t i = tid; i < pooled_w * cols; i += threads)
-                wx[(i / cols) * width + w.x0 + i % cols] = 0;
+            /* (the window's loops below step their (row, column) pairs
+             * without a division, DivStep: a 64-bit division per element
+             * took tens of instructions) */
+            const int n_rows = (int)rows, n_cols = (int)cols;
+            DivStep at(tid, threads, n_rows);
+            for (int i = tid; i < (int)pooled_h * n_rows; i += threads, at.next())
+                wy[at.q * height + w.y0 + at.r] = 0;
+            at = DivStep(tid, threads, n_cols);
+            for (int i = tid; i < (int)pooled_w * n_cols; i += threads, at.next())
+                wx[at.q * width + w.x0 + at.r] = 0;
             if (__syncthreads_or(nonfinite)) {
                 if (tid == 0)   /* sample by sample, in the atomic kernel's order */
                     for (int64_t b = 0; b < bins; ++b) {
@@ -943,17 +962,19 @@ __global__ void deterministic_avg_backward_kernel(
                 }
             }
             __syncthreads();
-            for (int64_t i = tid; i < pooled_h * cols; i += threads) {
-                const int64_t ph = i / cols, x = w.x0 + i % cols;
+            at = DivStep(tid, threads, n_cols);
+            for (int i = tid; i < (int)pooled_h * n_cols; i += threads, at.next()) {
+                const int64_t ph = at.q, x = w.x0 + at.r;
                 A sum = 0;
                 for (int64_t pw = 0; pw < pooled_w; ++pw)
                     sum += grad[ph * pooled_w + pw] * wx[pw * width + x];
                 t[ph * width + x] = sum;
             }
             __syncthreads();
-            const int64_t band_cells = (y_hi - y_lo + 1) * cols;
-            for (int64_t i = tid; i < band_cells; i += threads) {
-                const int64_t y = y_lo + i / cols, x = w.x0 + i % cols;
+            const int band_cells = (int)(y_hi - y_lo + 1) * n_cols;
+            at = DivStep(tid, threads, n_cols);
+            for (int i = tid; i < band_cells; i += threads, at.next()) {
+                const int64_t y = y_lo + at.q, x = w.x0 + at.r;
                 A sum = 0;
                 for (int64_t ph = 0; ph < pooled_h; ++ph)
                     sum += wy[ph * height + y] * t[ph * width + x];

@@ -286,6 +286,24 @@ def test_deterministic_roi_align_backward_in_bands_matches_the_cpu_with_nonfinit
     assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
+@pytest.mark.parametrize("pooled", [(16, 16), (3, 5)])
+def test_deterministic_roi_align_backward_over_windows_of_more_cells_than_threads(
+        emu, pooled):
+    """The deterministic avg backward's block (256 threads) steps over a
+    roi's window, its bin rows and columns, several elements a thread (a
+    300-cell-wide map: a band of one row in the emulator's build, wider than
+    the block; 16 x 16 bins: more weights than threads), each thread's (row,
+    column) stepped without a division: the CPU's bits, rois up to the
+    whole map."""
+    rng = np.random.default_rng(pooled[0])
+    x = rng.standard_normal((2, 2, 24, 300)).astype(np.float32)
+    rois = np.array([[0, 0, 0, 600, 48], [1, 10, 4, 590, 40], [0, 300, 6, 420, 30],
+                     [1, -20, -10, 640, 60]], np.float32)
+    grad_output = rng.standard_normal((len(rois), 2, *pooled)).astype(np.float32)
+    grad_output[3, 1, pooled[0] // 2, pooled[1] // 2] = np.nan   # on the map
+    assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
+
+
 @pytest.mark.parametrize("num_rois", [256, 257, 600])
 def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_the_cpu(
         emu, num_rois):
