@@ -195,6 +195,12 @@ profile|all)
     echo "profile exit $? ($(( $(date +%s) - began )) s in)"
     grep -E "Context [0-9]|Duration" "$out/profile.txt" | head -80
     pack
+    # the deterministic roi_align backward (4.1x the default's time on the
+    # H200 of 2026-11-27, target 2x): its kernel's stalls
+    ncu_rows "$out/profile-deterministic.txt" 40 \
+        "roi_align sampling_ratio=2 forward+backward, deterministic"
+    echo "deterministic profile exit $?"; grep -E "Duration" "$out/profile-deterministic.txt"
+    pack
     # the same roi_align rows on other builds (PROFILE_BASELINE: wheels, as BASELINE)
     for wheel in ${PROFILE_BASELINE:-}; do
         name=$(basename "$(dirname "$wheel")" | sed 's/^\.//')

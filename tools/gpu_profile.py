@@ -7,7 +7,10 @@ torchvision's, for a kernel profiler to time kernel by kernel, e.g.
 shows each kernel's duration and its memory and compute throughput beside
 torchvision's kernels for the same work. Arguments keep the bench rows
 whose names contain one of them (all of roi_align, roi_pool, nms,
-deform_conv2d's and multi_scale_deformable_attn's rows without). Needs
+deform_conv2d's and multi_scale_deformable_attn's rows without); a name
+with "deterministic" in it keeps the rows run on the deterministic CUDA
+backend, as the bench names them ("roi_align sampling_ratio=2
+forward+backward, deterministic backend"). Needs
 CuPy, a GPU, and torch with torchvision for their side.
 
     python tools/gpu_profile.py --host
@@ -162,15 +165,29 @@ def products():
 
 
 def main(wanted):
+    import mmdispatch
+
+    def deterministic(fn):
+        def run():
+            with mmdispatch.use_backend("cuda", "deterministic"):
+                fn()
+        return run
+
     for name, ours, theirs, _ in cases((bench.device_cases, bench.STANDARD),
                                        (bench.deform_cases, bench.DCN_STANDARD),
                                        (bench.msda_cases, bench.MSDA_STANDARD)):
-        if wanted and not any(w in name for w in wanted):
-            continue
-        print(f"gpu_profile: {name}", flush=True)
-        ours()
-        if theirs is not None:
-            theirs()
+        # a row's deterministic run (the bench's name for it) only where a
+        # wanted name says "deterministic"
+        for label, run, other, det in ((name, ours, theirs, False),
+                                       (f"{name}, deterministic backend",
+                                        deterministic(ours), None, True)):
+            if (det or wanted) and not any(w in label and ("deterministic" in w) == det
+                                           for w in wanted):
+                continue
+            print(f"gpu_profile: {label}", flush=True)
+            run()
+            if other is not None:
+                other()
 
 
 if __name__ == "__main__":
