@@ -805,12 +805,16 @@ __global__ void max_backward_kernel(const T *grad_output, const T *rois, const T
  * with G the bin gradients over the sample count, Wy[ph][y] the sum of the
  * weights bin row ph's samples give row y (Wx likewise): a thread per bin
  * row (column) sums its samples in order, then T = G Wx, then a thread per
- * element of the roi's window in the band. Its cost does not grow with the
- * samples per bin. Where a bin gradient is not finite the product would
- * spread 0 * inf = NaN over the whole window, so such a roi is added sample
- * by sample instead (one thread, in order), as the atomic kernel adds it.
+ * element of the roi's window in the band, summing over the bin rows from
+ * the first to the last whose weight on its row is not 0 (at most a few of
+ * them where bins are a cell or more tall: the zero terms before and after
+ * add nothing to a finite sum). Its cost does not grow with the samples
+ * per bin. Where a bin gradient is not finite the product would spread
+ * 0 * inf = NaN over the whole window, so such a roi is added sample by
+ * sample instead (one thread, in order), as the atomic kernel adds it.
  * Each element sees the same additions in the same order, rounded to T
- * after each roi, whatever the bands: the CPU kernel's sums. */
+ * after each roi, whatever the bands and the timing: the same bits on
+ * every run (the CPU's sums to their rounding). */
 struct Window {
     int64_t y0, y1, x0, x1;   /* rows and columns the roi's samples can touch */
 };
@@ -847,7 +851,8 @@ __device__ inline bool roi_in_plane(const T *rois, int64_t k, int64_t n, int64_t
 #endif
 
 /* Byte offset of the geometry array in the avg kernel's shared memory,
- * after the weight arrays (A), aligned for its int64_t fields. */
+ * after the weight arrays (A) and the rows' bin ranges (int), aligned for
+ * its int64_t fields. */
 inline size_t geometry_offset(size_t weight_bytes) { return (weight_bytes + 15) / 16 * 16; }
 
 /* (q, r) = (i / n, i % n) for i = start, start + step, ... (all of them
@@ -875,6 +880,8 @@ __global__ void deterministic_avg_backward_kernel(
     A *wy = grad + pooled_h * pooled_w;       /* pooled_h * height */
     A *wx = wy + pooled_h * height;           /* pooled_w * width */
     A *t = wx + pooled_w * width;             /* pooled_h * width */
+    int *first_bin = (int *)(t + pooled_h * width);   /* height: row y's first bin row */
+    int *last_bin = first_bin + height;               /* height: and its last */
     Geometry<A> *geo = (Geometry<A> *)(shared_bytes + geo_offset);   /* blockDim.x */
     T *acc = (T *)(geo + blockDim.x);         /* the band: band_rows * width */
     const int64_t plane_index = blockIdx.x / bands, band = blockIdx.x % bands;
@@ -970,13 +977,24 @@ __global__ void deterministic_avg_backward_kernel(
                     sum += grad[ph * pooled_w + pw] * wx[pw * width + x];
                 t[ph * width + x] = sum;
             }
+            for (int r = tid; r < n_rows; r += threads) {   /* each row's bin rows */
+                const int64_t y = w.y0 + r;
+                int first = (int)pooled_h, last = -1;
+                for (int ph = 0; ph < (int)pooled_h; ++ph)
+                    if (wy[ph * height + y] != 0) {
+                        first = first < ph ? first : ph;
+                        last = ph;
+                    }
+                first_bin[y] = first;
+                last_bin[y] = last;
+            }
             __syncthreads();
             const int band_cells = (int)(y_hi - y_lo + 1) * n_cols;
             at = DivStep(tid, threads, n_cols);
             for (int i = tid; i < band_cells; i += threads, at.next()) {
                 const int64_t y = y_lo + at.q, x = w.x0 + at.r;
                 A sum = 0;
-                for (int64_t ph = 0; ph < pooled_h; ++ph)
+                for (int64_t ph = first_bin[y]; ph <= last_bin[y]; ++ph)
                     sum += wy[ph * height + y] * t[ph * width + x];
                 if (sum != 0) {
                     T *cell = acc + (y - top) * width + x;
@@ -1174,7 +1192,8 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
         }
         const size_t geo_offset = geometry_offset(
             sizeof(A) * (size_t)(pooled_h * pooled_w + pooled_h * height + pooled_w * width +
-                                 pooled_h * width));
+                                 pooled_h * width) +
+            sizeof(int) * 2 * (size_t)height);
         const size_t fixed = geo_offset + sizeof(Geometry<A>) * kThreads;
         const size_t row = sizeof(T) * (size_t)width;
         int limit = 0;
