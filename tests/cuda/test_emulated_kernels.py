@@ -255,7 +255,9 @@ def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
 
 def assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output):
     """roi_align's avg backward (spatial_scale 0.5, sampling_ratio 2) on the
-    emulated deterministic backend gives the CPU kernel's bits."""
+    emulated deterministic backend gives the CPU kernel's results, to their
+    rounding (its sums are in another order: a window's bin rows, then the
+    rows' cells; the same bits on every run)."""
     unused = np.empty(0, x.dtype)
 
     def run(wrap):
