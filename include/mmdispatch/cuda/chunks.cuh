@@ -21,8 +21,9 @@ constexpr size_t kChunkShared = 48 * 1024;
  * MMD_CUDA_TRANSPOSED_MIN_ROIS rois or more (fewer leave most of a GPU's
  * SMs idle in each of the chunks' launches, where a per-element kernel
  * spreads them over one launch), 16 channels or more (a chunk's filling
- * half a warp or more, but for a last partial chunk), a block's `shared_per_bin` bytes a bin fitting in kChunkShared, and
- * the bins (about `reads_per_bin` cells each) reading at least
+ * half a warp or more, but for a last partial chunk), a block's
+ * `shared_per_bin` bytes a bin fitting in kChunkShared, and the bins
+ * (about `reads_per_bin` cells each) reading at least
  * MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the transposition
  * reads and writes the map once). The emulator's build sets both limits
  * to 0. */
