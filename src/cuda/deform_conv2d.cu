@@ -757,13 +757,11 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
         }
         if (s) return s;
         const int64_t tiles = (span.images * d.offset_groups * d.taps() * count + 31) / 32;
-        offset_mask_grad_kernel<T>
-            <<<(unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks), kThreads, 0, stream>>>(
-                input, offset, mask, d, span, columns.as<A>(), grads.offset, grads.mask);
+        offset_mask_grad_kernel<T><<<grid_of(tiles), kThreads, 0, stream>>>(
+            input, offset, mask, d, span, columns.as<A>(), grads.offset, grads.mask);
         if (deterministic)
-            col2im_deterministic_kernel<T>
-                <<<(unsigned)(items < kMaxBlocks ? items : kMaxBlocks), 32, 0, stream>>>(
-                    offset, mask, d, span, columns.as<A>(), grad_input.data);
+            col2im_deterministic_kernel<T><<<grid_of(items), 32, 0, stream>>>(
+                offset, mask, d, span, columns.as<A>(), grad_input.data);
         else
             col2im_atomic_kernel<T><<<blocks_for(items * count), kThreads, 0, stream>>>(
                 offset, mask, d, span, columns.as<A>(), grad_input.data);

@@ -294,11 +294,6 @@ struct ChunkThread {
     }
 };
 
-/* Bin b's row: in int (a chunk's bins fit 48 KB of shared memory, so
- * there are at most 384), where a 64-bit division takes several times the
- * instructions. */
-__device__ inline int64_t bin_row(int64_t b, int64_t pooled_w) { return (int)b / (int)pooled_w; }
-
 /* f(k, good, geometry) for each roi of the block (a grid-stride loop over
  * the rois; uniform in the block); the first chunk's first thread reports
  * a bad roi (once per call). */

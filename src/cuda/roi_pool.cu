@@ -218,8 +218,7 @@ __global__ void __launch_bounds__(kThreads)
         if (!good && c0 == 0 && threadIdx.x == 0) sink.report(k, code);   /* once a call */
         if (good)
             for (int64_t b = warp; b < bins; b += warps) {
-                /* (a chunk's bins fit 48 KB: an int division) */
-                const int64_t ph = (int)b / (int)pooled_w, pw = b - ph * pooled_w;
+                const int64_t ph = bin_row(b, pooled_w), pw = b - ph * pooled_w;
                 BinMax<A> m;
                 m.scan(chunk + g.batch * height * width * kLanes + lane, kLanes, g, ph, pw,
                        height, width);

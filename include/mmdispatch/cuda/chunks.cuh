@@ -44,6 +44,11 @@ inline bool chunks_pay(int64_t num_rois, int64_t channels, int64_t batch, int64_
     return reads >= MMD_CUDA_TRANSPOSED_MIN_READS * (double)batch * (double)height * (double)width;
 }
 
+/* Bin b's row, in a chunked kernel: in int (a chunk's bins fit
+ * kChunkShared, so there are at most 384), where a 64-bit division takes
+ * several times the instructions. */
+__device__ inline int64_t bin_row(int64_t b, int64_t pooled_w) { return (int)b / (int)pooled_w; }
+
 /* The transpositions between the map's planes and a chunk's (n, h, w, kLanes)
  * scratch move tiles of kLanes channels x kTileCells cells through shared
  * memory, a block of kLanes x kTransposeRows threads per tile, so that both
@@ -130,8 +135,8 @@ struct Chunks {
     Chunks(int64_t batch_, int64_t channels_, int64_t height, int64_t width, int64_t num_rois)
         : batch(batch_), channels(channels_), cells(height * width) {
         const int64_t tiles = batch * ((cells + kTileCells - 1) / kTileCells);
-        transpose_blocks = (unsigned)(tiles < kMaxBlocks ? tiles : kMaxBlocks);
-        roi_blocks = (unsigned)(num_rois < kMaxBlocks ? num_rois : kMaxBlocks);
+        transpose_blocks = grid_of(tiles);
+        roi_blocks = grid_of(num_rois);
     }
     template <typename F> int each(F f) const {
         for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {

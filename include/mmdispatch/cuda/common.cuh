@@ -67,11 +67,16 @@ class DeviceGuard {
 #define MMD_CUDA_MAX_GRID_Y 65535
 #endif
 
+/* Grid size for a kernel that loops over `blocks` blocks' work (grid-stride):
+ * at most kMaxBlocks. */
+inline unsigned grid_of(int64_t blocks) {
+    return (unsigned)(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
 /* Grid size for a grid-stride loop over `total` items. */
 inline unsigned blocks_for(int64_t total) {
-    int64_t blocks = (total + kThreads - 1) / kThreads;
-    if (blocks < 1) blocks = 1;
-    return (unsigned)(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+    const int64_t blocks = (total + kThreads - 1) / kThreads;
+    return grid_of(blocks < 1 ? 1 : blocks);
 }
 
 #define MMD_GRID_STRIDE_LOOP(i, total)                                                  \
