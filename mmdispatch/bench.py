@@ -744,6 +744,19 @@ def tail_latency(quick):
             f"{cores} other busy processes": percentiles(cores)}
 
 
+def deterministic(fn):
+    """fn run on the deterministic CUDA backend."""
+    def run_deterministic():
+        with mmdispatch.use_backend("cuda", "deterministic"):
+            fn()
+    return run_deterministic
+
+
+def deterministic_name(name):
+    """The name of row `name` run on the deterministic CUDA backend."""
+    return f"{name}, deterministic backend"
+
+
 def result_row(name, unit, ours, theirs=None, traffic=None):
     """The row, also printed on stderr as it is made, so a run cut short (a
     borrowed GPU's time running out) still shows what it measured."""
@@ -1167,15 +1180,9 @@ def run_cuda(quick, repeat, tv):
     msda = MSDA_QUICK if quick else MSDA_STANDARD
     rows += timed_rows(msda_cases(msda, cupy.asarray, sync, theirs_device, tv), repeat, "CUDA ")
 
-    def deterministic(fn):
-        def run_deterministic():
-            with mmdispatch.use_backend("cuda", "deterministic"):
-                fn()
-        return run_deterministic
-
     rows += timed_rows(rotated_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
     rows += timed_rows(soft_nms_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
-    rows += timed_rows([(f"{name}, deterministic backend", deterministic(fn), None, traffic)
+    rows += timed_rows([(deterministic_name(name), deterministic(fn), None, traffic)
                         for cases in (device_cases(cfg, cupy.asarray, sync),
                                       msda_cases(msda, cupy.asarray, sync))
                         for name, fn, _, traffic in cases

@@ -165,22 +165,14 @@ def products():
 
 
 def main(wanted):
-    import mmdispatch
-
-    def deterministic(fn):
-        def run():
-            with mmdispatch.use_backend("cuda", "deterministic"):
-                fn()
-        return run
-
     for name, ours, theirs, _ in cases((bench.device_cases, bench.STANDARD),
                                        (bench.deform_cases, bench.DCN_STANDARD),
                                        (bench.msda_cases, bench.MSDA_STANDARD)):
         # a row's deterministic run (the bench's name for it) only where a
         # wanted name says "deterministic"
         for label, run, other, det in ((name, ours, theirs, False),
-                                       (f"{name}, deterministic backend",
-                                        deterministic(ours), None, True)):
+                                       (bench.deterministic_name(name),
+                                        bench.deterministic(ours), None, True)):
             if (det or wanted) and not any(w in label and ("deterministic" in w) == det
                                            for w in wanted):
                 continue
