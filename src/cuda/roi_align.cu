@@ -1139,7 +1139,7 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
                             input->shape[3], pooled_h, pooled_w, sampling_ratio, sizeof(A)) &&
-            scratch_for(&chunk, sizeof(T) * (size_t)(batch * plan.cells * kLanes)))
+            plan.allocate(&chunk, sizeof(T)))
             return plan.each([&](int64_t c0, int64_t count) {
                 return forward_chunk<T>(plan, chunk.as<T>(), c0, count, input, rois, output,
                                         pooled_h, pooled_w, (A)spatial_scale, sampling_ratio,
@@ -1237,8 +1237,8 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
         if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
                             grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
                             sizeof(A)) &&
-            scratch_for(&chunk, sizeof(A) * (size_t)(batch * plan.cells * kLanes))) {
-            const int64_t size = batch * plan.cells * kLanes;
+            plan.allocate(&chunk, sizeof(A))) {
+            const int64_t size = plan.scratch_size();
             fill_untouched_kernel<A><<<blocks_for(size), kThreads, 0, stream>>>(chunk.as<A>(),
                                                                             size);
             s = launch_status("roi_align transposed chunk fill");

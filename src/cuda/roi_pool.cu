@@ -235,14 +235,19 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+/* Shared memory a bin takes in forward_chunk_kernel: a chunk's maxima (in
+ * the compute type) and argmaxes. */
+inline size_t chunk_bin_bytes(size_t compute_size) {
+    return kLanes * (compute_size + sizeof(int64_t));
+}
+
 /* Whether a forward takes the chunked kernel (chunks_pay): a bin is
  * assumed to read 3 x 3 cells (the rois are on the device; the bench's
- * bins read about 7 x 7, an FPN level's 1 to 4 cells a side), and a
- * block holds a chunk's maxima and argmaxes. */
+ * bins read about 7 x 7, an FPN level's 1 to 4 cells a side). */
 inline bool chunks_pay_for(int64_t num_rois, const mmd_tensor *input, int64_t bins,
                            size_t compute_size) {
     return chunks_pay(num_rois, input->shape[1], input->shape[0], input->shape[2],
-                      input->shape[3], bins, 9.0, kLanes * (compute_size + sizeof(int64_t)));
+                      input->shape[3], bins, 9.0, chunk_bin_bytes(compute_size));
 }
 
 /* Default backward: a thread per grad_output element (PooledElement's
@@ -367,8 +372,8 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
             const Chunks plan(batch, input->shape[1], input->shape[2], input->shape[3], num_rois);
             StreamBuffer chunk(stream);
             if (chunks_pay_for(num_rois, input, bins, sizeof(A)) &&
-                scratch_for(&chunk, sizeof(T) * (size_t)(batch * plan.cells * kLanes))) {
-                const size_t shared = (size_t)bins * kLanes * (sizeof(A) + sizeof(int64_t));
+                plan.allocate(&chunk, sizeof(T))) {
+                const size_t shared = (size_t)bins * chunk_bin_bytes(sizeof(A));
                 return plan.each([&](int64_t c0, int64_t count) {
                     const int s = plan.transpose((const T *)input->data, chunk.as<T>(), c0,
                                                  count, "roi_pool transpose launch", stream);

@@ -116,14 +116,6 @@ __global__ void __launch_bounds__(kLanes * kTransposeRows)
     });
 }
 
-/* Allocates the chunked kernels' scratch; false (the error cleared) where
- * the device has no memory for it: the per-element kernels need none. */
-inline bool scratch_for(StreamBuffer *chunk, size_t bytes) {
-    if (chunk->allocate(bytes) == cudaSuccess) return true;
-    cudaGetLastError();
-    return false;
-}
-
 /* The chunked kernels' launches for a (batch, channels, height, width) map
  * and num_rois rois: a block per roi (grid-stride), and each(f) calls
  * f(c0, count) for each chunk of kLanes channels, [c0, c0 + count), until
@@ -137,6 +129,16 @@ struct Chunks {
         const int64_t tiles = batch * ((cells + kTileCells - 1) / kTileCells);
         transpose_blocks = grid_of(tiles);
         roi_blocks = grid_of(num_rois);
+    }
+    /* Elements of a chunk's scratch: (batch, height, width, kLanes). */
+    int64_t scratch_size() const { return batch * cells * kLanes; }
+    /* Allocates the scratch, of elements of `element_size` bytes, in
+     * *chunk; false (the error cleared) where the device has no memory for
+     * it: the per-element kernels need none. */
+    bool allocate(StreamBuffer *chunk, size_t element_size) const {
+        if (chunk->allocate(element_size * (size_t)scratch_size()) == cudaSuccess) return true;
+        cudaGetLastError();
+        return false;
     }
     template <typename F> int each(F f) const {
         for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
