@@ -295,7 +295,7 @@ def test_deterministic_roi_align_backward_over_windows_of_more_cells_than_thread
     roi's window, its bin rows and columns, several elements a thread (a
     300-cell-wide map: a band of one row in the emulator's build, wider than
     the block; 16 x 16 bins: more weights than threads), each thread's (row,
-    column) stepped without a division: the CPU's bits, rois up to the
+    column) stepped without a division: the CPU's results, rois up to the
     whole map."""
     rng = np.random.default_rng(pooled[0])
     x = rng.standard_normal((2, 2, 24, 300)).astype(np.float32)
@@ -322,24 +322,34 @@ def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_th
     assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
+def roi_pool_run(x, rois, pooled, convention, grad_output=None):
+    """run(wrap) -> (output, argmax[, grad_input]) of roi_pool on x and rois
+    (spatial_scale 0.5), on the CPU (wrap=list) or the emulated GPU (on_gpu)."""
+    shape = (len(rois), x.shape[1], *pooled)
+
+    def run(wrap):
+        out, argmax = np.full(shape, 5.0, x.dtype), np.full(shape, 7, np.int64)
+        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), *pooled, 0.5,
+                                         convention)
+        if grad_output is None:
+            return out, argmax
+        grad = np.zeros_like(x)
+        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), *pooled,
+                                          0.5, convention)
+        return out, argmax, grad
+
+    return run
+
+
 @pytest.mark.parametrize("convention", [0, 1])
 @pytest.mark.parametrize("backend", ["default", "deterministic"])
 def test_roi_pool_forward_and_backward_match_the_cpu_over_many_blocks(emu, backend, convention):
-    """11 channels: the forward's groups of 8 channels, one of them partial;
+    """11 channels (fewer than 16: the per-element forward, not the chunks);
     torchvision's and MMCV's conventions at spatial_scale 0.5."""
     rng = np.random.default_rng(11)
     x, rois = roi_workload(rng, np.float32, channels=11)
-    shape = (len(rois), x.shape[1], 3, 4)
-    grad_output = rng.standard_normal(shape).astype(np.float32)
-
-    def run(wrap):
-        out, argmax = np.zeros(shape, np.float32), np.zeros(shape, np.int64)
-        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), 3, 4, 0.5, convention)
-        grad = np.zeros_like(x)
-        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), 3, 4, 0.5,
-                                          convention)
-        return out, argmax, grad
-
+    grad_output = rng.standard_normal((len(rois), x.shape[1], 3, 4)).astype(np.float32)
+    run = roi_pool_run(x, rois, (3, 4), convention, grad_output)
     expected = run(list)
     with mmdispatch.use_backend("cuda", backend):
         for got, want in zip(run(on_gpu), expected):
@@ -369,25 +379,6 @@ def test_roi_pool_forward_skips_nan_cells_and_a_bin_of_only_nans_is_nan_with_no_
     assert expected[0][0, 0, 1, 1] == 3.0 and expected[1][0, 0, 1, 1] == 3 * 8 + 4
     for got, want in zip(run(on_gpu), expected):
         assert_same(got, want)
-
-
-def roi_pool_run(x, rois, pooled, convention, grad_output=None):
-    """run(wrap) -> (output, argmax[, grad_input]) of roi_pool on x and rois
-    (spatial_scale 0.5), on the CPU (wrap=list) or the emulated GPU (on_gpu)."""
-    shape = (len(rois), x.shape[1], *pooled)
-
-    def run(wrap):
-        out, argmax = np.full(shape, 5.0, x.dtype), np.full(shape, 7, np.int64)
-        mmdispatch.roi_pool_forward_impl(*wrap([x, rois, out, argmax]), *pooled, 0.5,
-                                         convention)
-        if grad_output is None:
-            return out, argmax
-        grad = np.zeros_like(x)
-        mmdispatch.roi_pool_backward_impl(*wrap([grad_output, rois, argmax, grad]), *pooled,
-                                          0.5, convention)
-        return out, argmax, grad
-
-    return run
 
 
 @pytest.mark.parametrize("convention", [0, 1])
