@@ -26,9 +26,11 @@
  * The `default` backward adds into grad_input with atomics (float avg on
  * devices with vector atomics: a row's cells in windows of 4, common.cuh's
  * CellWindow, one float4 atomic per window and channel), the
- * `deterministic` one gives each band of rows of an (image, channel) plane
- * of grad_input (avg) or each plane (max) to one block, which adds the
- * rois into it in order (the same sums in the same order on every run).
+ * `deterministic` one gives each tile of an image's cells and 32 channels
+ * (avg on 16 channels or more), each band of rows of an (image, channel)
+ * plane (avg on fewer) or each plane (max) of grad_input to one block,
+ * which adds the rois into it in order (the same sums in the same order on
+ * every run).
  * float16 and bfloat16 inputs compute in float32. Launches on ctx->stream,
  * on ctx->device_id.
  *
@@ -787,7 +789,9 @@ __global__ void max_backward_kernel(const T *grad_output, const T *rois, const T
 /* The deterministic backward. Every element of grad_input is a sum in a
  * fixed order, rois in order, without atomics.
  *
- * avg: block b owns a band of rows of plane (n, c) of grad_input, held in
+ * avg on fewer than 16 channels (or bins too many for the tiled kernel's
+ * shared memory; on more, deterministic_avg_backward_tiled_kernel below
+ * gives the same bits): block b owns a band of rows of plane (n, c) of grad_input, held in
  * shared memory from start to end (loaded once, written back once; the
  * rois' adds read and write shared memory, where a block per whole plane
  * read and wrote the plane in global memory once per roi). The block visits
@@ -863,6 +867,39 @@ struct DivStep {
     }
 };
 
+/* f(a) for each sample of bin row `bin` (is_row) or bin column `bin` of a
+ * roi of geometry g that lies on the map, in order: the cells it reads
+ * along that axis and their weights (the deterministic kernels' Wy, Wx). */
+template <typename A, typename F>
+__device__ inline void for_each_axis_sample(const Geometry<A> &g, bool is_row, int64_t bin,
+                                            int64_t height, int64_t width, F f) {
+    const int64_t grid = is_row ? g.grid_h : g.grid_w;
+    for (int64_t i = 0; i < grid; ++i) {
+        Axis<A> a;
+        mmd_interp(is_row ? mmd_roi_align_sample(g.start_h, g.bin_h, bin, i, grid)
+                          : mmd_roi_align_sample(g.start_w, g.bin_w, bin, i, grid),
+                   is_row ? height : width, &a);
+        if (a.valid) f(a);
+    }
+}
+
+/* f(b, y, x, weight) for each bin b of a roi of geometry g, each of the
+ * bin's samples on the map and each of the sample's 4 cells, in the atomic
+ * kernel's order: the deterministic kernels' adds, sample by sample, of a
+ * roi whose bin gradients are not all finite. */
+template <typename A, typename F>
+__device__ inline void for_each_corner(int64_t height, int64_t width, const Geometry<A> &g,
+                                       int64_t pooled_w, int64_t bins, F f) {
+    for (int64_t b = 0; b < bins; ++b)
+        for_each_sample(height, width, g, b / pooled_w, b % pooled_w,
+                        [&](const Axis<A> &ay, const Axis<A> &ax) {
+            f(b, ay.low, ax.low, ay.w_low * ax.w_low);
+            f(b, ay.low, ax.high, ay.w_low * ax.w_high);
+            f(b, ay.high, ax.low, ay.w_high * ax.w_low);
+            f(b, ay.high, ax.high, ay.w_high * ax.w_high);
+        });
+}
+
 template <typename T>
 __global__ void deterministic_avg_backward_kernel(
     const T *grad_output, const T *rois, T *grad_input, int64_t num_rois, int64_t channels,
@@ -929,21 +966,13 @@ __global__ void deterministic_avg_backward_kernel(
             for (int i = tid; i < (int)pooled_w * n_cols; i += threads, at.next())
                 wx[at.q * width + w.x0 + at.r] = 0;
             if (__syncthreads_or(nonfinite)) {
-                if (tid == 0)   /* sample by sample, in the atomic kernel's order */
-                    for (int64_t b = 0; b < bins; ++b) {
-                        for_each_sample(height, width, g, b / pooled_w, b % pooled_w,
-                                        [&](const Axis<A> &ay, const Axis<A> &ax) {
-                            const int64_t y[4] = {ay.low, ay.low, ay.high, ay.high};
-                            const int64_t x[4] = {ax.low, ax.high, ax.low, ax.high};
-                            const A weight[4] = {ay.w_low * ax.w_low, ay.w_low * ax.w_high,
-                                                 ay.w_high * ax.w_low, ay.w_high * ax.w_high};
-                            for (int q = 0; q < 4; ++q) {
-                                if (y[q] < top || y[q] >= bottom) continue;
-                                T *cell = acc + (y[q] - top) * width + x[q];
-                                *cell = from_compute<T>(to_compute(*cell) + grad[b] * weight[q]);
-                            }
-                        });
-                    }
+                if (tid == 0)
+                    for_each_corner(height, width, g, pooled_w, bins,
+                                    [&](int64_t b, int64_t y, int64_t x, A weight) {
+                        if (y < top || y >= bottom) return;
+                        T *cell = acc + (y - top) * width + x;
+                        *cell = from_compute<T>(to_compute(*cell) + grad[b] * weight);
+                    });
                 __syncthreads();
                 continue;
             }
@@ -951,17 +980,11 @@ __global__ void deterministic_avg_backward_kernel(
             for (int64_t r = tid; r < pooled_h + pooled_w; r += threads) {
                 const bool is_row = r < pooled_h;
                 const int64_t bin = is_row ? r : r - pooled_h;
-                const int64_t grid = is_row ? g.grid_h : g.grid_w;
                 A *weights = is_row ? wy + bin * height : wx + bin * width;
-                for (int64_t i = 0; i < grid; ++i) {
-                    Axis<A> a;
-                    mmd_interp(is_row ? mmd_roi_align_sample(g.start_h, g.bin_h, bin, i, grid)
-                                     : mmd_roi_align_sample(g.start_w, g.bin_w, bin, i, grid),
-                              is_row ? height : width, &a);
-                    if (!a.valid) continue;
+                for_each_axis_sample(g, is_row, bin, height, width, [&](const Axis<A> &a) {
                     weights[a.low] += a.w_low;
                     weights[a.high] += a.w_high;
-                }
+                });
             }
             __syncthreads();
             at = DivStep(tid, threads, n_cols);
@@ -1001,6 +1024,267 @@ __global__ void deterministic_avg_backward_kernel(
     }
     __syncthreads();
     for (int64_t i = tid; i < band_size; i += threads) rows_of_band[i] = acc[i];
+}
+
+/* The deterministic avg backward in tiles, for 16 channels or more: a block
+ * owns a tile of kTileRows x Tiles::cols cells of one image and a chunk of
+ * kLanes channels of grad_input, held in shared memory as [cell][channel]
+ * from start to end, and adds into it the rois that meet it, in order, a
+ * lane per channel. Each roi's geometry, weights and their ranges are
+ * worked out once for the chunk's 32 channels (deterministic_avg_backward_
+ * kernel works them out per plane), over the tile alone, and only the
+ * cells they weigh are visited: the rois whose windows miss the tile are
+ * dropped as the block lists each round of kThreads rois (the plane's
+ * block visits every roi of its image that meets its band), and a row's
+ * cells are the tile's columns with a weight on them (the per-plane kernel
+ * visits the roi's whole window). The terms are the per-plane kernel's,
+ * in its order, so that each element gets its bits: Wy and Wx summed sample
+ * by sample, a row's bin rows from the first to the last whose weight on
+ * the row is not 0, and T = G Wx's terms of a column from its first to its
+ * last bin column whose weight on it is not 0 (the zero terms around them,
+ * which add nothing but a sign of zero to a finite G, left out; a cell's
+ * sum of 0 is not added either way). A channel whose bin gradients are not
+ * all finite (nonfinite_channels_kernel's flags) adds its roi sample by
+ * sample (warp 0's lane of that channel, over the tile), as the per-plane
+ * kernel adds it. */
+constexpr int kTileRows = kThreads / kLanes;   /* a warp per row of the tile */
+constexpr int kTileStride = kLanes + 1;        /* a cell's channels, padded: the loads'
+                                                * and stores' lanes hit distinct banks */
+/* Blocks of the tiled kernel an SM keeps resident (its float shared memory,
+ * about 57 KB for 7 x 7 bins, allows 3 on an H100; registers capped to fit:
+ * the spills are outside the rois' loop) */
+constexpr int kTiledBlocks = 3;
+
+/* Bit c % kLanes of flags[k * chunks + c / kLanes]: whether a bin gradient
+ * of roi k in channel c is not finite (then neither is G there, G =
+ * gradient / samples with samples >= 1, and the other way round). */
+template <typename T>
+__global__ void nonfinite_channels_kernel(const T *grad_output, unsigned *flags, int64_t total,
+                                          int64_t channels, int64_t bins, int64_t chunks) {
+    MMD_GRID_STRIDE_LOOP(i, total) {
+        if (isfinite(to_compute(grad_output[i]))) continue;
+        const int64_t row = i / bins, k = row / channels, c = row % channels;
+        atomicOr(flags + k * chunks + c / kLanes, 1u << (c % kLanes));
+    }
+}
+
+/* The tiles of a call and the bytes of a block's shared memory, in order:
+ * the listed rois, the bin gradients G [bin][kTileStride], the tile's
+ * weights Wy [bin row][kTileRows] and Wx [bin column][cols], the tile
+ * [cell][kTileStride], then ints: the rows' first and last bin rows, the
+ * listed columns (column, first and last bin column), the counts, the
+ * rois' list. */
+template <typename T> struct Tiles {
+    typedef typename Compute<T>::type A;
+    struct Roi {
+        Geometry<A> g;
+        unsigned sampled;     /* its channels of the chunk added sample by sample */
+    };
+    /* cells of a tile's row: 32 (16 of 8-byte T), a row's 128 bytes of T at most */
+    static constexpr int cols = sizeof(T) > 4 ? 16 : kLanes;
+    int64_t tiles_y, tiles_x, chunks, items;
+    size_t grads, wy, wx, tile, ints, bytes;
+
+    Tiles(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t pooled_h,
+          int64_t pooled_w) {
+        tiles_y = (height + kTileRows - 1) / kTileRows;
+        tiles_x = (width + cols - 1) / cols;
+        chunks = (channels + kLanes - 1) / kLanes;
+        items = batch * chunks * tiles_y * tiles_x;
+        const auto align = [](size_t n) { return (n + 15) / 16 * 16; };
+        grads = align(sizeof(Roi) * kThreads);
+        wy = align(grads + sizeof(A) * (size_t)(pooled_h * pooled_w) * kTileStride);
+        wx = wy + sizeof(A) * (size_t)pooled_h * kTileRows;
+        tile = align(wx + sizeof(A) * (size_t)pooled_w * (size_t)cols);
+        ints = align(tile + sizeof(T) * (size_t)(kTileRows * cols) * kTileStride);
+        bytes = ints + sizeof(int) * (2 * kTileRows + 3 * cols + 3 + kThreads + kTileRows);
+    }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kTiledBlocks) deterministic_avg_backward_tiled_kernel(
+    const T *grad_output, const T *rois, const unsigned *flags, T *grad_input, int64_t num_rois,
+    int64_t channels, int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w,
+    int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
+    Tiles<T> tiles, ErrorSink sink) {
+    typedef typename Compute<T>::type A;
+    typedef typename Tiles<T>::Roi Roi;
+    constexpr int cols = Tiles<T>::cols, cells = kTileRows * cols;
+    extern __shared__ unsigned char shared_bytes[];
+    Roi *listed = (Roi *)shared_bytes;                  /* the round's rois meeting the tile */
+    A *grads = (A *)(shared_bytes + tiles.grads);       /* [bin][kTileStride] */
+    A *wy = (A *)(shared_bytes + tiles.wy);             /* [bin row][kTileRows] */
+    A *wx = (A *)(shared_bytes + tiles.wx);             /* [bin column][cols] */
+    T *acc = (T *)(shared_bytes + tiles.tile);          /* [cell][kTileStride] */
+    int *row_first = (int *)(shared_bytes + tiles.ints), *row_last = row_first + kTileRows;
+    int *column = row_last + kTileRows;                 /* the columns with a weight */
+    int *col_first = column + cols, *col_last = col_first + cols;
+    int *counts = col_last + cols;       /* the columns listed; the first and last bin row */
+    int *index = counts + 3;             /* listed[i] is roi first + index[i] */
+    int *warp_count = index + kThreads;
+    const int tid = threadIdx.x, lane = tid % kLanes, warp = tid / kLanes;
+    const int pw_count = (int)pooled_w;
+    const int64_t bins = pooled_h * pooled_w;
+    for (int64_t item = blockIdx.x; item < tiles.items; item += gridDim.x) {
+        const int64_t tx = item % tiles.tiles_x, ty = item / tiles.tiles_x % tiles.tiles_y;
+        const int64_t chunk = item / (tiles.tiles_x * tiles.tiles_y) % tiles.chunks;
+        const int64_t n = item / (tiles.tiles_x * tiles.tiles_y * tiles.chunks);
+        const int64_t c0 = chunk * kLanes, top = ty * kTileRows, left = tx * cols;
+        const int count = (int)(channels - c0 < kLanes ? channels - c0 : kLanes);
+        const int rows_in = (int)(height - top < kTileRows ? height - top : kTileRows);
+        const int cols_in = (int)(width - left < cols ? width - left : cols);
+        /* element (c, cell) of the tile, for i = c * cells + cell */
+        const auto element = [&](int i) {
+            const int c = i / cells, cell = i % cells;
+            return grad_input + ((n * channels + c0 + c) * height + top + cell / cols) * width +
+                   left + cell % cols;
+        };
+        __syncthreads();   /* the last item's tile written back */
+        for (int i = tid; i < count * cells; i += kThreads)
+            if (i % cells / cols < rows_in && i % cols < cols_in)
+                acc[i % cells * kTileStride + i / cells] = *element(i);
+        for (int64_t first = 0; first < num_rois; first += kThreads) {
+            /* list the round's rois whose window meets the tile, in order */
+            Roi r;
+            bool meets = false;
+            const int64_t k = first + tid;
+            if (k < num_rois &&
+                geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
+                            item == 0, sink, &r.g) &&
+                r.g.batch == n) {
+                Window w;
+                w.y0 = window_edge(r.g.start_h, r.g.bin_h * (A)pooled_h, height, &w.y1);
+                w.x0 = window_edge(r.g.start_w, r.g.bin_w * (A)pooled_w, width, &w.x1);
+                meets = w.y0 <= w.y1 && w.x0 <= w.x1 && w.y0 < top + rows_in && w.y1 >= top &&
+                        w.x0 < left + cols_in && w.x1 >= left;
+                if (meets) r.sampled = flags[k * tiles.chunks + chunk];
+            }
+            const unsigned ballot = __ballot_sync(0xffffffffu, meets);
+            __syncthreads();   /* the last round's list and counts read */
+            if (lane == 0) warp_count[warp] = __popc(ballot);
+            __syncthreads();
+            int at = __popc(ballot & ((1u << lane) - 1)), listed_count = 0;
+            for (int w = 0; w < kTileRows; ++w) {
+                at += w < warp ? warp_count[w] : 0;
+                listed_count += warp_count[w];
+            }
+            if (meets) {
+                listed[at] = r;
+                index[at] = tid;
+            }
+            __syncthreads();
+            for (int j = 0; j < listed_count; ++j) {
+                const Geometry<A> g = listed[j].g;
+                const unsigned sampled = listed[j].sampled;
+                /* the tile's Wy and Wx: a thread per bin row, then column, its
+                 * samples in order */
+                for (int64_t a = tid; a < pooled_h + pooled_w; a += kThreads) {
+                    const bool is_row = a < pooled_h;
+                    const int64_t bin = is_row ? a : a - pooled_h;
+                    const int extent = is_row ? rows_in : cols_in;
+                    const int64_t origin = is_row ? top : left;
+                    A *weights = is_row ? wy + bin * kTileRows : wx + bin * cols;
+                    for (int e = 0; e < (is_row ? kTileRows : cols); ++e) weights[e] = 0;
+                    for_each_axis_sample(g, is_row, bin, height, width, [&](const Axis<A> &s) {
+                        if (s.low - origin >= 0 && s.low - origin < extent)
+                            weights[s.low - origin] += s.w_low;
+                        if (s.high - origin >= 0 && s.high - origin < extent)
+                            weights[s.high - origin] += s.w_high;
+                    });
+                }
+                __syncthreads();
+                /* warp 0: the columns with a weight on them, listed in order
+                 * with their first and last bin column; warp 1: each row's
+                 * first and last bin row, and the first and last of all */
+                if (warp < 2) {
+                    const bool is_row = warp == 1;
+                    const int extent = is_row ? (int)pooled_h : pw_count;
+                    const int step = is_row ? kTileRows : cols;
+                    int lo = extent, hi = -1;
+                    if (lane < (is_row ? rows_in : cols_in)) {
+                        const A *weights = (is_row ? wy : wx) + lane;
+                        for (int b = 0; b < extent; ++b)
+                            if (weights[b * step] != 0) {
+                                lo = lo < b ? lo : b;
+                                hi = b;
+                            }
+                    }
+                    const unsigned weighed = __ballot_sync(0xffffffffu, lo <= hi);
+                    if (is_row) {
+                        if (lane < kTileRows) row_first[lane] = lo, row_last[lane] = hi;
+                        for (int d = 1; d < kLanes; d *= 2) {
+                            const int other_lo = __shfl_xor_sync(0xffffffffu, lo, d);
+                            const int other_hi = __shfl_xor_sync(0xffffffffu, hi, d);
+                            lo = other_lo < lo ? other_lo : lo;
+                            hi = other_hi > hi ? other_hi : hi;
+                        }
+                        if (lane == 0) counts[1] = lo, counts[2] = hi;
+                    } else {
+                        if (lo <= hi) {
+                            const int e = __popc(weighed & ((1u << lane) - 1));
+                            column[e] = lane;
+                            col_first[e] = lo;
+                            col_last[e] = hi;
+                        }
+                        if (lane == 0) counts[0] = __popc(weighed);
+                    }
+                }
+                __syncthreads();
+                /* G of the bin rows that weigh on the tile's rows, a channel's
+                 * run of them at a time (each roi's channels contiguous) */
+                const int64_t k = first + index[j];
+                const int64_t samples = g.grid_h * g.grid_w;
+                const A divisor = (A)(samples > 1 ? samples : 1);
+                const int bin_lo = counts[1] * pw_count, run = (counts[2] + 1) * pw_count - bin_lo;
+                const T *g_out = grad_output + (k * channels + c0) * bins + bin_lo;
+                if (run > 0) {
+                    DivStep cb(tid, kThreads, run);   /* (channel, bin - bin_lo) */
+                    for (int i = tid; i < count * run; i += kThreads, cb.next())
+                        grads[(bin_lo + cb.r) * kTileStride + cb.q] =
+                            to_compute(g_out[(int64_t)cb.q * bins + cb.r]) / divisor;
+                }
+                __syncthreads();
+                const bool mine = lane < count && !((sampled >> lane) & 1u);
+                if (mine && warp < rows_in && row_first[warp] <= row_last[warp]) {
+                    const int ph_first = row_first[warp], ph_last = row_last[warp];
+                    const int listed_cols = counts[0];
+                    for (int e = 0; e < listed_cols; ++e) {
+                        const int x = column[e], pw_first = col_first[e], pw_last = col_last[e];
+                        A sum = 0;
+#pragma unroll 1
+                        for (int ph = ph_first; ph <= ph_last; ++ph) {
+                            const A *row = grads + ph * pw_count * kTileStride + lane;
+                            A t = 0;
+#pragma unroll 1
+                            for (int pw = pw_first; pw <= pw_last; ++pw)
+                                t += row[pw * kTileStride] * wx[pw * cols + x];
+                            sum += wy[ph * kTileRows + warp] * t;
+                        }
+                        if (sum != 0) {
+                            T *cell = acc + (warp * cols + x) * kTileStride + lane;
+                            *cell = from_compute<T>(to_compute(*cell) + sum);
+                        }
+                    }
+                }
+                if (warp == 0 && lane < count && !mine) {
+                    const T *mine_out = grad_output + ((k * channels + c0) + lane) * bins;
+                    for_each_corner(height, width, g, pooled_w, bins,
+                                    [&](int64_t b, int64_t y, int64_t x, A weight) {
+                        const int64_t r_in = y - top, x_in = x - left;
+                        if (r_in < 0 || r_in >= rows_in || x_in < 0 || x_in >= cols_in) return;
+                        T *cell = acc + (r_in * cols + x_in) * kTileStride + lane;
+                        const A grad = to_compute(mine_out[b]) / divisor;
+                        *cell = from_compute<T>(to_compute(*cell) + grad * weight);
+                    });
+                }
+                __syncthreads();   /* the weights, ranges and G read */
+            }
+        }
+        __syncthreads();
+        for (int i = tid; i < count * cells; i += kThreads)
+            if (i % cells / cols < rows_in && i % cols < cols_in)
+                *element(i) = acc[i % cells * kTileStride + i / cells];
+    }
 }
 
 /* max: a warp per plane; each roi's bins, 32 at a time, add their gradient
@@ -1154,6 +1438,36 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
     return launch_status("roi_align forward launch");
 }
 
+/* The tiled deterministic avg backward: the rois' channels whose bin
+ * gradients are not all finite, flagged, then the tiles. */
+template <typename T>
+int deterministic_tiled(const Tiles<T> &tiles, const mmd_tensor *grad_output,
+                        const mmd_tensor *rois, const mmd_tensor *grad_input, int64_t pooled_h,
+                        int64_t pooled_w, typename Compute<T>::type scale, int64_t sampling_ratio,
+                        int aligned, const ErrorSink &sink, cudaStream_t stream) {
+    const int64_t num_rois = rois->shape[0], channels = grad_input->shape[1];
+    const int64_t total = mmd_numel(grad_output), flag_count = num_rois * tiles.chunks;
+    StreamBuffer flags(stream);
+    cudaError_t err = flags.allocate(sizeof(unsigned) * flag_count);
+    if (err == cudaSuccess)
+        err = cudaMemsetAsync(flags.as<void>(), 0, sizeof(unsigned) * flag_count, stream);
+    if (err != cudaSuccess) return cuda_error(err, "roi_align deterministic backward flags");
+    nonfinite_channels_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+        (const T *)grad_output->data, flags.as<unsigned>(), total, channels, pooled_h * pooled_w,
+        tiles.chunks);
+    int s = launch_status("roi_align deterministic backward flags launch");
+    if (s) return s;
+    err = cudaFuncSetAttribute(deterministic_avg_backward_tiled_kernel<T>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tiles.bytes);
+    if (err != cudaSuccess) return cuda_error(err, "cudaFuncSetAttribute");
+    deterministic_avg_backward_tiled_kernel<T><<<grid_of(tiles.items), kThreads, tiles.bytes,
+                                                 stream>>>(
+        (const T *)grad_output->data, (const T *)rois->data, flags.as<unsigned>(),
+        (T *)grad_input->data, num_rois, channels, grad_input->shape[2], grad_input->shape[3],
+        pooled_h, pooled_w, grad_input->shape[0], scale, sampling_ratio, aligned, tiles, sink);
+    return launch_status("roi_align deterministic backward launch");
+}
+
 template <typename T>
 int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_tensor *rois,
              const mmd_tensor *argmax_y, const mmd_tensor *argmax_x,
@@ -1185,16 +1499,25 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
                 sampling_ratio, aligned, sink);
             return launch_status("roi_align deterministic backward launch");
         }
+        int limit = 0;
+        cudaError_t err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                 ctx->device_id);
+        if (err != cudaSuccess) return cuda_error(err, "cudaDeviceGetAttribute");
+        const int64_t channels = grad_input->shape[1];
+        if (channels >= kLanes / 2 && height < INT_MAX && width < INT_MAX &&
+            pooled_h * pooled_w <= INT_MAX / kLanes) {
+            const Tiles<T> tiles(batch, channels, height, width, pooled_h, pooled_w);
+            if (tiles.bytes <= (size_t)limit)
+                return deterministic_tiled<T>(tiles, grad_output, rois, grad_input, pooled_h,
+                                              pooled_w, (A)spatial_scale, sampling_ratio,
+                                              aligned, sink, stream);
+        }
         const size_t geo_offset = geometry_offset(
             sizeof(A) * (size_t)(pooled_h * pooled_w + pooled_h * height + pooled_w * width +
                                  pooled_h * width) +
             sizeof(int) * 2 * (size_t)height);
         const size_t fixed = geo_offset + sizeof(Geometry<A>) * kThreads;
         const size_t row = sizeof(T) * (size_t)width;
-        int limit = 0;
-        cudaError_t err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                                 ctx->device_id);
-        if (err != cudaSuccess) return cuda_error(err, "cudaDeviceGetAttribute");
         if (fixed + row > (size_t)limit)
             return mmd_error(MMD_ERR_VALUE,
                              "the deterministic backend needs %zu bytes of shared memory for a "

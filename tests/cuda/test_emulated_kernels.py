@@ -322,6 +322,71 @@ def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_th
     assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
+def deterministic_avg_backward(x, rois, grad_output, sampling_ratio, aligned=True):
+    """roi_align's avg backward (spatial_scale 0.5) on the emulated
+    deterministic backend, into a grad_input of 3.0s (the backward adds to
+    what it holds)."""
+    unused = np.empty(0, x.dtype)
+    grad = np.full(x.shape, 3.0, x.dtype)
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        mmdispatch.roi_align_backward_impl(
+            *on_gpu([grad_output, rois, unused, unused.copy(), grad]), *grad_output.shape[2:],
+            0.5, sampling_ratio, 1, aligned)
+    return grad
+
+
+@pytest.mark.parametrize("dtype,sampling_ratio", [(np.float32, 0), (np.float32, 2),
+                                                   (np.float32, 20), (np.float64, 2),
+                                                   (np.float16, 0)])
+def test_deterministic_roi_align_backward_in_tiles_gives_the_bits_of_its_per_plane_kernel(
+        emu, dtype, sampling_ratio):
+    """16 channels or more take the tiled kernel (tiles of 8 rows x 32
+    cells, 16 of float64, a chunk of 32 channels): 70 channels (a last chunk
+    of 6) over a 17 x 40 map (tiles cut at both edges), 300 rois (two
+    rounds of the block's list) across tile edges, a NaN, an inf and a -inf
+    bin gradient in three channels. Channels of each chunk get the bits the
+    per-plane kernel gives them (the same call on 3 channels), and all of
+    them the CPU's results to their rounding (float16: no CPU kernel)."""
+    rng = np.random.default_rng(sampling_ratio)
+    x, rois = roi_workload(rng, dtype, channels=70, num_rois=300, size=(17, 40))
+    rois[:, [1, 3]] *= 40 / 26   # the workload's corners span 26 cells: reach across the 40
+    rois[[4, 280, 290]] = [[0, 2, 2, 30, 20], [1, 10, 4, 70, 30], [0, 40, 10, 78, 33]]
+    grad_output = rng.standard_normal((len(rois), 70, 3, 4)).astype(dtype)
+    grad_output[4, 1, 2, 3] = np.nan
+    grad_output[280, 33, 0, 0] = np.inf
+    grad_output[290, 69, 1, 2] = -np.inf
+    tiled = deterministic_avg_backward(x, rois, grad_output, sampling_ratio)
+    assert np.isnan(tiled).any() and np.isfinite(tiled).any()
+    for c in (0, 32, 67):
+        per_plane = deterministic_avg_backward(np.ascontiguousarray(x[:, c:c + 3]), rois,
+                                               np.ascontiguousarray(grad_output[:, c:c + 3]),
+                                               sampling_ratio)
+        np.testing.assert_array_equal(tiled[:, c:c + 3].view(np.uint8), per_plane.view(np.uint8))
+    if dtype != np.float16:
+        unused = np.empty(0, dtype)
+        expected = np.full(x.shape, 3.0, dtype)
+        mmdispatch.roi_align_backward_impl(grad_output, rois, unused, unused.copy(), expected,
+                                           3, 4, 0.5, sampling_ratio, 1, True)
+        assert_same(tiled, expected)
+
+
+def test_deterministic_roi_align_backward_in_tiles_repeats_its_bits_and_reports_a_bad_roi(emu):
+    """The tiled kernel's results do not depend on the run, and a bad roi
+    (batch index 5) is a deferred error naming it, the other rois added."""
+    rng = np.random.default_rng(3)
+    x, rois = roi_workload(rng, np.float32, channels=16, num_rois=40, size=(12, 40))
+    rois[17, 0] = 5
+    grad_output = rng.standard_normal((len(rois), 16, 2, 2)).astype(np.float32)
+    with mmdispatch.strict(False):
+        first = deterministic_avg_backward(x, rois, grad_output, 2)
+    status, message = emu.synchronize()
+    assert status != 0 and message.startswith("roi_align_backward_impl: rois[17, 0] (batch "
+                                              "index)")
+    good = np.delete(np.arange(len(rois)), 17)
+    second = deterministic_avg_backward(x, rois[good], grad_output[good], 2)
+    np.testing.assert_array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
 def roi_pool_run(x, rois, pooled, convention, grad_output=None):
     """run(wrap) -> (output, argmax[, grad_input]) of roi_pool on x and rois
     (spatial_scale 0.5), on the CPU (wrap=list) or the emulated GPU (on_gpu)."""
