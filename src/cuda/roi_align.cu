@@ -821,8 +821,11 @@ struct Window {
 template <typename A>
 __device__ inline int64_t window_edge(A start, A length, int64_t size, int64_t *hi) {
     /* samples lie in [start, start + length]; interpolation reads floor(v)
-     * and floor(v) + 1, clamped to the map */
-    const A lo_v = floor(start), hi_v = floor(start + length) + 1;
+     * and floor(v) + 1, clamped to the map, with v in [-1, 0] taken as 0 (so
+     * that a roi ending in [-1, 0) reads cell 1 too, with weight 0: 0 * inf
+     * is NaN there), and nothing for v < -1 */
+    const A end = start + length;
+    const A lo_v = floor(start), hi_v = end < (A)-1 ? (A)-1 : floor(end < 0 ? (A)0 : end) + 1;
     const int64_t lo = lo_v < 0 ? 0 : (lo_v > (A)(size - 1) ? size - 1 : (int64_t)lo_v);
     *hi = hi_v < 0 ? -1 : (hi_v > (A)(size - 1) ? size - 1 : (int64_t)hi_v);
     return lo;

@@ -370,6 +370,31 @@ def test_deterministic_roi_align_backward_in_tiles_gives_the_bits_of_its_per_pla
         assert_same(tiled, expected)
 
 
+@pytest.mark.parametrize("width", [40, 160])
+def test_deterministic_roi_align_backward_spreads_a_nonfinite_gradient_past_a_roi_above_the_map(
+        emu, width):
+    """A roi whose rows lie in [-1, 0) (rows -0.9 to -0.3 of the map):
+    its samples read row 0 with weight 1 and row 1 with weight 0, so an inf
+    bin gradient gives row 1 NaN (0 * inf), as on the CPU, in the tiled
+    kernel (16 channels) and in the per-plane one (3), whose bands are a
+    row each at width 160 in the emulator's build (the band of row 1 took
+    the roi's window, rows [0, 0], to miss it)."""
+    x = np.zeros((1, 16, 12, width), np.float32)
+    rois = np.array([[0, 20, -0.8, 60, 0.4]], np.float32)
+    grad_output = np.ones((1, 16, 2, 2), np.float32)
+    grad_output[0, 0, 0, 0] = np.inf
+    tiled = deterministic_avg_backward(x, rois, grad_output, 2)
+    per_plane = deterministic_avg_backward(np.ascontiguousarray(x[:, :3]), rois,
+                                           np.ascontiguousarray(grad_output[:, :3]), 2)
+    unused = np.empty(0, np.float32)
+    expected = np.full(x.shape, 3.0, np.float32)
+    mmdispatch.roi_align_backward_impl(grad_output, rois, unused, unused.copy(), expected, 2, 2,
+                                       0.5, 2, 1, True)
+    assert np.isnan(expected[0, 0, 1]).any()
+    assert_same(tiled, expected)
+    np.testing.assert_array_equal(tiled[:, :3].view(np.uint32), per_plane.view(np.uint32))
+
+
 def test_deterministic_roi_align_backward_in_tiles_repeats_its_bits_and_reports_a_bad_roi(emu):
     """The tiled kernel's results do not depend on the run, and a bad roi
     (batch index 5) is a deferred error naming it, the other rois added."""
