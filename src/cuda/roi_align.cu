@@ -296,20 +296,21 @@ struct ChunkThread {
     }
 };
 
-/* f(k, good, geometry) for each roi of the block (a grid-stride loop over
- * the rois; uniform in the block); the first chunk's first thread reports
- * a bad roi (once per call). */
+/* f(k, good, geometry, chunk) for each roi and Chunk of the group of
+ * `count` channels from c0 that the block takes (for_each_roi_of_chunks;
+ * uniform in the block); the first chunk's first thread reports a bad roi
+ * (once per call). */
 template <typename T, typename A, typename F>
 __device__ inline void for_each_block_roi(const T *rois, int64_t num_rois, int64_t batch, A scale,
                                           int64_t pooled_h, int64_t pooled_w,
                                           int64_t sampling_ratio, int aligned, int64_t c0,
-                                          const ErrorSink &sink, F f) {
-    for (int64_t k = blockIdx.x; k < num_rois; k += gridDim.x) {
+                                          int64_t count, const ErrorSink &sink, F f) {
+    for_each_roi_of_chunks(num_rois, c0, count, [&](int64_t k, const Chunk &part) {
         Geometry<A> g;
         const bool good = geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio,
-                                      aligned, c0 == 0 && threadIdx.x == 0, sink, &g);
-        f(k, good, g);
-    }
+                                      aligned, part.c0 == 0 && threadIdx.x == 0, sink, &g);
+        f(k, good, g, part);
+    });
 }
 
 /* f(y, wy, columns) for each row bin (ph, pw)'s walk reaches (for_each_cell),
@@ -397,7 +398,8 @@ template <typename A> struct BinAxes {
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_transposed_kernel(
     const T *input, const T *chunk, const T *rois, T *output, int64_t num_rois,
-    int64_t channels, int64_t c0, int64_t count, int64_t height, int64_t width, int64_t pooled_h,
+    int64_t channels, int64_t group_c0, int64_t group_count, int64_t height, int64_t width,
+    int64_t pooled_h,
     int64_t pooled_w, int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio,
     int aligned, int axis_cap, ErrorSink sink) {
     typedef typename Compute<T>::type A;
@@ -408,10 +410,13 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_trans
     const BinAxes<A> axes(t.shared<unsigned char>(), sizeof(A) * kLanes * bins, axis_cap,
                           pooled_h + pooled_w);
     for_each_block_roi(rois, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
-                       c0, sink, [&](int64_t k, bool good, const Geometry<A> &g) {
+                       group_c0, group_count, sink,
+                       [&](int64_t k, bool good, const Geometry<A> &g, const Chunk &part) {
+        const int64_t c0 = part.c0, count = part.count;
         const bool listed = axes.fill(good && walk, g, pooled_h, pooled_w, height, width);
         if (good) {
-            const T *cells = chunk + g.batch * plane_size * kLanes + t.lane;
+            const T *cells =
+                chunk + (part.index * batch + g.batch) * plane_size * kLanes + t.lane;
             /* the lane's channel's plane (lanes past the chunk's channels read none) */
             const T *plane =
                 t.lane < count ? input + (g.batch * channels + c0 + t.lane) * plane_size : input;
@@ -654,7 +659,8 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_transposed_kernel(
     const T *grad_output, const T *rois, T *grad_input, typename Compute<T>::type *chunk,
-    int64_t num_rois, int64_t channels, int64_t c0, int64_t count, int64_t height, int64_t width,
+    int64_t num_rois, int64_t channels, int64_t group_c0, int64_t group_count, int64_t height,
+    int64_t width,
     int64_t pooled_h, int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
     int64_t sampling_ratio, int aligned, int axis_cap, ErrorSink sink) {
     typedef typename Compute<T>::type A;
@@ -665,7 +671,9 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_tran
     const BinAxes<A> axes(t.shared<unsigned char>(), sizeof(A) * kLanes * bins, axis_cap,
                           pooled_h + pooled_w);
     for_each_block_roi(rois, num_rois, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
-                       c0, sink, [&](int64_t k, bool good, const Geometry<A> &g) {
+                       group_c0, group_count, sink,
+                       [&](int64_t k, bool good, const Geometry<A> &g, const Chunk &part) {
+        const int64_t c0 = part.c0, count = part.count;
         if (good) {   /* a bad roi adds nothing */
             const T *grads = grad_output + (k * channels + c0) * bins;   /* contiguous */
             for (int64_t i = threadIdx.x; i < kLanes * bins; i += blockDim.x)
@@ -674,7 +682,7 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_tran
         /* (a barrier: the shares are staged too) */
         const bool listed = axes.fill(good && walk, g, pooled_h, pooled_w, height, width);
         if (good) {
-            A *cells = chunk + g.batch * plane_size * kLanes + t.lane;
+            A *cells = chunk + (part.index * batch + g.batch) * plane_size * kLanes + t.lane;
             /* the lane's channel's plane (lanes past the chunk's channels add none) */
             T *plane = t.lane < count ? grad_input + (g.batch * channels + c0 + t.lane) * plane_size
                                       : grad_input;
@@ -720,8 +728,9 @@ template <typename A> __global__ void fill_untouched_kernel(A *chunk, int64_t si
     MMD_GRID_STRIDE_LOOP(i, size) chunk[i] = -(A)0;
 }
 
-/* grad_input[n, c0 + c, i] += chunk[(n * cells + i) * kLanes + c] for the
- * chunk's `count` channels, where a bin added anything (a cell no bin
+/* grad_input[n, c0 + g * kLanes + c, i] += chunk[((g * batch + n) * cells
+ * + i) * kLanes + c] for each chunk g of the group of `count` channels
+ * from c0, where a bin added anything (a cell no bin
  * reached keeps its bits, -0.0 and a signalling NaN included, and is not
  * read); the scratch is left -0.0 again for the next chunk:
  * transpose_chunk_kernel's tiles the other way round. */
@@ -730,8 +739,9 @@ __global__ void __launch_bounds__(kLanes * kTransposeRows)
     transpose_add_kernel(A *chunk, T *grad_input, int64_t batch, int64_t channels,
                          int64_t cells, int64_t c0, int64_t count) {
     __shared__ A tile[kTileCells][kLanes + 1];   /* [cell][channel] */
-    for_each_tile(batch, cells, [&](int64_t n, int64_t cell0) {
-        A *from = chunk + (n * cells + cell0) * kLanes + threadIdx.x;
+    for_each_tile(chunks_in(count) * batch, cells, [&](int64_t plane, int64_t cell0) {
+        const Chunk part(c0, count, plane / batch);
+        A *from = chunk + (plane * cells + cell0) * kLanes + threadIdx.x;
         A v[kCellsPerRow];
         for_each_cell_place([&](int i, int j) {
             v[i] = cell0 + j < cells ? from[j * kLanes] : -(A)0;
@@ -741,14 +751,14 @@ __global__ void __launch_bounds__(kLanes * kTransposeRows)
             tile[j][threadIdx.x] = v[i];
         });
         __syncthreads();
-        T *to = grad_input + (n * channels + c0) * cells + cell0;
+        T *to = grad_input + (plane % batch * channels + part.c0) * cells + cell0;
         A add[kChannelsPerRow][kTileSpans];
         T old[kChannelsPerRow][kTileSpans];
         const auto touched = [&](A add, int cell) {
             return !(add == (A)0 && signbit(add)) && cell0 + cell < cells;
         };
         for_each_place([&](int i, int s, int c, int cell) {
-            add[i][s] = c < count ? tile[cell][c] : -(A)0;
+            add[i][s] = c < part.count ? tile[cell][c] : -(A)0;
             if (touched(add[i][s], cell)) old[i][s] = to[c * cells + cell];
         });
         for_each_place([&](int i, int s, int c, int cell) {
@@ -1338,8 +1348,8 @@ template <typename A> struct ChunkPlan : Chunks {
                         BinAxes lists */
 
     ChunkPlan(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t num_rois,
-              int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio)
-        : Chunks(batch, channels, height, width, num_rois) {
+              int64_t pooled_h, int64_t pooled_w, int64_t sampling_ratio, size_t element_size)
+        : Chunks(batch, channels, height, width, num_rois, element_size) {
         shared = sizeof(A) * kLanes * (size_t)(pooled_h * pooled_w);
         /* the longest lists that fit the 48 KB a launch gets without opting
          * in (transposed_pays bounds the sums to 48 KB), at most
@@ -1357,8 +1367,8 @@ template <typename A> struct ChunkPlan : Chunks {
     }
 };
 
-/* One chunk's transposed forward: the chunk of the map into scratch, then
- * its bins. */
+/* One group's transposed forward: its chunks of the map into scratch,
+ * then their bins. */
 template <typename T>
 int forward_chunk(const ChunkPlan<typename Compute<T>::type> &plan, T *chunk, int64_t c0,
                   int64_t count, const mmd_tensor *input, const mmd_tensor *rois,
@@ -1375,9 +1385,9 @@ int forward_chunk(const ChunkPlan<typename Compute<T>::type> &plan, T *chunk, in
     return launch_status("roi_align forward launch");
 }
 
-/* One chunk's transposed backward: its bins into the scratch (all -0.0,
- * fill_untouched_kernel), then the scratch into grad_input, which leaves it
- * -0.0 again. */
+/* One group's transposed backward: its chunks' bins into the scratch
+ * (all -0.0, fill_untouched_kernel), then the scratch into grad_input,
+ * which leaves it -0.0 again. */
 template <typename T>
 int backward_chunk(const ChunkPlan<typename Compute<T>::type> &plan,
                    typename Compute<T>::type *chunk, int64_t c0,
@@ -1421,12 +1431,12 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
             input->shape[2], input->shape[3], pooled_h, pooled_w, batch, (A)spatial_scale,
             sampling_ratio, aligned, sink);
     } else {
-        const ChunkPlan<A> plan(batch, input->shape[1], input->shape[2], input->shape[3],
-                                rois->shape[0], pooled_h, pooled_w, sampling_ratio);
+        ChunkPlan<A> plan(batch, input->shape[1], input->shape[2], input->shape[3],
+                          rois->shape[0], pooled_h, pooled_w, sampling_ratio, sizeof(T));
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], input->shape[1], batch, input->shape[2],
                             input->shape[3], pooled_h, pooled_w, sampling_ratio, sizeof(A)) &&
-            plan.allocate(&chunk, sizeof(T)))
+            plan.allocate(&chunk))
             return plan.each([&](int64_t c0, int64_t count) {
                 return forward_chunk<T>(plan, chunk.as<T>(), c0, count, input, rois, output,
                                         pooled_h, pooled_w, (A)spatial_scale, sampling_ratio,
@@ -1557,13 +1567,13 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             grad_input->shape[2], grad_input->shape[3], pooled_h, pooled_w, batch,
             (A)spatial_scale, sampling_ratio, aligned, sink);
     } else {
-        const ChunkPlan<A> plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
-                                rois->shape[0], pooled_h, pooled_w, sampling_ratio);
+        ChunkPlan<A> plan(batch, channels, grad_input->shape[2], grad_input->shape[3],
+                          rois->shape[0], pooled_h, pooled_w, sampling_ratio, sizeof(A));
         StreamBuffer chunk(stream);
         if (transposed_pays(rois->shape[0], channels, batch, grad_input->shape[2],
                             grad_input->shape[3], pooled_h, pooled_w, sampling_ratio,
                             sizeof(A)) &&
-            plan.allocate(&chunk, sizeof(A))) {
+            plan.allocate(&chunk)) {
             const int64_t size = plan.scratch_size();
             fill_untouched_kernel<A><<<blocks_for(size), kThreads, 0, stream>>>(chunk.as<A>(),
                                                                             size);

@@ -188,7 +188,8 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
 }
 
 /* The chunked forward, where chunks_pay: per chunk of kLanes channels (its
- * map in (batch, height, width, kLanes) scratch), a block per roi, a warp
+ * map in (batch, height, width, kLanes) scratch, a group of chunks a
+ * launch: chunks.cuh), a block per (chunk, roi), a warp
  * per bin, a lane per channel: each cell of a bin is one coalesced load of
  * the chunk's channels, and the bin's bounds are worked out once for them
  * (forward_kernel's warps are 32 bins of different bounds, each load a
@@ -199,8 +200,9 @@ __global__ void forward_kernel(const T *input, const T *rois, T *output, int64_t
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     forward_chunk_kernel(const T *chunk, const T *rois, T *output, int64_t *argmax,
-                         int64_t num_rois, int64_t channels, int64_t c0, int64_t count,
-                         int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w,
+                         int64_t num_rois, int64_t channels, int64_t group_c0,
+                         int64_t group_count, int64_t height, int64_t width, int64_t pooled_h,
+                         int64_t pooled_w,
                          int64_t batch, typename Compute<T>::type scale, int convention,
                          ErrorSink sink) {
     typedef typename Compute<T>::type A;
@@ -210,7 +212,8 @@ __global__ void __launch_bounds__(kThreads)
     A *maxima = reinterpret_cast<A *>(indices + kLanes * bins);      /* [kLanes][bins] */
     const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
     const int warps = blockDim.x / kLanes;
-    for (int64_t k = blockIdx.x; k < num_rois; k += gridDim.x) {
+    for_each_roi_of_chunks(num_rois, group_c0, group_count, [&](int64_t k, const Chunk &part) {
+        const int64_t c0 = part.c0, count = part.count;
         Geometry<T> g;
         const int code = roi_geometry(rois, k, batch, scale, convention, pooled_h, pooled_w,
                                       &g);
@@ -220,8 +223,8 @@ __global__ void __launch_bounds__(kThreads)
             for (int64_t b = warp; b < bins; b += warps) {
                 const int64_t ph = bin_row(b, pooled_w), pw = b - ph * pooled_w;
                 BinMax<A> m;
-                m.scan(chunk + g.batch * height * width * kLanes + lane, kLanes, g, ph, pw,
-                       height, width);
+                m.scan(chunk + (part.index * batch + g.batch) * height * width * kLanes + lane,
+                       kLanes, g, ph, pw, height, width);
                 maxima[lane * bins + b] = m.value();
                 indices[lane * bins + b] = m.index;
             }
@@ -232,7 +235,7 @@ __global__ void __launch_bounds__(kThreads)
             argmax[first + i] = good ? indices[i] : -1;
         }
         __syncthreads();
-    }
+    });
 }
 
 /* Shared memory a bin takes in forward_chunk_kernel: a chunk's maxima (in
@@ -369,10 +372,11 @@ int roi_pool_forward_cuda(const mmd_tensor *input, const mmd_tensor *rois,
                                     total > 0, &sink);
             if (s || total == 0) return s;
             const int64_t num_rois = rois->shape[0], bins = pooled_height * pooled_width;
-            const Chunks plan(batch, input->shape[1], input->shape[2], input->shape[3], num_rois);
+            Chunks plan(batch, input->shape[1], input->shape[2], input->shape[3], num_rois,
+                        sizeof(T));
             StreamBuffer chunk(stream);
             if (chunks_pay_for(num_rois, input, bins, sizeof(A)) &&
-                plan.allocate(&chunk, sizeof(T))) {
+                plan.allocate(&chunk)) {
                 const size_t shared = (size_t)bins * chunk_bin_bytes(sizeof(A));
                 return plan.each([&](int64_t c0, int64_t count) {
                     const int s = plan.transpose((const T *)input->data, chunk.as<T>(), c0,

@@ -601,6 +601,54 @@ def test_roi_align_bins_of_many_cells_match_the_cpu_walked_or_sample_by_sample(
         assert_same(got, expected)
 
 
+def chunked_calls(x, rois, grad_output):
+    """(name, run(wrap)) of the chunked kernels' calls on x (spatial_scale
+    0.5, 3 x 2 bins): roi_align's avg forward and backward (sampling_ratio
+    2) and roi_pool's forward, each returning its outputs."""
+    unused = np.empty(0, x.dtype)
+
+    def align_forward(wrap):
+        out = np.full(grad_output.shape, 5.0, x.dtype)
+        mmdispatch.roi_align_forward_impl(*wrap([x, rois, out, unused, unused.copy()]), 3, 2,
+                                          0.5, 2, 1, True)
+        return [out]
+
+    def align_backward(wrap):
+        grad = np.full(x.shape, 3.0, x.dtype)
+        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
+                                           3, 2, 0.5, 2, 1, True)
+        return [grad]
+
+    return [("roi_align forward", align_forward), ("roi_align backward", align_backward),
+            ("roi_pool forward", lambda wrap: list(roi_pool_run(x, rois, (3, 2), 1)(wrap)))]
+
+
+def test_chunked_kernels_take_two_chunks_a_launch_and_halve_the_group_without_the_memory(emu):
+    """The emulator's build gives a launch of the chunked kernels at most 2
+    chunks of 32 channels (MMD_CUDA_CHUNK_GROUP_MAX): 70 channels are two
+    groups, 64 and 6 channels, a transposition and a launch of the bins'
+    kernel each. Where the device has no memory for a group's scratch the
+    group is halved (three groups of a chunk: two launches more), and where
+    it has none for a chunk's the per-element kernels run (one launch).
+    The CPU's results every time."""
+    rng = np.random.default_rng(5)
+    x, rois = roi_workload(rng, np.float64, channels=70, num_rois=9, size=(11, 14))
+    grad_output = rng.standard_normal((len(rois), 70, 3, 2))
+    chunk_bytes = 2 * 11 * 14 * 32 * 8   # (batch, cells, 32 channels) of float64
+    for name, run in chunked_calls(x, rois, grad_output):
+        expected = run(list)
+        launches = {}
+        for limit in (0, 2 * chunk_bytes - 1, chunk_bytes - 1):   # 0: no limit
+            with emu.scratch_limit(limit):
+                before = emu.counters()["launches"]
+                got = run(on_gpu)
+                launches[limit] = emu.counters()["launches"] - before
+            for a, b in zip(got, expected):
+                assert_same(a, b)
+        assert launches[2 * chunk_bytes - 1] - launches[0] == 2, name
+        assert launches[0] - launches[chunk_bytes - 1] >= 3, name
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("channels", [16, 45, 70])
 @pytest.mark.parametrize("sampling_ratio", [0, 2, 20])

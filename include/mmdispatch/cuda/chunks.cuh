@@ -64,12 +64,54 @@ constexpr int kTileCells = kTileSpans * kLanes;
 constexpr int kChannelsPerRow = kLanes / kTransposeRows;      /* a thread's channels */
 constexpr int kCellsPerRow = kTileCells / kTransposeRows;     /* a thread's cells */
 
-/* Tiles of a (batch, cells) map: f(n, cell0) for each of the block's
- * (grid-stride). */
+/* A launch of the chunked kernels takes a group of chunks, [c0, c0 +
+ * count) with count up to group * kLanes channels, its scratch laid out
+ * (chunk of the group, batch, height, width, kLanes): one transposition and
+ * one launch of the bins' kernel a group, where a launch a chunk paid 8
+ * launches' tails (a launch of a few hundred rois' blocks fills a GPU for
+ * less than a wave) and their host time on the bench's map, 16 on each of
+ * an FPN's levels (forward and backward). A group is as many chunks as
+ * MMD_CUDA_CHUNK_GROUP_BYTES of scratch hold, at most
+ * MMD_CUDA_CHUNK_GROUP_MAX (the emulator's build sets 2, so that its
+ * tests take several groups). */
+#ifndef MMD_CUDA_CHUNK_GROUP_BYTES
+#define MMD_CUDA_CHUNK_GROUP_BYTES (32 << 20)
+#endif
+#ifndef MMD_CUDA_CHUNK_GROUP_MAX
+#define MMD_CUDA_CHUNK_GROUP_MAX 1024
+#endif
+
+/* Chunks of `count` channels. */
+__host__ __device__ inline int64_t chunks_in(int64_t count) {
+    return (count + kLanes - 1) / kLanes;
+}
+
+/* Chunk `index` of a group [c0, c0 + count): its channels [c0, c0 + count)
+ * of the map's. */
+struct Chunk {
+    int64_t index, c0, count;
+    __host__ __device__ Chunk(int64_t group_c0, int64_t group_count, int64_t index_)
+        : index(index_), c0(group_c0 + index_ * kLanes),
+          count(group_count - index_ * kLanes < kLanes ? group_count - index_ * kLanes
+                                                       : kLanes) {}
+};
+
+/* f(k, chunk) for each roi k and Chunk of a group of `count` channels from
+ * c0 that the block takes: a block per (chunk, roi), chunk-major (the
+ * blocks at work at a time read one chunk's scratch), grid-stride. */
 template <typename F>
-__device__ inline void for_each_tile(int64_t batch, int64_t cells, F f) {
+__device__ inline void for_each_roi_of_chunks(int64_t num_rois, int64_t c0, int64_t count, F f) {
+    const int64_t items = num_rois * chunks_in(count);
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x)
+        f(item % num_rois, Chunk(c0, count, item / num_rois));
+}
+
+/* Tiles of a group's (chunk, batch, cells) planes: f(plane, cell0) for
+ * each of the block's (grid-stride), plane = chunk * batch + image. */
+template <typename F>
+__device__ inline void for_each_tile(int64_t planes, int64_t cells, F f) {
     const int64_t tiles = (cells + kTileCells - 1) / kTileCells;
-    for (int64_t t = blockIdx.x; t < batch * tiles; t += gridDim.x)
+    for (int64_t t = blockIdx.x; t < planes * tiles; t += gridDim.x)
         f(t / tiles, (t % tiles) * kTileCells);
 }
 
@@ -91,24 +133,26 @@ template <typename F> __device__ inline void for_each_cell_place(F f) {
     for (int i = 0; i < kCellsPerRow; ++i) f(i, (int)threadIdx.y + i * kTransposeRows);
 }
 
-/* chunk[((n * cells + i) * kLanes + c] = input[n, c0 + c, i] for the
- * chunk's `count` channels (0 in the lanes past them). */
+/* chunk[((g * batch + n) * cells + i) * kLanes + c] = input[n, c0 + g *
+ * kLanes + c, i] for each chunk g of the group of `count` channels from
+ * c0 (0 in the lanes past a chunk's channels). */
 template <typename T>
 __global__ void __launch_bounds__(kLanes * kTransposeRows)
     transpose_chunk_kernel(const T *input, T *chunk, int64_t batch, int64_t channels,
                            int64_t cells, int64_t c0, int64_t count) {
     typedef typename Compute<T>::type A;
     __shared__ A tile[kLanes][kTileCells + 1];   /* [channel][cell] */
-    for_each_tile(batch, cells, [&](int64_t n, int64_t cell0) {
-        const T *from = input + (n * channels + c0) * cells + cell0;
+    for_each_tile(chunks_in(count) * batch, cells, [&](int64_t plane, int64_t cell0) {
+        const Chunk part(c0, count, plane / batch);
+        const T *from = input + (plane % batch * channels + part.c0) * cells + cell0;
         A v[kChannelsPerRow][kTileSpans];
         for_each_place([&](int i, int s, int c, int cell) {
-            v[i][s] = c < count && cell0 + cell < cells ? to_compute(from[c * cells + cell])
-                                                        : (A)0;
+            v[i][s] = c < part.count && cell0 + cell < cells ? to_compute(from[c * cells + cell])
+                                                             : (A)0;
         });
         for_each_place([&](int i, int s, int c, int cell) { tile[c][cell] = v[i][s]; });
         __syncthreads();
-        T *to = chunk + (n * cells + cell0) * kLanes + threadIdx.x;
+        T *to = chunk + (plane * cells + cell0) * kLanes + threadIdx.x;
         for_each_cell_place([&](int, int j) {
             if (cell0 + j < cells) to[j * kLanes] = from_compute<T>(tile[threadIdx.x][j]);
         });
@@ -117,37 +161,54 @@ __global__ void __launch_bounds__(kLanes * kTransposeRows)
 }
 
 /* The chunked kernels' launches for a (batch, channels, height, width) map
- * and num_rois rois: a block per roi (grid-stride), and each(f) calls
- * f(c0, count) for each chunk of kLanes channels, [c0, c0 + count), until
- * one fails. */
+ * and num_rois rois, with scratch of `element_size` bytes an element: a
+ * block per (chunk, roi) of a group (grid-stride), and each(f) calls f(c0,
+ * count) for each group of chunks, channels [c0, c0 + count), until one
+ * fails. */
 struct Chunks {
-    int64_t batch, channels, cells;
+    int64_t batch, channels, cells, num_rois;
+    size_t element_size;
+    int64_t group;   /* chunks a launch takes */
     unsigned transpose_blocks, roi_blocks;
 
-    Chunks(int64_t batch_, int64_t channels_, int64_t height, int64_t width, int64_t num_rois)
-        : batch(batch_), channels(channels_), cells(height * width) {
-        const int64_t tiles = batch * ((cells + kTileCells - 1) / kTileCells);
-        transpose_blocks = grid_of(tiles);
-        roi_blocks = grid_of(num_rois);
+    Chunks(int64_t batch_, int64_t channels_, int64_t height, int64_t width, int64_t num_rois_,
+           size_t element_size_)
+        : batch(batch_), channels(channels_), cells(height * width), num_rois(num_rois_),
+          element_size(element_size_) {
+        const double chunk_bytes = (double)element_size * (double)batch * (double)cells * kLanes;
+        const double fit = chunk_bytes > 0 ? (double)MMD_CUDA_CHUNK_GROUP_BYTES / chunk_bytes : 1;
+        int64_t most = chunks_in(channels);
+        most = most < MMD_CUDA_CHUNK_GROUP_MAX ? most : MMD_CUDA_CHUNK_GROUP_MAX;
+        set_group(fit < 1 ? 1 : (fit < (double)most ? (int64_t)fit : most));
     }
-    /* Elements of a chunk's scratch: (batch, height, width, kLanes). */
-    int64_t scratch_size() const { return batch * cells * kLanes; }
-    /* Allocates the scratch, of elements of `element_size` bytes, in
-     * *chunk; false (the error cleared) where the device has no memory for
-     * it: the per-element kernels need none. */
-    bool allocate(StreamBuffer *chunk, size_t element_size) const {
-        if (chunk->allocate(element_size * (size_t)scratch_size()) == cudaSuccess) return true;
-        cudaGetLastError();
-        return false;
+    void set_group(int64_t chunks) {
+        group = chunks;
+        const int64_t tiles = batch * ((cells + kTileCells - 1) / kTileCells);
+        transpose_blocks = grid_of(group * tiles);
+        roi_blocks = grid_of(group * num_rois);
+    }
+    /* Elements of a group's scratch: (group, batch, height, width, kLanes). */
+    int64_t scratch_size() const { return group * batch * cells * kLanes; }
+    /* Allocates a group's scratch in *chunk, halving the group where the
+     * device has no memory for it; false (the error cleared) where it has
+     * none for one chunk: the per-element kernels need none. */
+    bool allocate(StreamBuffer *chunk) {
+        while (chunk->allocate(element_size * (size_t)scratch_size()) != cudaSuccess) {
+            cudaGetLastError();
+            if (group == 1) return false;
+            set_group((group + 1) / 2);
+        }
+        return true;
     }
     template <typename F> int each(F f) const {
-        for (int64_t c0 = 0; c0 < channels; c0 += kLanes) {
-            const int s = f(c0, channels - c0 < kLanes ? channels - c0 : kLanes);
+        const int64_t step = group * kLanes;
+        for (int64_t c0 = 0; c0 < channels; c0 += step) {
+            const int s = f(c0, channels - c0 < step ? channels - c0 : step);
             if (s) return s;
         }
         return MMD_OK;
     }
-    /* Chunk [c0, c0 + count) of the map `input` into scratch `chunk`. */
+    /* The group [c0, c0 + count) of the map `input` into scratch `chunk`. */
     template <typename T>
     int transpose(const T *input, T *chunk, int64_t c0, int64_t count, const char *what,
                   cudaStream_t stream) const {

@@ -71,7 +71,7 @@ CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_M
             "-DMMD_CUDA_BAND_BYTES=600", "-DMMD_CUDA_NMS_SHARED_WORDS=8",
             "-DMMD_CUDA_CELL_WALK_MAX=64", "-DMMD_CUDA_TRANSPOSED_MIN_READS=0",
             "-DMMD_CUDA_TRANSPOSED_MIN_ROIS=0", "-DMMD_CUDA_AXIS_CAP=5",
-            "-DMMD_CUDA_MAX_BLOCKS=3",
+            "-DMMD_CUDA_MAX_BLOCKS=3", "-DMMD_CUDA_CHUNK_GROUP_MAX=2",
             "-DMMD_CUDA_EMULATOR", *SANITIZE]
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
@@ -245,6 +245,7 @@ class Emulator:
                 ("mmd_emu_pool_kept_bytes", ctypes.c_longlong, []),
                 ("mmd_cuda_empty_cache", ctypes.c_int, [ctypes.c_int]),
                 ("mmd_emu_use_cublas", None, [ctypes.c_int]),
+                ("mmd_emu_limit_scratch", None, [ctypes.c_longlong]),
                 ("mmd_emu_cublas_calls", ctypes.c_longlong, []),
                 ("mmd_last_error", ctypes.c_char_p, []),
                 ("mmd_emu_clear_error", None, []),
@@ -290,6 +291,17 @@ class Emulator:
             yield self
         finally:
             self.lib.mmd_emu_use_cublas(0)
+
+    @contextlib.contextmanager
+    def scratch_limit(self, size):
+        """Scratch allocations (the kernels' stream-ordered buffers) of
+        more than `size` bytes fail while the block runs, as on a device
+        without the memory for them."""
+        self.lib.mmd_emu_limit_scratch(size)
+        try:
+            yield self
+        finally:
+            self.lib.mmd_emu_limit_scratch(0)
 
     def counters(self):
         """launches, host waits, live device allocations, scratch-pool

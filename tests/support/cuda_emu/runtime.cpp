@@ -454,8 +454,12 @@ cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep) {
  * (12.08 as a float, 8.0e5 as a double): a NaN would pass unseen through a
  * kernel that recomputes non-finite results another way. */
 #define MMD_EMU_SCRATCH_FILL 0x41
+/* Scratch allocations larger than this fail as a full device's would (0:
+ * no limit; mmd_emu_limit_scratch). */
+size_t g_scratch_limit = 0;
 cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool, cudaStream_t) {
     const size_t rounded = ((size ? size : 1) + 255) / 256 * 256;
+    if (g_scratch_limit && size > g_scratch_limit) return t_last_error = cudaErrorMemoryAllocation;
     {
         std::lock_guard<std::mutex> lock(g_memory_lock);
         if (g_pools.count(pool) == 0) return t_last_error = cudaErrorInvalidValue;
@@ -624,6 +628,7 @@ int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, voi
     return 1;
 }
 void mmd_emu_use_cublas(int on) { g_cublas_on = on; }
+void mmd_emu_limit_scratch(long long bytes) { g_scratch_limit = (size_t)bytes; }
 long long mmd_emu_cublas_calls(void) { return g_cublas_calls; }
 
 long long mmd_emu_pool_maps(void) {
