@@ -395,6 +395,44 @@ def test_deterministic_roi_align_backward_spreads_a_nonfinite_gradient_past_a_ro
     np.testing.assert_array_equal(tiled[:, :3].view(np.uint32), per_plane.view(np.uint32))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_deterministic_roi_align_backward_tiled_and_per_plane_kernels_agree_on_random_calls(
+        emu, seed):
+    """Random maps (16, 33 or 40 channels, up to 19 x 35 cells), bins,
+    sampling ratios, conventions and rois, tiny and degenerate ones near the
+    top left edge among them, with inf, NaN and -0.0 bin gradients (float16
+    ones large enough to overflow): each channel's bits from the tiled
+    kernel are the per-plane kernel's (the same call on 3 channels)."""
+    rng = np.random.default_rng(100 + seed)
+    dtype = [np.float32, np.float64, np.float16][seed % 3]
+    pooled = [(1, 1), (3, 5), (2, 2), (7, 7)][seed % 4]
+    channels = int(rng.choice([16, 33, 40]))
+    height, width = int(rng.integers(1, 20)), int(rng.integers(1, 36))
+    num_rois = int(rng.integers(1, 40))
+    corners = rng.uniform(-6, max(height, width) + 6, (num_rois, 2, 2))
+    rois = np.concatenate([rng.integers(0, 2, (num_rois, 1)), corners.min(axis=1),
+                           corners.max(axis=1)], axis=1)
+    for r in range(0, num_rois, 5):
+        y, x = rng.uniform(-1.5, 1.0), rng.uniform(-1.5, width)
+        rois[r, 1:] = [x, y, x + rng.choice([0, 1e-3, 0.3]), y + rng.choice([0, 1e-3, 0.4])]
+    rois[:, 1:] *= 2   # spatial_scale 0.5
+    rois = rois.astype(dtype)
+    x = np.zeros((2, channels, height, width), dtype)
+    grad_output = rng.standard_normal((num_rois, channels, *pooled))
+    with np.errstate(over="ignore"):   # float16's past 65504: inf
+        grad_output = (grad_output * (3e4 if dtype == np.float16 else 1)).astype(dtype)
+    grad_output[rng.random(grad_output.shape) < 0.002] = np.inf
+    grad_output[rng.random(grad_output.shape) < 0.002] = np.nan
+    grad_output[rng.random(grad_output.shape) < 0.01] = -0.0
+    sampling_ratio, aligned = int(rng.choice([0, 1, 2, 5])), bool(seed % 2)
+    tiled = deterministic_avg_backward(x, rois, grad_output, sampling_ratio, aligned)
+    for c in range(0, channels, 3):
+        per_plane = deterministic_avg_backward(
+            np.ascontiguousarray(x[:, c:c + 3]), rois,
+            np.ascontiguousarray(grad_output[:, c:c + 3]), sampling_ratio, aligned)
+        np.testing.assert_array_equal(tiled[:, c:c + 3].view(np.uint8), per_plane.view(np.uint8))
+
+
 def test_deterministic_roi_align_backward_in_tiles_repeats_its_bits_and_reports_a_bad_roi(emu):
     """The tiled kernel's results do not depend on the run, and a bad roi
     (batch index 5) is a deferred error naming it, the other rois added."""
