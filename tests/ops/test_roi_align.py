@@ -583,9 +583,11 @@ def crowded_rois(rng, count, batch, height, width):
 @pytest.mark.parametrize("sampling_ratio", [2, 0])
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-4), (np.float64, 1e-10)])
+@pytest.mark.parametrize("channels", [6, 40])   # avg: the per-plane kernel, then the tiled one
 def test_cuda_deterministic_backward_matches_and_repeats_bit_for_bit(cupy, mode, sampling_ratio,
-                                                                     aligned, dtype, tol, rng):
-    x = rng.standard_normal((2, 6, 24, 20)).astype(dtype)
+                                                                     aligned, dtype, tol,
+                                                                     channels, rng):
+    x = rng.standard_normal((2, channels, 24, 20)).astype(dtype)
     rois = np.concatenate([random_rois(rng, 40, 2, 24, 20, 0.5),
                            crowded_rois(rng, 200, 2, 48, 40)]).astype(dtype)
     out, ay, ax = roi_align_forward(x, rois, (3, 4), 0.5, sampling_ratio, mode, aligned)
@@ -607,6 +609,33 @@ def test_cuda_deterministic_backward_matches_and_repeats_bit_for_bit(cupy, mode,
     for run in runs[1:]:
         np.testing.assert_array_equal(run, runs[0])   # bit for bit, whatever the stream
     np.testing.assert_allclose(runs[0], expected, rtol=tol * 10, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_cuda_deterministic_tiled_backward_gives_the_per_plane_kernels_bits(cupy, dtype, rng):
+    """The deterministic avg backward takes tiles of 32 channels from 16
+    channels on, a block per plane's band below: each channel of a 40
+    channel call (crowded rois across tile edges, an inf and a NaN bin
+    gradient) gets the bits of the same call on 15 channels or fewer."""
+    x_shape = (2, 40, 30, 70)
+    rois = np.concatenate([random_rois(rng, 60, 2, 30, 70, 0.5),
+                           crowded_rois(rng, 300, 2, 60, 140)]).astype(dtype)
+    grad_out = rng.standard_normal((len(rois), 40, 7, 7)).astype(dtype)
+    grad_out[5, 3, 2, 2], grad_out[300, 33, 0, 6] = np.inf, np.nan
+    g_rois = cupy.asarray(rois)
+
+    def backward(grad, channels):
+        with mmdispatch.use_backend("cuda", "deterministic"):
+            return cupy.asnumpy(roi_align_backward(cupy.asarray(grad), g_rois, None, None,
+                                                   (2, channels, 30, 70), 0.5, 2))
+
+    tiled = backward(grad_out, 40)
+    assert np.isnan(tiled).any() and np.isfinite(tiled).any()
+    for c in (0, 15, 30):
+        per_plane = backward(np.ascontiguousarray(grad_out[:, c:c + 15]),
+                             min(15, 40 - c))
+        np.testing.assert_array_equal(tiled[:, c:c + 15].view(np.uint8),
+                                      per_plane.view(np.uint8))
 
 
 def test_cuda_deterministic_backward_handles_nonfinite_gradients_like_the_default(cupy, rng):
