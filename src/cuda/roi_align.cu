@@ -266,8 +266,9 @@ __global__ void avg_forward_kernel(const T *input, const T *rois, T *output, int
 /* The transposed avg forward, for calls whose bins read the map's cells
  * many times over: the map a chunk of kLanes channels at a time, first
  * transposed into scratch as (batch, height, width, kLanes), so that a
- * cell's channels of the chunk lie in one line; then a block per roi, a
- * warp per bin (8 bins at a time), a lane per channel. The warp walks its
+ * cell's channels of the chunk lie in one line (a group of chunks a launch:
+ * chunks.cuh); then a block per (chunk, roi), a warp per bin (8 bins at a
+ * time), a lane per channel. The warp walks its
  * bin's cells once, the walk's arithmetic the same in every lane (one issue
  * serves the chunk's channels), and reads each cell's channels with one
  * coalesced load, where avg_forward_kernel's lanes are 32 bins, each load a
@@ -649,7 +650,8 @@ __global__ void avg_backward_kernel(const T *grad_output, const T *rois, T *grad
 /* The transposed avg backward (the `default` backend, where
  * transposed_pays): per chunk of kLanes channels, the bins' gradients are
  * added into scratch laid out (batch, h, w, kLanes) in the compute
- * type, by a block per roi, a warp per bin, a lane per channel, so that a
+ * type (a group of chunks a launch), by a block per (chunk, roi), a warp
+ * per bin, a lane per channel, so that a
  * warp's atomic adds to a cell are 32 neighbouring values in one line (the
  * per-bin kernel's lanes add to 32 cells far apart, a request each); the
  * chunk's bin gradients are staged in shared memory (read coalesced). Then
@@ -700,10 +702,10 @@ __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_tran
                     const A *wxs = lists.wxs;
                     for (int r = 0; r < lists.rows; ++r) {
                         A *row = cells + (int64_t)lists.ys[r] * width * kLanes;
-                        const A part = share * lists.wys[r];
+                        const A row_share = share * lists.wys[r];
                         for (int c = 0; c < lists.columns; ++c)
                             if (mine && walked) atomicAdd(row + (int64_t)xs[c] * kLanes,
-                                                          part * wxs[c]);
+                                                          row_share * wxs[c]);
                     }
                     continue;
                 }
@@ -732,7 +734,7 @@ template <typename A> __global__ void fill_untouched_kernel(A *chunk, int64_t si
  * + i) * kLanes + c] for each chunk g of the group of `count` channels
  * from c0, where a bin added anything (a cell no bin
  * reached keeps its bits, -0.0 and a signalling NaN included, and is not
- * read); the scratch is left -0.0 again for the next chunk:
+ * read); the scratch is left -0.0 again for the next group:
  * transpose_chunk_kernel's tiles the other way round. */
 template <typename T, typename A>
 __global__ void __launch_bounds__(kLanes * kTransposeRows)
