@@ -1066,7 +1066,7 @@ constexpr int kTileRows = kThreads / kLanes;   /* a warp per row of the tile */
 constexpr int kTileStride = kLanes + 1;        /* a cell's channels, padded: the loads'
                                                 * and stores' lanes hit distinct banks */
 /* Blocks of the tiled kernel an SM keeps resident (its float shared memory,
- * about 57 KB for 7 x 7 bins, allows 3 on an H100; registers capped to fit:
+ * about 55 KB for 7 x 7 bins, allows 3 on an H100; registers capped to fit:
  * the spills are outside the rois' loop) */
 constexpr int kTiledBlocks = 3;
 
@@ -1104,7 +1104,7 @@ template <typename T> struct Tiles {
           int64_t pooled_w) {
         tiles_y = (height + kTileRows - 1) / kTileRows;
         tiles_x = (width + cols - 1) / cols;
-        chunks = (channels + kLanes - 1) / kLanes;
+        chunks = chunks_in(channels);
         items = batch * chunks * tiles_y * tiles_x;
         const auto align = [](size_t n) { return (n + 15) / 16 * 16; };
         grads = align(sizeof(Roi) * kThreads);

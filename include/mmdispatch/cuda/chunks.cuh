@@ -1,12 +1,12 @@
 /* Channel chunks of a map in (batch, height, width, kLanes) scratch, for
- * the roi kernels whose bins read the map's cells many times over (roi_align's
- * avg kernels, roi_pool's forward): the map kLanes channels at a time,
- * transposed so that a cell's channels of the chunk lie in one line (a
- * group of chunks a launch, below); then a block per (chunk, roi), a warp
- * per bin, a lane per channel, each cell one
- * coalesced load of the chunk's channels, the bins' geometry worked out
- * once for them (uniform in the warp). Per-element kernels' lanes are 32
- * bins instead, each load a sector of its own. */
+ * the roi kernels whose bins read the map's cells many times over
+ * (roi_align's avg kernels, roi_pool's forward): the map kLanes channels at
+ * a time, transposed so that a cell's channels of the chunk lie in one line
+ * (a group of chunks a launch, below); then a block per (chunk, roi), a
+ * warp per bin, a lane per channel, each cell one coalesced load of the
+ * chunk's channels, the bins' geometry worked out once for them (uniform in
+ * the warp). Per-element kernels' lanes are 32 bins instead, each load a
+ * sector of its own. */
 #ifndef MMDISPATCH_CUDA_CHUNKS_CUH
 #define MMDISPATCH_CUDA_CHUNKS_CUH
 
@@ -19,15 +19,15 @@ constexpr int kLanes = 32;
 constexpr size_t kChunkShared = 48 * 1024;
 
 /* Whether a call takes the chunked kernels: a map with cells,
- * MMD_CUDA_TRANSPOSED_MIN_ROIS rois or more (fewer left most of a GPU's
- * SMs idle in each chunk's launch, where a per-element kernel spreads them
- * over one launch; a launch of a group of chunks may need fewer: untimed), 16 channels or more (a chunk's filling
- * half a warp or more, but for a last partial chunk), a block's
- * `shared_per_bin` bytes a bin fitting in kChunkShared, and the bins
- * (about `reads_per_bin` cells each) reading at least
- * MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the transposition
- * reads and writes the map once). The emulator's build sets both limits
- * to 0. */
+ * MMD_CUDA_TRANSPOSED_MIN_ROIS rois or more (fewer left most of a GPU's SMs
+ * idle in each chunk's launch, where a per-element kernel spreads them over
+ * one launch; a launch of a group of chunks may need fewer: untimed), 16
+ * channels or more (a chunk's filling half a warp or more, but for a last
+ * partial chunk), a block's `shared_per_bin` bytes a bin fitting in
+ * kChunkShared, and the bins (about `reads_per_bin` cells each) reading at
+ * least MMD_CUDA_TRANSPOSED_MIN_READS times the map's cells (the
+ * transposition reads and writes the map once). The emulator's build sets
+ * both limits to 0. */
 #ifndef MMD_CUDA_TRANSPOSED_MIN_READS
 #define MMD_CUDA_TRANSPOSED_MIN_READS 2
 #endif
