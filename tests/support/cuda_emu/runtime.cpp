@@ -448,15 +448,16 @@ cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep) {
     return cudaSuccess;
 }
 
+/* Scratch allocations larger than this fail as a full device's would (0:
+ * no limit; mmd_emu_limit_scratch). */
+size_t g_scratch_limit = 0;
+
 /* A freed block of the pool at least `size` bytes and at most twice that,
  * else new memory (counted); filled either way with bytes 0x41, so that a
  * kernel reading scratch it has not written reads garbage that is finite
  * (12.08 as a float, 8.0e5 as a double): a NaN would pass unseen through a
  * kernel that recomputes non-finite results another way. */
 #define MMD_EMU_SCRATCH_FILL 0x41
-/* Scratch allocations larger than this fail as a full device's would (0:
- * no limit; mmd_emu_limit_scratch). */
-size_t g_scratch_limit = 0;
 cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool, cudaStream_t) {
     const size_t rounded = ((size ? size : 1) + 255) / 256 * 256;
     if (g_scratch_limit && size > g_scratch_limit) return t_last_error = cudaErrorMemoryAllocation;
