@@ -400,9 +400,8 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_forward_transposed_kernel(
     const T *input, const T *chunk, const T *rois, T *output, int64_t num_rois,
     int64_t channels, int64_t group_c0, int64_t group_count, int64_t height, int64_t width,
-    int64_t pooled_h,
-    int64_t pooled_w, int64_t batch, typename Compute<T>::type scale, int64_t sampling_ratio,
-    int aligned, int axis_cap, ErrorSink sink) {
+    int64_t pooled_h, int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
+    int64_t sampling_ratio, int aligned, int axis_cap, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const ChunkThread t(height, width, pooled_h, pooled_w);
     const int64_t bins = t.bins, plane_size = t.plane_size;
@@ -662,9 +661,9 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, kTransposedBlocks) avg_backward_transposed_kernel(
     const T *grad_output, const T *rois, T *grad_input, typename Compute<T>::type *chunk,
     int64_t num_rois, int64_t channels, int64_t group_c0, int64_t group_count, int64_t height,
-    int64_t width,
-    int64_t pooled_h, int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
-    int64_t sampling_ratio, int aligned, int axis_cap, ErrorSink sink) {
+    int64_t width, int64_t pooled_h, int64_t pooled_w, int64_t batch,
+    typename Compute<T>::type scale, int64_t sampling_ratio, int aligned, int axis_cap,
+    ErrorSink sink) {
     typedef typename Compute<T>::type A;
     const ChunkThread t(height, width, pooled_h, pooled_w);
     const int64_t bins = t.bins, plane_size = t.plane_size;
@@ -843,6 +842,33 @@ __device__ inline int64_t window_edge(A start, A length, int64_t size, int64_t *
     return lo;
 }
 
+/* The window of a roi of geometry g on a height x width map. */
+template <typename A>
+__device__ inline Window window_of(const Geometry<A> &g, int64_t pooled_h, int64_t pooled_w,
+                                   int64_t height, int64_t width) {
+    Window w;
+    w.y0 = window_edge(g.start_h, g.bin_h * (A)pooled_h, height, &w.y1);
+    w.x0 = window_edge(g.start_w, g.bin_w * (A)pooled_w, width, &w.x1);
+    return w;
+}
+
+/* The first and last of weights[0], weights[step], ... weights[(count - 1)
+ * * step] that are not 0 in *first and *last (count and -1 where none is):
+ * the bin rows (columns) a row's (column's) sum takes, from the first to
+ * the last (the deterministic kernels). */
+template <typename A>
+__device__ inline void nonzero_range(const A *weights, int count, int step, int *first,
+                                     int *last) {
+    int lo = count, hi = -1;
+    for (int b = 0; b < count; ++b)
+        if (weights[b * step] != 0) {
+            lo = lo < b ? lo : b;
+            hi = b;
+        }
+    *first = lo;
+    *last = hi;
+}
+
 /* Whether roi k adds into a plane of image n, with its geometry in *g; a
  * bad roi is reported once, by the grid's first thread. The same answer in
  * every thread of a block, so a block's barriers match. */
@@ -955,9 +981,7 @@ __global__ void deterministic_avg_backward_kernel(
             const Geometry<A> g = geo[j];   /* the same roi and answers in every thread */
             if (g.batch != n) continue;
             const int64_t k = first + j;
-            Window w;
-            w.y0 = window_edge(g.start_h, g.bin_h * (A)pooled_h, height, &w.y1);
-            w.x0 = window_edge(g.start_w, g.bin_w * (A)pooled_w, width, &w.x1);
+            const Window w = window_of(g, pooled_h, pooled_w, height, width);
             const int64_t y_lo = w.y0 > top ? w.y0 : top;
             const int64_t y_hi = w.y1 < bottom - 1 ? w.y1 : bottom - 1;
             if (y_hi < y_lo || w.x1 < w.x0) continue;
@@ -1012,14 +1036,7 @@ __global__ void deterministic_avg_backward_kernel(
             }
             for (int r = tid; r < n_rows; r += threads) {   /* each row's bin rows */
                 const int64_t y = w.y0 + r;
-                int first = (int)pooled_h, last = -1;
-                for (int ph = 0; ph < (int)pooled_h; ++ph)
-                    if (wy[ph * height + y] != 0) {
-                        first = first < ph ? first : ph;
-                        last = ph;
-                    }
-                first_bin[y] = first;
-                last_bin[y] = last;
+                nonzero_range(wy + y, (int)pooled_h, (int)height, &first_bin[y], &last_bin[y]);
             }
             __syncthreads();
             const int band_cells = (int)(y_hi - y_lo + 1) * n_cols;
@@ -1144,8 +1161,9 @@ __global__ void __launch_bounds__(kThreads, kTiledBlocks) deterministic_avg_back
         const int64_t tx = item % tiles.tiles_x, ty = item / tiles.tiles_x % tiles.tiles_y;
         const int64_t chunk = item / (tiles.tiles_x * tiles.tiles_y) % tiles.chunks;
         const int64_t n = item / (tiles.tiles_x * tiles.tiles_y * tiles.chunks);
-        const int64_t c0 = chunk * kLanes, top = ty * kTileRows, left = tx * cols;
-        const int count = (int)(channels - c0 < kLanes ? channels - c0 : kLanes);
+        const Chunk part(0, channels, chunk);
+        const int64_t c0 = part.c0, top = ty * kTileRows, left = tx * cols;
+        const int count = (int)part.count;
         const int rows_in = (int)(height - top < kTileRows ? height - top : kTileRows);
         const int cols_in = (int)(width - left < cols ? width - left : cols);
         /* element (c, cell) of the tile, for i = c * cells + cell */
@@ -1167,9 +1185,7 @@ __global__ void __launch_bounds__(kThreads, kTiledBlocks) deterministic_avg_back
                 geometry_of(rois, k, batch, scale, pooled_h, pooled_w, sampling_ratio, aligned,
                             item == 0, sink, &r.g) &&
                 r.g.batch == n) {
-                Window w;
-                w.y0 = window_edge(r.g.start_h, r.g.bin_h * (A)pooled_h, height, &w.y1);
-                w.x0 = window_edge(r.g.start_w, r.g.bin_w * (A)pooled_w, width, &w.x1);
+                const Window w = window_of(r.g, pooled_h, pooled_w, height, width);
                 meets = w.y0 <= w.y1 && w.x0 <= w.x1 && w.y0 < top + rows_in && w.y1 >= top &&
                         w.x0 < left + cols_in && w.x1 >= left;
                 if (meets) r.sampled = flags[k * tiles.chunks + chunk];
@@ -1216,14 +1232,8 @@ __global__ void __launch_bounds__(kThreads, kTiledBlocks) deterministic_avg_back
                     const int extent = is_row ? (int)pooled_h : pw_count;
                     const int step = is_row ? kTileRows : cols;
                     int lo = extent, hi = -1;
-                    if (lane < (is_row ? rows_in : cols_in)) {
-                        const A *weights = (is_row ? wy : wx) + lane;
-                        for (int b = 0; b < extent; ++b)
-                            if (weights[b * step] != 0) {
-                                lo = lo < b ? lo : b;
-                                hi = b;
-                            }
-                    }
+                    if (lane < (is_row ? rows_in : cols_in))
+                        nonzero_range((is_row ? wy : wx) + lane, extent, step, &lo, &hi);
                     const unsigned weighed = __ballot_sync(0xffffffffu, lo <= hi);
                     if (is_row) {
                         if (lane < kTileRows) row_first[lane] = lo, row_last[lane] = hi;

@@ -202,9 +202,8 @@ __global__ void __launch_bounds__(kThreads)
     forward_chunk_kernel(const T *chunk, const T *rois, T *output, int64_t *argmax,
                          int64_t num_rois, int64_t channels, int64_t group_c0,
                          int64_t group_count, int64_t height, int64_t width, int64_t pooled_h,
-                         int64_t pooled_w,
-                         int64_t batch, typename Compute<T>::type scale, int convention,
-                         ErrorSink sink) {
+                         int64_t pooled_w, int64_t batch, typename Compute<T>::type scale,
+                         int convention, ErrorSink sink) {
     typedef typename Compute<T>::type A;
     extern __shared__ unsigned char shared_bytes[];
     const int64_t bins = pooled_h * pooled_w;
