@@ -253,23 +253,28 @@ def test_roi_align_forward_and_backward_match_the_cpu_over_many_blocks(
         assert_same(backward(on_gpu, *got[1:]), backward(list, *expected[1:]))
 
 
+def deterministic_avg_backward(x, rois, grad_output, sampling_ratio, aligned=True,
+                               on_device=True):
+    """roi_align's avg backward (spatial_scale 0.5) on the emulated
+    deterministic backend (on_device=False: the CPU kernel), into a
+    grad_input of 3.0s (the backward adds to what it holds)."""
+    unused = np.empty(0, x.dtype)
+    grad = np.full(x.shape, 3.0, x.dtype)
+    with mmdispatch.use_backend("cuda", "deterministic"):
+        mmdispatch.roi_align_backward_impl(
+            *(on_gpu if on_device else list)([grad_output, rois, unused, unused.copy(), grad]),
+            *grad_output.shape[2:], 0.5, sampling_ratio, 1, aligned)
+    return grad
+
+
 def assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output):
     """roi_align's avg backward (spatial_scale 0.5, sampling_ratio 2) on the
     emulated deterministic backend gives the CPU kernel's results, to their
     rounding (its sums are in another order: a window's bin rows, then the
     rows' cells; the same bits on every run)."""
-    unused = np.empty(0, x.dtype)
-
-    def run(wrap):
-        grad = np.zeros_like(x)
-        mmdispatch.roi_align_backward_impl(*wrap([grad_output, rois, unused, unused.copy(), grad]),
-                                           *grad_output.shape[2:], 0.5, 2, 1, True)
-        return grad
-
-    expected = run(list)
+    expected = deterministic_avg_backward(x, rois, grad_output, 2, on_device=False)
     assert np.isnan(expected).any() and np.isfinite(expected).any()
-    with mmdispatch.use_backend("cuda", "deterministic"):
-        assert_same(run(on_gpu), expected)
+    assert_same(deterministic_avg_backward(x, rois, grad_output, 2), expected)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -322,19 +327,6 @@ def test_deterministic_roi_align_backward_over_several_chunks_of_rois_matches_th
     assert_deterministic_avg_backward_is_the_cpus(x, rois, grad_output)
 
 
-def deterministic_avg_backward(x, rois, grad_output, sampling_ratio, aligned=True):
-    """roi_align's avg backward (spatial_scale 0.5) on the emulated
-    deterministic backend, into a grad_input of 3.0s (the backward adds to
-    what it holds)."""
-    unused = np.empty(0, x.dtype)
-    grad = np.full(x.shape, 3.0, x.dtype)
-    with mmdispatch.use_backend("cuda", "deterministic"):
-        mmdispatch.roi_align_backward_impl(
-            *on_gpu([grad_output, rois, unused, unused.copy(), grad]), *grad_output.shape[2:],
-            0.5, sampling_ratio, 1, aligned)
-    return grad
-
-
 @pytest.mark.parametrize("dtype,sampling_ratio", [(np.float32, 0), (np.float32, 2),
                                                    (np.float32, 20), (np.float64, 2),
                                                    (np.float16, 0)])
@@ -363,11 +355,8 @@ def test_deterministic_roi_align_backward_in_tiles_gives_the_bits_of_its_per_pla
                                                sampling_ratio)
         np.testing.assert_array_equal(tiled[:, c:c + 3].view(np.uint8), per_plane.view(np.uint8))
     if dtype != np.float16:
-        unused = np.empty(0, dtype)
-        expected = np.full(x.shape, 3.0, dtype)
-        mmdispatch.roi_align_backward_impl(grad_output, rois, unused, unused.copy(), expected,
-                                           3, 4, 0.5, sampling_ratio, 1, True)
-        assert_same(tiled, expected)
+        assert_same(tiled, deterministic_avg_backward(x, rois, grad_output, sampling_ratio,
+                                                      on_device=False))
 
 
 @pytest.mark.parametrize("width", [40, 160])
@@ -386,10 +375,7 @@ def test_deterministic_roi_align_backward_spreads_a_nonfinite_gradient_past_a_ro
     tiled = deterministic_avg_backward(x, rois, grad_output, 2)
     per_plane = deterministic_avg_backward(np.ascontiguousarray(x[:, :3]), rois,
                                            np.ascontiguousarray(grad_output[:, :3]), 2)
-    unused = np.empty(0, np.float32)
-    expected = np.full(x.shape, 3.0, np.float32)
-    mmdispatch.roi_align_backward_impl(grad_output, rois, unused, unused.copy(), expected, 2, 2,
-                                       0.5, 2, 1, True)
+    expected = deterministic_avg_backward(x, rois, grad_output, 2, on_device=False)
     assert np.isnan(expected[0, 0, 1]).any()
     assert_same(tiled, expected)
     np.testing.assert_array_equal(tiled[:, :3].view(np.uint32), per_plane.view(np.uint32))
