@@ -1057,8 +1057,13 @@ def _in_library_of(original, result):
 # it, so a bad id is still an error), and shared (0,) outputs per (device,
 # dtype), as _numpy_unused. On an H100 host each cupy.empty costs 4.3 us,
 # getDeviceCount and a device switch about as much, so a tiny roi_align
-# call (three outputs, two of them (0,)) paid 27 us.
+# call (three outputs, two of them (0,)) paid 27 us. Its calls are looked
+# up once per module: cupy.ndarray (all that cupy.empty does, behind a
+# Python frame of its own), cupy.zeros and cupy.cuda.runtime.getDevice.
 cdef object _cupy_module = None
+cdef object _cupy_new = None
+cdef object _cupy_zeros = None
+cdef object _cupy_current_device = None
 cdef int _cupy_device_count = 0
 cdef dict _cupy_unused = {}
 
@@ -1067,7 +1072,7 @@ cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple
                            int code, bint zeros):
     """An output on src's CUDA device, with CuPy (imported if need be): a
     shared one for a (0,) shape, which has no element to write."""
-    global _cupy_module, _cupy_device_count
+    global _cupy_module, _cupy_new, _cupy_zeros, _cupy_current_device, _cupy_device_count
     if src.device_type != MMD_DEVICE_CUDA:
         raise TypeError(f"{op.name}: cannot allocate {name} on "
                         f"{device_name(src.device_type, src.device_id)}: the entry points "
@@ -1083,6 +1088,8 @@ cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple
                         f"{mmd_dtype_name(code).decode()} dtype")
     cdef int device = src.device_id
     if cupy is not _cupy_module:
+        _cupy_new, _cupy_zeros = cupy.ndarray, cupy.zeros
+        _cupy_current_device = cupy.cuda.runtime.getDevice
         _cupy_module, _cupy_device_count = cupy, 0
         _cupy_unused.clear()
     if not 0 <= device < _cupy_device_count:
@@ -1096,8 +1103,8 @@ cdef object _cupy_allocate(OpRegistry op, str name, const mmd_tensor *src, tuple
         array = _cupy_unused.get((device, code))
         if array is not None:
             return array
-    make = cupy.zeros if zeros else cupy.empty
-    if cupy.cuda.runtime.getDevice() == device:   # no switch and back
+    make = _cupy_zeros if zeros else _cupy_new
+    if _cupy_current_device() == device:   # no switch and back
         array = make(shape, dtype=_numpy_dtypes[code])
     else:
         with cupy.cuda.Device(device):

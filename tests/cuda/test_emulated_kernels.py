@@ -1201,17 +1201,18 @@ def test_cupy_outputs_cost_one_allocation_per_call_and_no_device_queries(emu, mo
             self.dtype, self.shape, self.strides = self.array.dtype, shape, self.array.strides
             self.data = types.SimpleNamespace(ptr=self.array.ctypes.data, device_id=0)
 
-    def empty(shape, dtype):
-        asked.append(f"empty {shape}")
+    def allocate(shape, dtype):
+        asked.append(f"allocate {shape}")
         return StandInArray(shape, dtype)
 
-    cupy = types.SimpleNamespace(
-        ndarray=type("StandInNdarray", (), {}), empty=empty, zeros=empty,
+    cupy = types.SimpleNamespace(   # cupy.empty(shape, dtype) is cupy.ndarray(shape, dtype)
+        ndarray=allocate, zeros=allocate,
         cuda=types.SimpleNamespace(
             Device=Switch, get_current_stream=record("stream"),
             runtime=types.SimpleNamespace(getDeviceCount=record("count", 1),
-                                          getDevice=record("current", 0))))
+                                          getDevice=record("current", lambda: current))))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
+    current = 0   # the device getDevice reports
     (x, rois, _, _, _), _ = roi_case()
     x, rois = OnGpu(x), OnGpu(rois)
     first = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
@@ -1219,15 +1220,15 @@ def test_cupy_outputs_cost_one_allocation_per_call_and_no_device_queries(emu, mo
     del asked[:]
     again = mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
     emu.synchronize()
-    assert asked == ["current", "empty (2, 3, 2, 2)"]   # the output; no count, no switch
+    assert asked == ["current", "allocate (2, 3, 2, 2)"]   # the output; no count, no switch
     assert again[1] is again[2] is first[1] and again[1].shape == (0,)
     expected = mmdispatch.roi_align_forward_impl(x.array, rois.array, None, None, None, 2, 2,
                                                  1.0, 2, 1, True)[0]
     np.testing.assert_allclose(again[0].array, expected, rtol=1e-6)
     # another device current: the output is made on the arrays' device, and
     # the current one restored
-    cupy.cuda.runtime.getDevice = record("current", 1)
+    current = 1
     del asked[:]
     mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
     emu.synchronize()
-    assert asked == ["current", "switch to 0", "empty (2, 3, 2, 2)"]
+    assert asked == ["current", "switch to 0", "allocate (2, 3, 2, 2)"]
