@@ -386,6 +386,7 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 _tracing = getattr(torch._C, "_get_tracing_state", None)
+_functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def _plain_eager(args, tensor_args):
@@ -394,10 +395,13 @@ def _plain_eager(args, tensor_args):
     a call straight to the kernel would leave the traced graph returning
     the outputs' uninitialised memory; a tensor that is not a plain
     torch.Tensor, such as a FakeTensor; a dispatch or torch-function mode
-    active; or autocast on); else whether a tensor argument needs a
+    active; autocast on; or a torch.func transform (vmap, grad, jacrev)
+    active, whose wrapped tensors are of type torch.Tensor but hold no
+    storage for the kernel to read); else whether a tensor argument needs a
     gradient."""
     if (_dispatch_modes is None or _function_modes is None or _autocast is None
-            or _tracing is None or torch.compiler.is_compiling() or _tracing() is not None):
+            or _tracing is None or _functorch is None or torch.compiler.is_compiling()
+            or _tracing() is not None or _functorch()):
         return None
     grad, needs_grad = torch.is_grad_enabled(), False
     for i in tensor_args:

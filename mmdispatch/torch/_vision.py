@@ -117,7 +117,10 @@ def _nms(boxes, scores, idxs, iou_threshold, offset=0):
     """Boxes and scores of two dtypes both go to the wider one (float16
     scores beside float32 boxes would tie where the float32 ones differ).
     A NaN score ranks first, as torch.sort puts it in torchvision's and
-    MMCV's nms (our kernel ranks it last): it is taken as +inf."""
+    MMCV's nms (our kernel ranks it last): it is taken as +inf, so that a
+    +inf score ties with it and the lower index goes first (torchvision
+    ranks NaN above +inf; no value of the scores' dtype lies above +inf,
+    and a sort to tell them apart would cost every call)."""
     if boxes.dtype != scores.dtype and not torch.is_autocast_enabled(boxes.device.type):
         common = torch.promote_types(boxes.dtype, scores.dtype)
         boxes, scores = boxes.to(common), scores.to(common)
@@ -130,14 +133,26 @@ def nms(boxes, scores, iou_threshold):
     """Indices (int64) of the boxes kept, by decreasing score, as
     torchvision.ops.nms: a box is dropped when a kept box has IoU >
     iou_threshold with it. A NaN score ranks first, as in torchvision
-    (mmdispatch.ops.nms ranks it last)."""
+    (mmdispatch.ops.nms ranks it last), tied with a +inf score (_nms)."""
     return _nms(boxes, scores, None, iou_threshold)
+
+
+def categories(idxs):
+    """idxs as the kernels' int64 category ids, which they only compare:
+    integers as they are; floating values by their float64 bits (-0.0 as
+    0.0, every NaN as one), so that each distinct value is a category of
+    its own, as in torchvision's and MMCV's loops over torch.unique(idxs),
+    where converting 0.5 to an integer merged it with 0. No sync."""
+    if not idxs.is_floating_point():
+        return idxs.to(torch.int64)
+    values = idxs.to(torch.float64) + 0.0   # -0.0 + 0.0 is 0.0
+    return torch.where(values.isnan(), math.nan, values).view(torch.int64)
 
 
 def batched_nms(boxes, scores, idxs, iou_threshold):
     """nms within each category of idxs, as torchvision.ops.batched_nms:
     boxes of different categories never suppress each other."""
-    return _nms(boxes, scores, idxs.to(torch.int64), iou_threshold)
+    return _nms(boxes, scores, categories(idxs), iou_threshold)
 
 
 def _box_iou_composite(boxes1, boxes2):

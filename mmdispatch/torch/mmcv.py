@@ -19,6 +19,7 @@ from mmdispatch.ops.soft_nms import METHODS as _SOFT_NMS_METHODS
 from mmdispatch.torch import _vision
 from mmdispatch.torch._library import DERIVED
 from mmdispatch.torch._vision import _nms, _pair
+from mmdispatch.torch._vision import categories as _categories
 from mmdispatch.torch._vision import deform_groups as _deform_groups_of
 from mmdispatch.torch._vision import like_dtype as _like_dtype
 from mmdispatch.torch._vision import rois_of as _rois_of
@@ -112,7 +113,7 @@ def _detections(boxes, scores, idxs, iou_threshold, offset, score_threshold, max
         valid = scores > score_threshold
         boxes, scores, inds = boxes[valid], scores[valid], inds[valid]
         idxs = None if idxs is None else idxs[valid]
-    keep = _nms(boxes, scores, None if idxs is None else idxs.to(torch.int64),
+    keep = _nms(boxes, scores, None if idxs is None else _categories(idxs),
                 _float32_threshold(iou_threshold), offset)
     if max_num > 0:
         keep = keep[:max_num]
@@ -240,7 +241,7 @@ def batched_nms(boxes, scores, idxs, nms_cfg, class_agnostic=False):
                         f"known: type, class_agnostic, split_thr, {', '.join(options)}")
     if nms_type == "soft_nms":
         dets, keep = _soft_detections(
-            op, boxes, scores, None if class_agnostic else idxs.to(torch.int64),
+            op, boxes, scores, None if class_agnostic else _categories(idxs),
             cfg.get("iou_threshold", 0.3), cfg.get("sigma", 0.5), cfg.get("min_score", 1e-3),
             cfg.get("method", "linear"), cfg.get("offset", 0))
         max_num = cfg.get("max_num", -1)
@@ -305,7 +306,7 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
     if dets.shape[0] == 0:
         return dets, None
     scores = _like_dtype(scores, dets)
-    keep = _NMS_ROTATED(dets, scores, None if labels is None else labels.to(torch.int64),
+    keep = _NMS_ROTATED(dets, scores, None if labels is None else _categories(labels),
                         _float32_threshold(iou_threshold), bool(clockwise))
     return torch.cat([dets[keep], scores[keep].reshape(-1, 1)], dim=1), keep
 

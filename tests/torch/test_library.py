@@ -158,6 +158,33 @@ def test_the_eager_path_is_taken_only_for_plain_tensors_outside_tracing():
         assert _plain_eager((torch.zeros(2),), (0,)) is None
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")   # as torchvision's
+def test_torch_func_transforms_take_the_registered_ops_and_match_a_loop():
+    """Under torch.func's vmap and grad, tensors are of type torch.Tensor
+    but wrap others and hold no storage: the calls go through torch's
+    dispatch (the eager path refused them with 'cannot view a torch
+    tensor'), vmap's fallback runs each op once per batch entry, and grad
+    differentiates through ops whose inputs are constants."""
+    from mmdispatch.torch import box_iou, nms, roi_align, roi_pool
+    x = torch.randn(3, 1, 2, 8, 8, dtype=torch.float64)
+    rois = torch.tensor([[0, 1, 1, 6, 6], [0, 0.5, 2, 7, 5]], dtype=torch.float64)
+    boxes = torch.tensor([[0, 0, 4, 4], [1, 1, 5, 5], [6, 6, 9, 9]], dtype=torch.float64)
+    scores = torch.rand(4, 3, dtype=torch.float64)
+    for op, args in ((roi_align, (rois, 2, 0.5, 2, True)), (roi_pool, (rois, 2, 0.5))):
+        batched = torch.func.vmap(lambda v: op(v, *args))(x)
+        torch.testing.assert_close(batched, torch.stack([op(v, *args) for v in x]), rtol=0,
+                                   atol=0)
+    kept = torch.func.vmap(lambda s: nms(boxes, s, 0.5).sum())(scores)
+    torch.testing.assert_close(kept, torch.stack([nms(boxes, s, 0.5).sum() for s in scores]))
+    weights = torch.ones(3, dtype=torch.float64)
+    grad = torch.func.grad(lambda w: (w * box_iou(boxes, boxes).sum(1)).sum())(weights)
+    torch.testing.assert_close(grad, box_iou(boxes, boxes).sum(1))
+    grad = torch.func.grad(lambda w: w[nms(boxes, scores[0], 0.5)].sum())(weights)
+    expected = torch.zeros(3, dtype=torch.float64)
+    expected[nms(boxes, scores[0], 0.5)] = 1
+    torch.testing.assert_close(grad, expected)
+
+
 def test_eager_path_and_registered_op_give_the_same_results_and_gradients():
     derived = DERIVED["roi_align_forward_impl"]
     for mode in (0, 1):

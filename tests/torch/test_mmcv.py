@@ -107,6 +107,21 @@ def test_batched_nms_keeps_classes_apart_as_torchvision_and_returns_mmcvs_detect
     assert top.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("nms_type", ["nms", "soft_nms", "nms_rotated"])
+def test_batched_nms_keeps_each_distinct_floating_class_apart(nms_type):
+    """Floating class ids are classes by value, as MMCV's loop over
+    torch.unique(idxs) takes them: 0.5 is not merged into 0."""
+    boxes = torch.tensor([[0.0, 0, 10, 10]] * 3)
+    if nms_type == "nms_rotated":
+        boxes = torch.tensor([[5.0, 5, 10, 10, 0]] * 3)
+    scores = torch.tensor([0.9, 0.8, 0.7])
+    cfg = {"type": nms_type, "iou_threshold": 0.5}
+    if nms_type == "soft_nms":
+        cfg["method"] = "naive"
+    _, keep = mmcv.batched_nms(boxes, scores, torch.tensor([0.0, 0.5, -0.0]), cfg)
+    assert keep.tolist() == [0, 1]
+
+
 def test_batched_nms_without_config_sorts_by_score_and_refuses_other_types():
     boxes, scores, idxs = _random_detections(20, 3)
     dets, inds = mmcv.batched_nms(boxes, scores, idxs, None)

@@ -423,6 +423,32 @@ def test_nms_ranks_a_nan_score_first_as_torchvision():
         mt.nms(torch.tensor([[0, 0, 10, 10]]), torch.tensor([3]), 0.5)
 
 
+def test_nms_takes_a_nan_score_as_inf_so_that_it_ties_with_an_inf_score_by_index():
+    """The documented difference: torchvision ranks NaN above +inf, our
+    torch layer takes NaN as +inf (the kernels rank NaN last, and no
+    value of the scores' dtype lies above +inf), so the two tie and the
+    lower index goes first. Without a +inf score the NaN ranks first as
+    in torchvision (the test above)."""
+    boxes = torch.tensor([[0.0, 0, 1, 1], [0, 0, 1, 1], [5, 5, 6, 6]])
+    scores = torch.tensor([float("inf"), float("nan"), 0.5])
+    assert mt.nms(boxes, scores, 0.5).tolist() == [0, 2]
+    assert tv.nms(boxes, scores, 0.5).tolist() == [1, 2]
+
+
+def test_batched_nms_keeps_each_distinct_floating_category_apart_as_torchvision():
+    """Floating idxs are categories by value: 0.0 and 0.5 stay apart (as
+    in torchvision's loop over torch.unique(idxs)), -0.0 is 0.0; an
+    integer conversion merged 0.5 into 0."""
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 10], [0, 0, 10, 10], [0, 0, 10, 10]])
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.6])
+    for idxs, expected in ((torch.tensor([0.0, 0.5, -0.0, 0.5]), [0, 1]),
+                           (torch.tensor([1.0, 2.0, 1.0, 3.0], dtype=torch.float16), [0, 1, 3]),
+                           (torch.tensor([0, 1, 0, 1]), [0, 1])):
+        got = mt.batched_nms(boxes, scores, idxs, 0.5).tolist()
+        assert got == expected
+        assert got == tv.batched_nms(boxes, scores, idxs, 0.5).tolist()
+
+
 def multiscale_pair(names, output_size=7, sampling_ratio=2):
     return (mt.MultiScaleRoIAlign(names, output_size, sampling_ratio),
             tv.MultiScaleRoIAlign(names, output_size, sampling_ratio))
