@@ -6,7 +6,9 @@ bbox_overlaps_impl.
 - aligned=False gives (N, M) for every pair, aligned=True gives (N,) for
   bboxes1[i] vs bboxes2[i] (N must equal M).
 - A union or area <= 0 (degenerate boxes) gives 0, never NaN or inf; NaN
-  coordinates give NaN.
+  coordinates give NaN. Areas are computed in the boxes' dtype, as MMCV
+  computes them: an area past its range (float32 sides past about 1.8e19)
+  is inf, and the pair's IoU NaN (inf - inf in the union), as in MMCV.
 """
 import numpy as np
 

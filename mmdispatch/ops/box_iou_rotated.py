@@ -5,13 +5,16 @@ box_iou_rotated_impl.
   default): a positive angle turns the box clockwise in image coordinates
   (x right, y down); clockwise=False: counter-clockwise (the same as
   negating every angle).
-- The intersection is exact: the convex polygon of one box clipped by the
-  other, in double precision whatever the dtype.
+- The intersection is the convex polygon of one box clipped by the other,
+  in double precision whatever the dtype, never larger than either box (a
+  box met by itself gives 1): its rounding, about 1e-16 of the boxes'
+  extent, matters only for boxes thinner than about 1e-12 of their length.
 - "iou": intersection / union; "iof": intersection / area of the box from
   boxes1. aligned=False gives (N, M), aligned=True (N,) for boxes1[i] vs
   boxes2[i] (N must equal M).
 - A union or area <= 0 (zero-size boxes) gives 0; a pair with a value that
-  is not finite, or a negative width or height, gives NaN.
+  is not finite, a negative width or height, or an area w * h past
+  double's range (float64 sides past about 1e154), gives NaN.
 - Not differentiable (as in MMCV).
 """
 import numpy as np

@@ -186,7 +186,7 @@ def box_iou(boxes1, boxes2, fmt="xyxy"):
     """(..., N, M) IoU of (..., N, 4) and (..., M, 4) boxes, as
     torchvision.ops.box_iou: fmt "xyxy" (x1, y1, x2, y2), "xywh" or
     "cxcywh"; or "cxcywhr" (..., 5) rotated boxes, the angle in degrees
-    counter-clockwise (our exact polygon IoU). The leading dimensions
+    counter-clockwise (our polygon IoU in double). The leading dimensions
     broadcast. The result is float32 for integer, float16 and bfloat16
     boxes and for "cxcywhr", else the wider of the two dtypes. A pair whose union has no area
     gives 0 (torchvision gives NaN). Differentiable for the axis-aligned

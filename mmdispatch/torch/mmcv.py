@@ -285,7 +285,8 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
 
 def box_iou_rotated(bboxes1, bboxes2, mode="iou", aligned=False, clockwise=True):
     """mmcv.ops.box_iou_rotated: boxes (cx, cy, w, h, angle in radians),
-    (N, M) or (N,) when aligned; the intersection is the exact polygon.
+    (N, M) or (N,) when aligned; the intersection is the clipped polygon,
+    in double.
     Not differentiable (as in MMCV)."""
     op = "box_iou_rotated"
     code = _choice(op, "mode", mode, _OVERLAP_MODES)

@@ -221,6 +221,8 @@ int roi_align_rotated_backward_cuda(const mmd_tensor *grad_output, const mmd_ten
                                     int64_t sampling_ratio, int aligned, int clockwise,
                                     const mmd_context *ctx) {
     int s = mmd_check_dtype(grad_output, "grad_output", MMD_FLOAT16_BF16_32_64);
+    /* rois against grad_output first: the op's wrappers allocate grad_input */
+    if (!s) s = mmd_check_same_dtype(rois, "rois", grad_output, "grad_output");
     if (!s) s = mmd_roi_align_rotated_check(grad_input, "grad_input", rois, grad_output,
                                             "grad_output", pooled_height, pooled_width,
                                             spatial_scale, MMD_FLOAT16_BF16_32_64);

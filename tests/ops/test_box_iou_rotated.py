@@ -167,6 +167,33 @@ def test_exact_cases():
                                                aligned=True), [c[2] for c in cases], atol=2e-6)
 
 
+def test_thin_boxes_meet_themselves_whole_and_others_in_no_more_than_their_area():
+    """A box 1e-13 thick and 2.3 long: clipping leaves rounding of about
+    1e-16 of the length in the area, 0.1 % of this box's. Met by itself it
+    gives 1, and crossing a box 1e-300 thick (area 3e-300) it cannot
+    share more than that area (it gave 6e-5 one way and 0 the other)."""
+    a = [-6.797949678102604, 9.84374512758237, 2.2613206241255526, 1e-13, -3.9486787208516727]
+    b = [-7.059811125877052, 10.472500636224916, 3.1946274990108336, 1e-300, 0.6850221312887079]
+    boxes = np.array([a, b])
+    got = box_iou_rotated(boxes, boxes)
+    assert got[0, 0] == got[1, 1] == 1.0
+    assert 0 <= got[0, 1] < 1e-280 and 0 <= got[1, 0] < 1e-280
+    for mode in ("iou", "iof"):
+        np.testing.assert_array_equal(box_iou_rotated(boxes, boxes, mode),
+                                      box_iou_rotated(boxes, boxes, mode, clockwise=False))
+
+
+def test_a_box_whose_area_leaves_doubles_range_is_undefined_or_of_zero_size():
+    """Areas are w * h in double: past about 1e154 a side's area overflows
+    (NaN: undefined, as a non-finite box; it gave 0 for a box met by
+    itself); below about 1e-154 it underflows to 0 (a zero-size box)."""
+    huge, tiny = [0, 0, 1e155, 1e155, 0.0], [0, 0, 1e-200, 1e-200, 0.0]
+    normal = [0, 0, 1e150, 1e150, 0.0]
+    got = box_iou_rotated(np.array([huge, tiny, normal]), np.array([huge, tiny, normal]),
+                          aligned=True)
+    assert np.isnan(got[0]) and got[1] == 0 and got[2] == 1
+
+
 def test_axis_aligned_boxes_agree_with_bbox_overlaps():
     rng = np.random.default_rng(3)
     b1, b2 = random_boxes(rng, 20, np.float64), random_boxes(rng, 15, np.float64)

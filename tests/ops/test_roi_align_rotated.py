@@ -200,6 +200,12 @@ def test_negative_sides_are_one_cell_when_not_aligned():
      TypeError, r"^roi_align_rotated: clockwise must be a bool"),
     (lambda: roi_align_rotated(np.zeros((1, 1, 4, 4), np.float16), np.zeros((1, 6), np.float16),
                                2), TypeError, r"^roi_align_rotated_forward_impl: input .*float16"),
+    # the backward names grad_output, which the caller passed, not the
+    # grad_input the wrapper allocated
+    (lambda: roi_align_rotated_backward(np.ones((1, 2, 2, 2)), np.zeros((1, 6), np.float32),
+                                        (1, 2, 5, 5)), TypeError,
+     r"^roi_align_rotated_backward_impl: rois has dtype float32 but grad_output has dtype "
+     r"float64"),
 ])
 def test_bad_arguments_raise_clear_errors(call, error, message):
     with pytest.raises(error, match=message):

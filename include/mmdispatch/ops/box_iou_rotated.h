@@ -8,14 +8,19 @@
  * is clockwise in image coordinates (x right, y down) when `clockwise`, else
  * counter-clockwise: its corners are the centre plus R(a) (+-w/2, +-h/2),
  * R the rotation matrix of a = angle (clockwise) or -angle. The
- * intersection of two boxes is computed exactly as a convex polygon: one
- * box clipped by the other's four edges (Sutherland-Hodgman), in double
+ * intersection of two boxes is computed as a convex polygon: one box
+ * clipped by the other's four edges (Sutherland-Hodgman), in double
  * precision, with coordinates taken relative to the first box's centre;
- * its area by the shoelace formula.
+ * its area by the shoelace formula, at most the smaller box's area (a box
+ * met by itself: its area). Areas are w * h in double: a box whose area
+ * overflows (sides past about 1e154) is undefined, and one whose area
+ * underflows to 0 (sides below about 1e-154) has zero size; only float64
+ * boxes reach either.
  *
  * "iou" = intersection / union, "iof" = intersection / the area of the
  * boxes1 box; a base <= 0 (zero-size boxes) gives 0. A pair with a value
- * that is not finite, or a negative width or height, gives NaN. */
+ * that is not finite, a negative width or height, or an area past double's
+ * range, gives NaN. */
 #ifndef MMDISPATCH_OPS_BOX_IOU_ROTATED_H
 #define MMDISPATCH_OPS_BOX_IOU_ROTATED_H
 
@@ -84,7 +89,8 @@ MMD_HOSTDEV inline mmd_rbox_shape mmd_rbox_prepare(const mmd_rbox &b, bool clock
     }
     shape.diagonal = sqrt(b.w * b.w + b.h * b.h);
     shape.area = b.w * b.h;
-    shape.defined = b.w >= 0 && b.h >= 0 && isfinite(b.cx + b.cy + b.w + b.h + b.angle);
+    shape.defined = b.w >= 0 && b.h >= 0 && isfinite(b.cx + b.cy + b.w + b.h + b.angle) &&
+                    isfinite(shape.area);
     return shape;
 }
 
@@ -137,13 +143,27 @@ MMD_HOSTDEV inline double mmd_polygon_area(const mmd_polygon &p) {
     return fabs(0.5 * twice);
 }
 
+/* Whether a and b are the same box: the same centre and corners. */
+MMD_HOSTDEV inline bool mmd_rbox_same(const mmd_rbox_shape &a, const mmd_rbox_shape &b) {
+    if (a.cx != b.cx || a.cy != b.cy) return false;
+    for (int i = 0; i < 4; ++i)
+        if (a.corner_x[i] != b.corner_x[i] || a.corner_y[i] != b.corner_y[i]) return false;
+    return true;
+}
+
 /* The area of the intersection of a and b (both of non-negative, finite
- * size). */
+ * size). The clipped polygon's vertices carry rounding of about 1e-16 of
+ * the boxes' extent, which for a box thinner than about 1e-12 of its
+ * length is a sizeable part of its area: a box met by itself gives its
+ * own area, and no intersection is taken larger than either box (a thin
+ * box crossing a large one gave more than its whole area, an IoU of
+ * 6e-5 where the true one is below 1e-280). */
 MMD_HOSTDEV inline double mmd_rbox_intersection(const mmd_rbox_shape &a, const mmd_rbox_shape &b) {
     /* boxes farther apart than their half diagonals cannot meet */
     const double reach = 0.5 * (a.diagonal + b.diagonal);
     const double ddx = b.cx - a.cx, ddy = b.cy - a.cy;
     if (!(ddx * ddx + ddy * ddy <= reach * reach) || a.area == 0 || b.area == 0) return 0;
+    if (mmd_rbox_same(a, b)) return a.area;
     mmd_polygon clip, polygon[2];
     mmd_rbox_polygon(b, a.cx, a.cy, &clip);
     mmd_rbox_polygon(a, a.cx, a.cy, &polygon[0]);
@@ -154,7 +174,9 @@ MMD_HOSTDEV inline double mmd_rbox_intersection(const mmd_rbox_shape &a, const m
                          &polygon[1 - current]);
         current = 1 - current;
     }
-    return polygon[current].count >= 3 ? mmd_polygon_area(polygon[current]) : 0;
+    const double area = polygon[current].count >= 3 ? mmd_polygon_area(polygon[current]) : 0;
+    const double smaller = a.area < b.area ? a.area : b.area;
+    return area > smaller ? smaller : area;
 }
 
 /* IoU (mode 0) or IoF (mode 1) of two prepared boxes. */
