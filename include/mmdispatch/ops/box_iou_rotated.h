@@ -143,12 +143,12 @@ MMD_HOSTDEV inline double mmd_polygon_area(const mmd_polygon &p) {
     return fabs(0.5 * twice);
 }
 
-/* Whether a and b are the same box: the same centre and corners. */
+/* Whether a and b are the same box: the same centre and corners (corners
+ * 2 and 3 are exactly the negations of 0 and 1: mmd_rbox_prepare). */
 MMD_HOSTDEV inline bool mmd_rbox_same(const mmd_rbox_shape &a, const mmd_rbox_shape &b) {
-    if (a.cx != b.cx || a.cy != b.cy) return false;
-    for (int i = 0; i < 4; ++i)
-        if (a.corner_x[i] != b.corner_x[i] || a.corner_y[i] != b.corner_y[i]) return false;
-    return true;
+    return a.cx == b.cx && a.cy == b.cy && a.corner_x[0] == b.corner_x[0] &&
+           a.corner_y[0] == b.corner_y[0] && a.corner_x[1] == b.corner_x[1] &&
+           a.corner_y[1] == b.corner_y[1];
 }
 
 /* The area of the intersection of a and b (both of non-negative, finite
