@@ -277,6 +277,9 @@ def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
     area is 0 (MMCV's CPU division gives NaN)."""
     code = _choice("bbox_overlaps", "mode", mode, _OVERLAP_MODES)
     rows, cols = bboxes1.shape[0], bboxes2.shape[0]
+    if aligned and rows != cols:   # MMCV asserts it before its empty case too
+        raise ValueError(f"bbox_overlaps: aligned=True needs as many bboxes1 as bboxes2, got "
+                         f"{rows} and {cols}")
     if rows * cols == 0:   # as MMCV: (rows, 1) when aligned
         return bboxes1.new_zeros((rows, 1) if aligned else (rows, cols))
     bboxes2 = _like_dtype(bboxes2, bboxes1)
@@ -316,7 +319,7 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
 _NMS_BY_FUNCTION = {nms: "nms", soft_nms: "soft_nms", nms_rotated: "nms_rotated"}
 
 
-def roi_align_rotated(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0,
+def roi_align_rotated(input, rois, output_size, spatial_scale, sampling_ratio=0,
                       aligned=True, clockwise=False):
     """mmcv.ops.roi_align_rotated: rois (K, 6) [batch index, cx, cy, w, h,
     angle]; (K, C, *output_size); differentiable with respect to input."""
@@ -329,7 +332,7 @@ class RoIAlignRotated(nn.Module):
     """mmcv.ops.RoIAlignRotated."""
 
     @_renamed(out_size="output_size", sample_num="sampling_ratio")
-    def __init__(self, output_size, spatial_scale=1.0, sampling_ratio=0, aligned=True,
+    def __init__(self, output_size, spatial_scale, sampling_ratio=0, aligned=True,
                  clockwise=False):
         super().__init__()
         self.output_size = _pair("RoIAlignRotated", output_size)
@@ -353,6 +356,9 @@ def _focal_loss(op, derived, input, target, gamma, alpha, weight, reduction):
     sum over N, the rows)."""
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if target.is_floating_point() or target.is_complex():   # MMCV asserts torch.long
+        raise TypeError(f"{op}: target must hold class indices (an integer dtype), got "
+                        f"{target.dtype}")
     target = target.to(torch.int64)
     if weight is not None:
         weight = _like_dtype(weight, input)
@@ -432,8 +438,8 @@ class SigmoidFocalLoss(nn.Module):
 
     def __init__(self, gamma, alpha, weight=None, reduction="mean"):
         super().__init__()
-        self.gamma = float(gamma)
-        self.alpha = float(alpha)
+        self.gamma = gamma   # as given, as MMCV keeps them (its repr shows them so)
+        self.alpha = alpha
         self.register_buffer("weight", weight)
         self.reduction = reduction
 
@@ -448,7 +454,6 @@ class SigmoidFocalLoss(nn.Module):
 class SoftmaxFocalLoss(SigmoidFocalLoss):
     """mmcv.ops.SoftmaxFocalLoss."""
     loss = staticmethod(softmax_focal_loss)
-
 
 
 def _deform(op, input, offset, mask, weight, bias, stride, padding, dilation, groups,
@@ -516,13 +521,11 @@ class _DeformBase(nn.Module):
             self.register_parameter("bias", None)
 
     def _offset_conv(self, per_tap):
-        """The Pack classes' offset convolution, zero at the start."""
-        conv = nn.Conv2d(self.in_channels, self.deform_groups * per_tap * self.kernel_size[0] *
+        """The Pack classes' offset convolution (torch's initialisation: the
+        Packs zero it, as MMCV's, after the same random draws)."""
+        return nn.Conv2d(self.in_channels, self.deform_groups * per_tap * self.kernel_size[0] *
                          self.kernel_size[1], self.kernel_size, self.stride, self.padding,
                          self.dilation, bias=True)
-        nn.init.zeros_(conv.weight)
-        nn.init.zeros_(conv.bias)
-        return conv
 
     def __repr__(self):
         return (f"{self.__class__.__name__}(in_channels={self.in_channels},\n"
@@ -563,14 +566,37 @@ class DeformConv2d(_DeformBase):
         return out[:, :, :out.shape[2] - pad_h, :out.shape[3] - pad_w] if pad_h or pad_w else out
 
 
-class DeformConv2dPack(DeformConv2d):
+class _OffsetPack(nn.Module):
+    """What the Pack classes share: a checkpoint from before their version 2
+    (MMCV's) names the offset convolution `<name>_offset`; it loads as
+    conv_offset."""
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        version = local_metadata.get("version", None)
+        if version is None or version < 2:
+            for kind in ("weight", "bias"):
+                new, old = f"{prefix}conv_offset.{kind}", f"{prefix[:-1]}_offset.{kind}"
+                if new not in state_dict and old in state_dict:
+                    state_dict[new] = state_dict.pop(old)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+class DeformConv2dPack(_OffsetPack, DeformConv2d):
     """mmcv.ops.DeformConv2dPack (MMCV's "DCN"): forward(x), the offsets from
     conv_offset, a convolution of x that starts at zero."""
-    _version = 2
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.conv_offset = self._offset_conv(2)
+        self.init_offset()
+
+    def init_offset(self):
+        """Zeroes conv_offset (the offsets start at 0), as MMCV's."""
+        nn.init.zeros_(self.conv_offset.weight)
+        nn.init.zeros_(self.conv_offset.bias)
 
     def forward(self, x):
         return super().forward(x, self.conv_offset(x))
@@ -600,15 +626,15 @@ class ModulatedDeformConv2d(_DeformBase):
                        self.deform_groups)
 
 
-class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
+class ModulatedDeformConv2dPack(_OffsetPack, ModulatedDeformConv2d):
     """mmcv.ops.ModulatedDeformConv2dPack (MMCV's "DCNv2"): forward(x);
     conv_offset (zero at the start) gives both offset halves and the mask,
     which goes through a sigmoid."""
-    _version = 2
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.conv_offset = self._offset_conv(3)
+        self.init_weights()   # again, as MMCV's: its seeded weights are MMCV's
 
     def init_weights(self):
         super().init_weights()
@@ -647,7 +673,10 @@ def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_lo
                                         attention_weights):
     """mmcv.ops.multi_scale_deformable_attn_pytorch (MMCV's grid_sample
     fallback, which takes no level_start_index) on the same kernels."""
-    sizes = value_spatial_shapes.to(torch.int64).prod(1)
+    # a list of (H, W) pairs too, which MMCV's loop over the shapes takes
+    value_spatial_shapes = torch.as_tensor(value_spatial_shapes, dtype=torch.int64,
+                                           device=value.device)
+    sizes = value_spatial_shapes.prod(1)
     starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
     return multi_scale_deformable_attn(value, value_spatial_shapes, starts, sampling_locations,
                                        attention_weights)

@@ -301,7 +301,7 @@ def test_deprecated_argument_names_still_work_with_a_warning():
         module = mmcv.RoIAlign(out_size=3, sample_num=2)
     assert module.output_size == (3, 3) and module.sampling_ratio == 2
     with pytest.warns(DeprecationWarning):
-        assert mmcv.RoIAlignRotated(out_size=(2, 3), sample_num=1).output_size == (2, 3)
+        assert mmcv.RoIAlignRotated(out_size=(2, 3), spatial_scale=1.0, sample_num=1).output_size == (2, 3)
     with pytest.warns(DeprecationWarning):
         assert mmcv.DeformConv2d(4, 4, 3, deformable_groups=2).deform_groups == 2
     with pytest.warns(DeprecationWarning):
@@ -370,7 +370,7 @@ def test_modules_store_output_size_as_a_pair_and_use_torchvision_means_avg():
     module = mmcv.RoIAlign(2, pool_mode="max", use_torchvision=True)
     assert module.output_size == (2, 2)
     torch.testing.assert_close(module(x, ROIS), mmcv.roi_align(x, ROIS, 2, pool_mode="avg"))
-    assert mmcv.RoIAlignRotated(3).output_size == (3, 3)
+    assert mmcv.RoIAlignRotated(3, 1.0).output_size == (3, 3)
 
 
 def test_deformable_modules_initialise_as_mmcvs():
@@ -439,3 +439,65 @@ def test_attention_takes_residual_as_mmcvs_old_name_of_identity():
         got = attn(query, value=value, residual=other, reference_points=ref,
                    spatial_shapes=shapes, level_start_index=starts)
     torch.testing.assert_close(got, expected)
+
+
+def test_deform_packs_initialise_as_mmcvs_and_load_their_version_1_checkpoints():
+    """DeformConv2dPack has MMCV's init_offset; ModulatedDeformConv2dPack
+    draws its weight again after building conv_offset, as MMCV's does, so
+    a seeded model gets MMCV's weights; a checkpoint from before version 2
+    (offset convolution named `_offset`) loads into conv_offset."""
+    import collections
+    pack = mmcv.DeformConv2dPack(4, 6, 3, padding=1)
+    with torch.no_grad():
+        pack.conv_offset.weight.fill_(1)
+    pack.init_offset()
+    assert not pack.conv_offset.weight.any() and not pack.conv_offset.bias.any()
+    torch.manual_seed(0)
+    ours = mmcv.ModulatedDeformConv2dPack(4, 6, 3).weight.detach()
+    torch.manual_seed(0)   # MMCV's draws: weight, conv_offset's default init, weight again
+    bound = 1 / math.sqrt(4 * 3 * 3)
+    expected = torch.empty(6, 4, 3, 3).uniform_(-bound, bound)
+    torch.nn.Conv2d(4, 27, 3)
+    expected.uniform_(-bound, bound)
+    assert torch.equal(ours, expected)
+    for make in (lambda: mmcv.DeformConv2dPack(4, 6, 3, padding=1),
+                 lambda: mmcv.ModulatedDeformConv2dPack(4, 6, 3, padding=1)):
+        state = make().state_dict()
+        old = collections.OrderedDict(
+            (key.replace("conv_offset", "_offset"), value + ("offset" in key))
+            for key, value in state.items())
+        old._metadata = {key: dict(meta) for key, meta in state._metadata.items()}
+        old._metadata[""]["version"] = 1
+        module = make()
+        module.load_state_dict(old)
+        assert bool((module.conv_offset.bias == 1).all())
+
+
+def test_mmcv_argument_checks_that_mmcv_makes():
+    """bbox_overlaps with aligned=True refuses unequal counts even when one
+    side is empty (MMCV asserts it first); the focal losses refuse float
+    targets (MMCV asserts torch.long; converting truncated 0.7 to class
+    0); roi_align_rotated's spatial_scale is required, as MMCV's."""
+    with pytest.raises(ValueError, match=re.escape(
+            "bbox_overlaps: aligned=True needs as many bboxes1 as bboxes2, got 0 and 3")):
+        mmcv.bbox_overlaps(torch.zeros(0, 4), torch.zeros(3, 4), aligned=True)
+    assert mmcv.bbox_overlaps(torch.zeros(0, 4), torch.zeros(0, 4), aligned=True).shape == (0, 1)
+    for loss in (mmcv.sigmoid_focal_loss, mmcv.softmax_focal_loss):
+        with pytest.raises(TypeError, match="focal_loss: target must hold class indices"):
+            loss(torch.zeros(2, 3), torch.tensor([0.7, 1.0]))
+    assert mmcv.SigmoidFocalLoss(2, 1).gamma == 2   # kept as given, as MMCV's
+    import inspect
+    for f in (mmcv.roi_align_rotated, mmcv.RoIAlignRotated.__init__):
+        scale = inspect.signature(f).parameters["spatial_scale"]
+        assert scale.default is inspect.Parameter.empty
+
+
+def test_the_grid_sample_fallbacks_name_takes_a_list_of_level_shapes():
+    torch.manual_seed(0)
+    value = torch.rand(1, 2 * 3 + 4 * 2, 2, 4, dtype=torch.float64)
+    locations = torch.rand(1, 5, 2, 2, 3, 2, dtype=torch.float64)
+    weights = torch.rand(1, 5, 2, 2, 3, dtype=torch.float64)
+    shapes = torch.tensor([[2, 3], [4, 2]])
+    expected = mmcv.multi_scale_deformable_attn_pytorch(value, shapes, locations, weights)
+    got = mmcv.multi_scale_deformable_attn_pytorch(value, [(2, 3), (4, 2)], locations, weights)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
