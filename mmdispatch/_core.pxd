@@ -195,7 +195,10 @@ cdef class OpRegistry:
                          bint zeros)
     cdef object view_pending(self, CallState *st, unsigned int pending, int device_type,
                              int device_id)
+    cdef int view_for_python(self, CallState *st, unsigned int pending) except -1
+    cdef object view(self, CallState *st, int i, object dlpack_stream)
     cdef int check_outputs(self, CallState *st) except -1
+    cdef int check_data(self, CallState *st) except -1
     cdef void activate(self, int slot)
     cdef object no_such_device(self, int ref, int device_type, int device_id)
     cdef object not_found(self, int device_type, int device_id, int backend)

@@ -85,9 +85,10 @@ for _code in range(MMD_MAX_DEVICE_TYPES):
 
 
 def device_name(int device_type, int device_id=0):
-    """Printable device, e.g. ``cpu`` or ``cuda:0``."""
+    """Printable device, e.g. ``cpu`` or ``cuda:0`` (``cpu:1``: a CPU index
+    other than 0, which an array may claim)."""
     if device_type == MMD_DEVICE_CPU:
-        return "cpu"
+        return "cpu" if device_id == 0 else f"cpu:{device_id}"
     return f"{DEVICE_TYPES.get(device_type, f'device{device_type}')}:{device_id}"
 
 
@@ -484,7 +485,7 @@ cdef class OpRegistry:
             st.kinds[i] = KIND_DLPACK
             _read_dlpack_device(self.where(i), dlpack_device, obj, t)
             return 0
-        cai = getattr(obj, "__cuda_array_interface__", None)
+        cai = _read_cai(self.where(i), obj)
         if cai is not None:
             st.kinds[i] = KIND_CAI
             t.device_type = MMD_DEVICE_CUDA
@@ -546,7 +547,9 @@ cdef class OpRegistry:
         python_kernel = _find_kernel(self, st, device_type, device_id,
                                      mmd_thread_backends()[device_type])
         if st.python_kernel:
-            if not missing:
+            if not missing:   # it takes the arrays themselves
+                self.view_for_python(st, pending)
+                self.check_outputs(st)
                 return python_kernel
             if st.boxed:   # the fallback gets the missing outputs as None
                 return python_kernel, None
@@ -558,6 +561,8 @@ cdef class OpRegistry:
         elif device_type == MMD_DEVICE_CUDA:   # torch tensors viewed by classify
             _cuda_launch_stream(st, self.n_arrays, device_id)
         self.check_outputs(st)
+        if not st.python_kernel:
+            self.check_data(st)
         if st.c_fallback:   # its first use warns once the call has passed the checks
             _warn_once(<FallbackHandle>python_kernel, self, device_name(device_type, device_id))
         if missing:   # the Python kernel, or the C fallback's handle to hold
@@ -583,13 +588,17 @@ cdef class OpRegistry:
                     or kind == KIND_CAI or mmd_is_contiguous(&st.tensors[i])):
                 continue
             obj = <object>st.objects[i]
-            if kind == KIND_NUMPY:
-                copy = np.ascontiguousarray(obj)
-            elif kind == KIND_TORCH:
-                copy = obj.contiguous()
-            else:
-                with obj.device:
-                    copy = obj.copy(order="C")
+            try:
+                if kind == KIND_NUMPY:
+                    copy = np.ascontiguousarray(obj)
+                elif kind == KIND_TORCH:
+                    copy = obj.contiguous()
+                else:
+                    with obj.device:
+                        copy = obj.copy(order="C")
+            except MemoryError as exc:
+                raise MemoryError(f"{self.where(i)}, out of memory copying the strided array "
+                                  f"to C order: {exc}") from exc
             held.append(copy)
             self.view_new(st, i, copy)
         return python_kernel
@@ -658,48 +667,86 @@ cdef class OpRegistry:
                              int device_id):
         """Views the arrays of bitmask `pending` (on the device's stream, for
         DLPack exports); returns the DLPack capsules to keep alive, or None."""
-        cdef int i, kind
-        cdef mmd_tensor *t
+        cdef int i
         held = None
         dlpack_stream = None
         if device_type == MMD_DEVICE_CUDA:
             dlpack_stream = _cuda_launch_stream(st, self.n_arrays, device_id)
         for i in range(self.n_arrays):
+            if pending & (1u << i):
+                capsule = self.view(st, i, dlpack_stream)
+                if capsule is not None:
+                    if held is None:
+                        held = [capsule]
+                    else:
+                        held.append(capsule)
+        return held
+
+    cdef int view_for_python(self, CallState *st, unsigned int pending) except -1:
+        """Views the arrays of bitmask `pending` that need no export (numpy,
+        CuPy, torch, __cuda_array_interface__) for a Python kernel's output
+        checks: it takes the arrays themselves, so a DLPack-only array (a
+        stand-in on a device the dispatcher cannot read) is not exported;
+        it meets nothing in the checks and counts as writable."""
+        cdef int i
+        for i in range(self.n_arrays):
             if not pending & (1u << i):
                 continue
-            t = &st.tensors[i]
-            kind = st.kinds[i]
-            if kind == KIND_NUMPY:
-                _intake_numpy(self, i, <cnp.ndarray>st.objects[i], t)
-            elif kind == KIND_CUPY:
-                _intake_cupy(self, i, <object>st.objects[i], t)
-            elif kind == KIND_TORCH:
-                _intake_torch(self, i, <object>st.objects[i], t)
-            elif kind == KIND_DLPACK:
-                capsule = _intake_dlpack(self, i, <object>st.objects[i], dlpack_stream, t)
-                if held is None:
-                    held = [capsule]
-                else:
-                    held.append(capsule)
+            if st.kinds[i] == KIND_DLPACK:
+                st.tensors[i].writable = 1
+                st.lo[i] = st.hi[i] = 0
             else:
-                _intake_cai(self, i, <object>st.objects[i], t)
-            _byte_extent(t, &st.lo[i], &st.hi[i])
-        return held
+                self.view(st, i, None)
+        return 0
+
+    cdef object view(self, CallState *st, int i, object dlpack_stream):
+        """Views array i by its kind, with its byte extent; returns the
+        DLPack capsule to keep alive (a DLPack export), or None."""
+        cdef mmd_tensor *t = &st.tensors[i]
+        cdef int kind = st.kinds[i]
+        capsule = None
+        if kind == KIND_NUMPY:
+            _intake_numpy(self, i, <cnp.ndarray>st.objects[i], t)
+        elif kind == KIND_CUPY:
+            _intake_cupy(self, i, <object>st.objects[i], t)
+        elif kind == KIND_TORCH:
+            _intake_torch(self, i, <object>st.objects[i], t)
+        elif kind == KIND_DLPACK:
+            capsule = _intake_dlpack(self, i, <object>st.objects[i], dlpack_stream, t)
+        else:
+            _intake_cai(self, i, <object>st.objects[i], t)
+        _byte_extent(t, &st.lo[i], &st.hi[i])
+        return capsule
 
     cdef int check_outputs(self, CallState *st) except -1:
         """Outputs must be writable and must not overlap any other array
         (bounding byte ranges, like numpy.may_share_memory): the fast path's
-        test, mmd_find_output_conflict, and its error."""
+        test, mmd_find_output_conflict, and its error; then torch outputs
+        are refused where they require grad, else their version counters
+        moved on (_torch_outputs_written)."""
         cdef int j
         cdef int i = mmd_find_output_conflict(self.n_arrays, self.output_mask, st.tensors, st.lo,
                                               st.hi, &j)
         if i < 0:
-            return 0
+            return _torch_outputs_written(self, st) if _torch_tensor_type is not None else 0
         if i == j:
             raise ValueError(f"{self.where(i)}, output array is read-only")
         raise ValueError(
             f"{self.where(i)}, output memory overlaps param {self.array_positions[j]} "
             f"({self.array_names[j]}); outputs must not share memory with other arguments")
+
+    cdef int check_data(self, CallState *st) except -1:
+        """An array of elements at address 0 (a DLPack export or a
+        __cuda_array_interface__ may claim one; numpy and torch arrays
+        cannot) is refused before a C kernel reads or writes it there. A
+        Python kernel takes the objects themselves (stand-ins included)."""
+        cdef int i
+        for i in range(self.n_arrays):
+            if (st.args[i] != NULL and st.tensors[i].data == NULL
+                    and mmd_numel(&st.tensors[i]) != 0):
+                raise TypeError(f"{self.where(i)}, the array's data pointer is NULL for "
+                                f"{mmd_numel(&st.tensors[i])} elements")
+        return 0
 
     cdef void activate(self, int slot):
         """Makes the newest kernel registered at run time for `slot` the one
@@ -865,11 +912,13 @@ cdef int64_t _int_arg_slow(OpRegistry op, int pos, object value) except? -1:
     cdef long long result
     cdef int overflow
     if type(value) is not int:
+        if isinstance(value, np.bool_):   # as True and False are taken
+            return int(value)
         try:  # runs the caller's __index__, which may refuse or fail
             value = operator.index(value)
-        except TypeError:
+        except TypeError as exc:
             raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected an "
-                            f"int, got {type(value).__name__}") from None
+                            f"int, got {type(value).__name__}{_index_said(value, exc)}") from exc
         except Exception as exc:
             raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected an "
                             f"int, got {type(value).__name__} (its __index__ raised "
@@ -879,6 +928,15 @@ cdef int64_t _int_arg_slow(OpRegistry op, int pos, object value) except? -1:
         raise ValueError(f"{op.name}: at param {pos} ({op.param_names[pos]}), {value} does "
                          "not fit in int64")
     return result
+
+
+cdef str _index_said(object value, object exc):
+    """What the caller's own __index__ said when it raised TypeError (or
+    returned a non-int, which operator.index reports so), for the op's
+    message; nothing for a type without __index__."""
+    if getattr(type(value), "__index__", None) is None:
+        return ""
+    return f" (its __index__: {exc})"
 
 
 cdef inline double _float_arg(OpRegistry op, int pos, object value) except? -1.0:
@@ -910,11 +968,11 @@ cdef inline int _bool_arg(OpRegistry op, int pos, object value) except -1:
 cdef int _bool_arg_slow(OpRegistry op, int pos, object value) except -1:
     try:  # runs the caller's __index__, which may refuse or fail
         return operator.index(value) != 0
-    except TypeError:
+    except TypeError as exc:
         if isinstance(value, np.bool_):  # numpy booleans have no __index__
             return bool(value)
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
-                        f"bool, got {type(value).__name__}") from None
+                        f"bool, got {type(value).__name__}{_index_said(value, exc)}") from exc
     except Exception as exc:
         raise TypeError(f"{op.name}: at param {pos} ({op.param_names[pos]}), expected a "
                         f"bool, got {type(value).__name__} (its __index__ raised "

@@ -57,10 +57,11 @@ def _check(a, b, mode, aligned, offset):
     if any(np.isnan(s) for s in (*a.shape[1:], *b.shape[1:])):
         return
     empty = [np.empty((0,) + tuple(x.shape[1:]), x.dtype) for x in (a, b)]
-    if aligned and not (np.isnan(a.shape[0]) or np.isnan(b.shape[0])) \
-            and a.shape[0] != b.shape[0]:
-        empty[1] = np.empty((1,) + tuple(b.shape[1:]), b.dtype)  # the op's length error
     _overlaps_block(empty[0], empty[1], mode, aligned, offset)
+    if aligned and not (np.isnan(a.shape[0]) or np.isnan(b.shape[0])) \
+            and a.shape[0] != b.shape[0]:   # the op's length error, with the real lengths
+        raise ValueError(f"bbox_overlaps_impl: aligned=True needs as many bboxes1 as bboxes2, "
+                         f"got {a.shape[0]} and {b.shape[0]}")
 
 
 def bbox_overlaps(bboxes1, bboxes2, mode="iou", aligned=False, offset=0):
@@ -113,9 +114,14 @@ def _nms_partition(frame, iou_threshold, by, boxes, scores, idxs, offset):
         return frame
     coordinates = frame[list(boxes)].to_numpy()
     score = frame[scores].to_numpy(dtype=coordinates.dtype)
-    classes = None if idxs is None else frame[idxs].to_numpy(dtype=np.int64)
+    # the class column as it is: ops.batched_nms refuses a non-integer one,
+    # as it refuses non-integer idxs (converting it to int64 merged 0.5
+    # into 0 and made NaN a class)
+    classes = None if idxs is None else frame[idxs].to_numpy()
     kept = []
-    for rows in frame.groupby(by, sort=False).indices.values():
+    # rows whose image id is NaN (or None) are an image of their own, not
+    # dropped (groupby's default)
+    for rows in frame.groupby(by, sort=False, dropna=False).indices.values():
         if classes is None:
             keep = ops.nms(coordinates[rows], score[rows], iou_threshold, offset)
         else:

@@ -39,6 +39,20 @@ def test_device_mismatch_reports_param_index_name_and_both_devices(fake_array):
     assert isinstance(info.value, RuntimeError)
 
 
+def test_device_mismatch_names_a_cpu_index_other_than_0(dlpack_only):
+    """An array may claim cpu:1: the message tells it from cpu (it read
+    'cpu vs cpu')."""
+    class OnCpu1(dlpack_only):
+        def __dlpack_device__(self):
+            return (1, 1)
+
+    args = cpu_args()
+    with pytest.raises(DeviceMismatchError, match=re.escape(
+            "roi_align_forward_impl: at param 1 (rois), inconsistent device: cpu:1 vs cpu")):
+        FWD(args[0], OnCpu1(args[1]), *args[2:], *SCALARS)
+    assert mmdispatch.device_name(1, 0) == "cpu" and mmdispatch.device_name(2, 1) == "cuda:1"
+
+
 def test_device_index_mismatch_is_an_error(fake_array):
     arrays = [fake_array(2, 0), fake_array(2, 1)] + [fake_array(2, 0) for _ in range(3)]
     with pytest.raises(DeviceMismatchError, match=re.escape(
@@ -264,6 +278,39 @@ def test_bad_scalar_arguments_name_the_parameter(position, value, expected):
     call[position] = value
     with pytest.raises((TypeError, ValueError), match=re.escape(expected)):
         FWD(*call)
+
+
+class _IndexTypeError:
+    def __index__(self):
+        raise TypeError("index refused")
+
+
+class _IndexNotInt:
+    def __index__(self):
+        return "x"
+
+
+@pytest.mark.parametrize("value, expected", [
+    (_IndexTypeError(), "expected an int, got _IndexTypeError (its __index__: index refused)"),
+    (_IndexNotInt(), "expected an int, got _IndexNotInt (its __index__: __index__ returned "
+                     "non-int (type str))"),
+])
+def test_scalar_whose_index_refuses_keeps_its_message_and_cause(value, expected):
+    args = cpu_args()
+    with pytest.raises(TypeError, match=re.escape(
+            f"roi_align_forward_impl: at param 5 (aligned_height), {expected}")) as info:
+        FWD(*args, value, 2, 1.0, 2, 1, True)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert not args[2].any()
+
+
+def test_numpy_booleans_are_taken_for_int_parameters_as_python_booleans_are():
+    results = []
+    for flag in (True, np.bool_(True)):
+        args = cpu_args()
+        FWD(*args, 2, 2, 1.0, flag, 1, True)   # sampling_ratio 1
+        results.append(args[2])
+    np.testing.assert_array_equal(results[0], results[1])
 
 
 class _IndexFails:
@@ -530,9 +577,90 @@ def test_dlpack_capsules_of_a_major_version_other_than_1_are_refused():
     assert not args[2].any()
 
 
+class _NullData(_HandMadeVersioned):
+    """A DLPack export that claims the array's shape at address 0."""
+
+    def __init__(self, array):
+        super().__init__(array, 1)
+        self.managed.dl_tensor.data = None
+
+
+def test_an_array_at_address_0_is_refused_before_a_c_kernel_reads_it():
+    """A DLPack producer (or a __cuda_array_interface__) may answer a NULL
+    data pointer: a kernel would read or write address 0 (it crashed the
+    process). With no element it is read nowhere, and is fine."""
+    args = cpu_args()
+    with pytest.raises(TypeError, match=re.escape(
+            "roi_align_forward_impl: at param 0 (input), the array's data pointer is NULL for "
+            "216 elements")):
+        FWD(_NullData(args[0]), *args[1:], *SCALARS)
+    with pytest.raises(TypeError, match=re.escape("at param 2 (output), the array's data")):
+        FWD(*args[:2], _NullData(args[2]), *args[3:], *SCALARS)
+    assert not args[2].any()
+    empty = cpu_args(rois=np.zeros((0, 5)))
+    FWD(*empty[:2], _NullData(empty[2]), *empty[3:], *SCALARS)   # (0, 3, 2, 2): nothing to write
+
+
+def test_a_cuda_array_interface_that_raises_names_the_parameter():
+    class Raises:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("interface broke")
+
+    args = cpu_args()
+    with pytest.raises(TypeError, match=re.escape(
+            "roi_align_forward_impl: at param 1 (rois), __cuda_array_interface__ raised "
+            "RuntimeError: interface broke")) as info:
+        FWD(args[0], Raises(), *args[2:], *SCALARS)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_python_kernels_outputs_pass_the_c_kernels_checks_first():
+    """Read-only outputs and outputs sharing memory with another argument
+    are refused before a Python kernel runs, as before a C kernel, whether
+    the outputs are given or allocated; a DLPack-only array is not exported
+    for the checks (the kernel takes the objects themselves)."""
+    calls = []
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: calls.append(a),
+                                  backend="checked"), mmdispatch.use_backend("cpu", "checked"):
+        args = cpu_args()
+        args[2].setflags(write=False)
+        with pytest.raises(ValueError, match=re.escape(
+                "roi_align_forward_impl: at param 2 (output), output array is read-only")):
+            FWD(*args, *SCALARS)
+        args = cpu_args()
+        with pytest.raises(ValueError, match=re.escape(
+                "at param 2 (output), output memory overlaps param 0 (input)")):
+            FWD(args[0], args[1], args[0][:2, :, :2, :2], *args[3:], *SCALARS)
+        assert calls == []
+        args = cpu_args()
+        FWD(args[0], args[1], args[2][:, :, :, ::-1], *args[3:], *SCALARS)   # strided: fine here
+        FWD(_HandMadeVersioned(args[0], 1), *args[1:], *SCALARS)
+        assert len(calls) == 2
+
+
+def test_masked_arrays_are_refused_rather_than_read_under_their_mask():
+    args = cpu_args()
+    masked = np.ma.masked_array(args[0], mask=args[0] > 100)
+    with pytest.raises(TypeError, match=re.escape(
+            "roi_align_forward_impl: at param 0 (input), masked arrays are not supported")):
+        FWD(masked, *args[1:], *SCALARS)
+    assert not args[2].any()
+
+
+def test_an_allocating_call_without_the_memory_to_copy_a_strided_input_names_it():
+    """A stride-0 view of 2**38 boxes needs 8 TiB in C order."""
+    boxes = np.broadcast_to(np.array([[0, 0, 1, 1.0]]), (2 ** 38, 4))
+    scores = np.broadcast_to(np.array([1.0]), (2 ** 38,))
+    with pytest.raises(MemoryError, match=re.escape(
+            "nms_impl: at param 0 (boxes), out of memory copying the strided array to C "
+            "order")):
+        mmdispatch.nms_impl(boxes, scores, None, None, None, 0.5, 0)
+
+
 def test_cuda_array_interface_objects_are_classified_as_cuda():
-    class CaiOnly:
-        __cuda_array_interface__ = {"shape": (1, 5), "typestr": "<f4", "data": (0, False),
+    class CaiOnly:   # empty: stand-ins at address 0 meet nothing in the output checks
+        __cuda_array_interface__ = {"shape": (0, 5), "typestr": "<f4", "data": (0, False),
                                     "strides": None, "version": 3}
 
     arrays = [CaiOnly() for _ in range(5)]

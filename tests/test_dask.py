@@ -2,6 +2,8 @@
 processes, started and stopped by this module): blockwise bbox_overlaps,
 NMS per image over Bags and DataFrames, equal to the single-process ops;
 the ops' errors reach the client."""
+import re
+
 import numpy as np
 import pytest
 
@@ -69,9 +71,10 @@ def test_a_wrong_box_width_raises_the_ops_error_at_the_call_when_it_is_known():
     with pytest.raises(ValueError, match=r"bbox_overlaps_impl: bboxes1 must have shape "
                                          r"\(\*, 4\), got \(0, 3\)"):
         mdask.bbox_overlaps(a, da.zeros((4, 4), chunks=2, dtype=np.float32))
-    with pytest.raises(ValueError, match="bbox_overlaps"):
+    with pytest.raises(ValueError, match=re.escape(
+            "bbox_overlaps_impl: aligned=True needs as many bboxes1 as bboxes2, got 4 and 5")):
         mdask.bbox_overlaps(da.zeros((4, 4), chunks=2), da.zeros((5, 4), chunks=2),
-                            aligned=True)
+                            aligned=True)   # the real lengths (it said 0 and 1)
 
 
 def test_a_chunk_of_the_wrong_width_raises_the_ops_error_on_the_client(client):
@@ -151,6 +154,21 @@ def test_nms_errors_reach_the_client(client):
         mdask.nms(frame, 0.5, scores="score")
     with pytest.raises(TypeError, match="nms: detections must be a dask Bag"):
         mdask.nms([1, 2], 0.5)
+
+
+def test_dataframe_nms_takes_the_ops_classes_and_keeps_images_without_an_id(client):
+    """The class column goes to ops.batched_nms as it is, which refuses a
+    float one as it refuses float idxs (an int64 conversion merged 0.5
+    into 0); rows whose image id is NaN are an image of their own (they
+    were dropped by groupby)."""
+    frame = pd.DataFrame(dict(image_id=[0.0, 0.0, np.nan], x1=[1.0, 1, 1], y1=[1.0, 1, 1],
+                              x2=[10.0, 10, 10], y2=[10.0, 10, 10], scores=[0.9, 0.8, 0.7],
+                              labels=[0.0, 0.5, 0.0]))
+    lazy = dd.from_pandas(frame, npartitions=1)
+    with pytest.raises(TypeError, match="batched_nms: idxs must have an integer dtype"):
+        mdask.batched_nms(lazy, 0.5).compute()
+    kept = mdask.nms(lazy, 0.5).compute()
+    assert sorted(kept.index.tolist()) == [0, 2]
 
 
 def test_the_workers_ran_the_tasks(client):

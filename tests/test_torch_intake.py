@@ -62,6 +62,34 @@ def test_parameters_and_tensors_that_require_grad_are_viewed_too():
     assert float(args[2].abs().sum()) > 0
 
 
+def test_torch_outputs_that_require_grad_are_refused_and_others_tell_autograd_of_the_write():
+    """An output is written in place, as torch's in-place ops write: one
+    that requires grad (in grad mode) is refused, as torch refuses such a
+    write to a leaf (a non-leaf's history would not describe the written
+    values); any other has its version counter moved on, so that a
+    backward through a graph that saved it fails as torch's own in-place
+    ops make it fail, where it silently used the new values."""
+    weight = torch.rand(2, 3, 2, 2, dtype=torch.float64, requires_grad=True)
+    for output in (weight, weight * 2):
+        args = forward_args()
+        args[2] = output
+        with pytest.raises(ValueError, match=re.escape(
+                "roi_align_forward_impl: at param 2 (output), output tensor requires grad")):
+            FWD(*args, 2, 2, 1.0, 2, 1, True)
+    args = forward_args()
+    saved = args[2]
+    loss = (weight * saved).sum()   # saves `saved` for weight's gradient
+    version = saved._version
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    assert saved._version > version and float(saved.abs().sum()) > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.no_grad():   # outside grad mode, as torch allows
+        args = forward_args()
+        args[2] = weight
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+
+
 def test_a_tensor_subclass_takes_the_dlpack_path_with_the_same_result():
     class Tagged(torch.Tensor):
         pass
