@@ -120,8 +120,15 @@ def _backend_index(name, bint create=False):
             return _backend_names.index(name)
         if not create:
             raise ValueError(f"unknown backend {name!r}; known: {', '.join(_backend_names)}")
+        if not name or name != name.strip():
+            raise ValueError(f"backend must be a non-empty name without surrounding spaces, "
+                             f"got {name!r}")
         if len(_backend_names) >= MMD_MAX_BACKENDS:
-            raise ValueError(f"cannot add backend {name!r}: at most {MMD_MAX_BACKENDS} backends")
+            # a name lives as long as the process (threads select backends by
+            # index): reusing one is the way to register again
+            raise ValueError(f"cannot add backend {name!r}: at most {MMD_MAX_BACKENDS} backends, "
+                             f"and a name, once added, stays for the process (known: "
+                             f"{', '.join(_backend_names)}); register under one of them")
         _backend_names.append(name)
         return len(_backend_names) - 1
 

@@ -223,6 +223,11 @@ def test_register_impl_rejects_bad_arguments():
         mmdispatch.register_impl("roi_align_forward_impl", "cuda:1", print)
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         mmdispatch.register_impl("roi_align_forward_impl", "tpu", print)
+    for name in ("", "default ", " x"):   # a backend name is created once and kept
+        with pytest.raises(ValueError, match="backend must be a non-empty name without "
+                                             "surrounding spaces"):
+            mmdispatch.register_impl("roi_align_forward_impl", "cpu", print, backend=name)
+    assert "" not in mmdispatch.backends()
 
 
 # --- backends -----------------------------------------------------------------
