@@ -500,6 +500,7 @@ def generate_pyx(ops) -> str:
                 out.append(f"    cdef {ctype} c_{p.name} = {conv}(op, {i}, {p.name})")
         for k, (_, p) in enumerate(arrays):
             out.append(f"    st.objects[{k}] = <PyObject *>{p.name}")
+        out.append("    st.torch_written = 0   # set by prepare() for torch outputs")
         call = [f"st.args[{k}]" for k in range(len(arrays))]
         call_iter = iter(call)
         kernel_args = [next(call_iter) if p.is_array else f"c_{p.name}" for p in op.params]
@@ -529,12 +530,16 @@ def generate_pyx(ops) -> str:
             f"                status = (<mmd_{op.name}_fn>st.kernel)(",
             f"                    {', '.join(kernel_args)})",
             "            _hooked_status(op, record, status)",
+            "            if st.torch_written:",
+            "                _torch_outputs_written(op, &st)",
             "            return",
             "    with nogil:",
             f"        status = (<mmd_{op.name}_fn>st.kernel)(",
             f"            {', '.join(kernel_args)})",
             "    if status != 0:",
             "        op.raise_kernel_error(status)",
+            "    if st.torch_written:   # torch outputs: autograd learns of the write",
+            "        _torch_outputs_written(op, &st)",
         ]
     out.append("")
     return "\n".join(out)
@@ -710,6 +715,8 @@ def _allocating_call(op, kernel_args, optional_mask, output_mask):
         "                _hooked_status(op, record, status)",
         "            elif status != 0:",
         "                op.raise_kernel_error(status)",
+        "            if st.torch_written:",
+        "                _torch_outputs_written(op, &st)",
     ]
     lengths = {p.length for p in outputs if p.length}
     results = [f"{p.name}[:_length({p.length})]" if p.length else p.name

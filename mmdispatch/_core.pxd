@@ -165,6 +165,9 @@ cdef struct CallState:
     bint python_kernel
     bint boxed       # the Python kernel is a fallback's (_BoxedKernel): nothing is allocated
     bint c_fallback  # the kernel is the op's boxing function, for its device's C fallback
+    # bit i: output i is a torch tensor whose autograd version counter the
+    # kernel's success moves on (_torch_outputs_written); set 0 first
+    unsigned int torch_written
     mmd_context ctx
 
 cdef class OpRegistry:

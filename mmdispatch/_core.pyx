@@ -570,6 +570,8 @@ cdef class OpRegistry:
         self.check_outputs(st)
         if not st.python_kernel:
             self.check_data(st)
+            if _torch_tensor_type is not None:
+                _torch_outputs_checked(self, st)
         if st.c_fallback:   # its first use warns once the call has passed the checks
             _warn_once(<FallbackHandle>python_kernel, self, device_name(device_type, device_id))
         if missing:   # the Python kernel, or the C fallback's handle to hold
@@ -693,17 +695,22 @@ cdef class OpRegistry:
         """Views the arrays of bitmask `pending` that need no export (numpy,
         CuPy, torch, __cuda_array_interface__) for a Python kernel's output
         checks: it takes the arrays themselves, so a DLPack-only array (a
-        stand-in on a device the dispatcher cannot read) is not exported;
-        it meets nothing in the checks and counts as writable."""
+        stand-in on a device the dispatcher cannot read) is not exported,
+        and one the C layer cannot view (a complex or object dtype, a
+        masked array) is not refused; such an array meets nothing in the
+        checks and counts as writable."""
         cdef int i
         for i in range(self.n_arrays):
             if not pending & (1u << i):
                 continue
-            if st.kinds[i] == KIND_DLPACK:
-                st.tensors[i].writable = 1
-                st.lo[i] = st.hi[i] = 0
-            else:
-                self.view(st, i, None)
+            if st.kinds[i] != KIND_DLPACK:
+                try:
+                    self.view(st, i, None)
+                    continue
+                except (TypeError, ValueError):   # what only a C kernel refuses (a dtype,
+                    pass                          # a layout): the Python kernel's to take
+            st.tensors[i].writable = 1
+            st.lo[i] = st.hi[i] = 0
         return 0
 
     cdef object view(self, CallState *st, int i, object dlpack_stream):
@@ -728,14 +735,12 @@ cdef class OpRegistry:
     cdef int check_outputs(self, CallState *st) except -1:
         """Outputs must be writable and must not overlap any other array
         (bounding byte ranges, like numpy.may_share_memory): the fast path's
-        test, mmd_find_output_conflict, and its error; then torch outputs
-        are refused where they require grad, else their version counters
-        moved on (_torch_outputs_written)."""
+        test, mmd_find_output_conflict, and its error."""
         cdef int j
         cdef int i = mmd_find_output_conflict(self.n_arrays, self.output_mask, st.tensors, st.lo,
                                               st.hi, &j)
         if i < 0:
-            return _torch_outputs_written(self, st) if _torch_tensor_type is not None else 0
+            return 0
         if i == j:
             raise ValueError(f"{self.where(i)}, output array is read-only")
         raise ValueError(

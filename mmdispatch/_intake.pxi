@@ -171,37 +171,54 @@ cdef bint _torch_view(object tensor, mmd_tensor *t) noexcept:
     return True
 
 
-cdef int _torch_outputs_written(OpRegistry op, CallState *st) except -1:
-    """The torch tensors among the outputs are written in place, as torch's
-    in-place ops write, so autograd is told: a tensor that requires grad
-    (in grad mode) is refused, as torch refuses an in-place write to a leaf
-    that requires one (and a non-leaf's history would not describe what the
-    kernel writes); every other has its version counter moved on, so that a
-    backward through a graph that saved it raises torch's 'modified by an
-    inplace operation' error rather than computing with the new values.
-    An empty output (the torch layer's shared (0,) ones) is not written.
-    About 0.2 us a call with one torch output (a 5 us tiny roi_align call
-    through mmdispatch.torch, whose own outputs are fresh, pays it too)."""
-    cdef int i
+cdef int _torch_outputs_checked(OpRegistry op, CallState *st) except -1:
+    """The torch tensors among the outputs of a C kernel (a subclass's,
+    taken through DLPack, too) are written in place, as torch's in-place
+    ops write, so autograd is told: a tensor that requires grad (in grad
+    mode) is refused, as torch refuses an in-place write to a leaf that
+    requires one (and a non-leaf's history would not describe what the
+    kernel writes); every other is marked in st.torch_written, whose
+    version counters _torch_outputs_written moves on once the kernel has
+    succeeded, so that a backward through a graph that saved one raises
+    torch's 'modified by an inplace operation' error rather than computing
+    with the new values. An empty output (the torch layer's shared (0,)
+    ones) is not written. A Python kernel writes as it writes: not here."""
+    cdef int i, kind
     cdef int grad = -1   # grad mode, asked once
-    written = None
+    st.torch_written = 0
     for i in range(op.n_arrays):
-        if (not (op.output_mask >> i & 1u) or st.kinds[i] != KIND_TORCH
+        kind = st.kinds[i]
+        if (not (op.output_mask >> i & 1u) or (kind != KIND_TORCH and kind != KIND_DLPACK)
                 or mmd_numel(&st.tensors[i]) == 0):
             continue
         tensor = <object>st.objects[i]
+        if kind == KIND_DLPACK and not isinstance(tensor, _torch_tensor_type):
+            continue
         if grad < 0:
             grad = _torch_grad_enabled()
         if grad and tensor.requires_grad:
             raise ValueError(f"{op.where(i)}, output tensor requires grad: autograd would not "
                              "see the kernel's write; pass a tensor that does not (detach "
                              "it), or call the op through mmdispatch.torch, which records it")
-        if written is None:
-            written = [tensor]
-        else:
-            written.append(tensor)
-    if written is not None and _torch_increment_version is not None:
+        st.torch_written |= 1u << i
+    return 0
+
+
+cdef int _torch_outputs_written(OpRegistry op, CallState *st) except -1:
+    """Moves on the autograd version counters of the outputs marked in
+    st.torch_written, after the kernel succeeded: one call of
+    torch._C._increment_version with a list (about 130 ns; torch before 2.5
+    takes one tensor a call, and an inference tensor has no counter)."""
+    cdef int i
+    written = [<object>st.objects[i] for i in range(op.n_arrays) if st.torch_written >> i & 1u]
+    if _torch_increment_version is None:
+        return 0
+    try:
         _torch_increment_version(written)
+    except (RuntimeError, TypeError):   # an older torch, or an inference tensor
+        for tensor in written:
+            if not tensor.is_inference():
+                _torch_increment_version(tensor)
     return 0
 
 

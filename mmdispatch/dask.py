@@ -118,6 +118,8 @@ def _nms_partition(frame, iou_threshold, by, boxes, scores, idxs, offset):
     # as it refuses non-integer idxs (converting it to int64 merged 0.5
     # into 0 and made NaN a class)
     classes = None if idxs is None else frame[idxs].to_numpy()
+    if classes is not None and classes.dtype == np.bool_:   # two classes, as before
+        classes = classes.astype(np.int64)
     kept = []
     # rows whose image id is NaN (or None) are an image of their own, not
     # dropped (groupby's default)

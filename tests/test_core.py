@@ -641,7 +641,8 @@ def test_python_kernels_outputs_pass_the_c_kernels_checks_first():
         args = cpu_args()
         FWD(args[0], args[1], args[2][:, :, :, ::-1], *args[3:], *SCALARS)   # strided: fine here
         FWD(_HandMadeVersioned(args[0], 1), *args[1:], *SCALARS)
-        assert len(calls) == 2
+        FWD(args[0].astype(np.complex128), *args[1:], *SCALARS)   # the C layer's refusal
+        assert len(calls) == 3
 
 
 def test_masked_arrays_are_refused_rather_than_read_under_their_mask():

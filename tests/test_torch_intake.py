@@ -88,6 +88,37 @@ def test_torch_outputs_that_require_grad_are_refused_and_others_tell_autograd_of
         args = forward_args()
         args[2] = weight
         FWD(*args, 2, 2, 1.0, 2, 1, True)
+    # a call refused by the kernel's checks writes nothing, and the counter
+    # stays (the dispatcher moves it on after the kernel succeeded)
+    args = forward_args()
+    args[2] = torch.zeros(2, 3, 3, 3, dtype=torch.float64)
+    version = args[2]._version
+    with pytest.raises(ValueError, match="output"):
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+    assert args[2]._version == version and not args[2].any()
+
+    class Tagged(torch.Tensor):   # taken through DLPack: told too
+        pass
+
+    args = forward_args()
+    args[2] = args[2].as_subclass(Tagged)
+    saved_loss = (weight * args[2]).sum()
+    FWD(*args, 2, 2, 1.0, 2, 1, True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved_loss.backward()
+
+
+def test_python_kernels_take_torch_outputs_as_they_are():
+    """A Python kernel writes as it writes (with torch's in-place ops,
+    autograd sees it): an output that requires grad is its to take."""
+    seen = []
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: seen.append(a),
+                                  backend="torch_outputs"), \
+            mmdispatch.use_backend("cpu", "torch_outputs"):
+        args = forward_args()
+        args[2] = torch.zeros(2, 3, 2, 2, dtype=torch.float64, requires_grad=True) * 1
+        FWD(*args, 2, 2, 1.0, 2, 1, True)
+    assert seen and seen[0][2] is args[2]
 
 
 def test_a_tensor_subclass_takes_the_dlpack_path_with_the_same_result():

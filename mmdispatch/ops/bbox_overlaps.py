@@ -8,7 +8,8 @@ bbox_overlaps_impl.
 - A union or area <= 0 (degenerate boxes) gives 0, never NaN or inf; NaN
   coordinates give NaN. Areas are computed in the boxes' dtype, as MMCV
   computes them: an area past its range (float32 sides past about 1.8e19)
-  is inf, and the pair's IoU NaN (inf - inf in the union), as in MMCV.
+  is inf, and the pair's IoU NaN where the intersection is inf too (inf -
+  inf in the union), as in MMCV.
 """
 import numpy as np
 

@@ -181,6 +181,12 @@ def test_thin_boxes_meet_themselves_whole_and_others_in_no_more_than_their_area(
     for mode in ("iou", "iof"):
         np.testing.assert_array_equal(box_iou_rotated(boxes, boxes, mode),
                                       box_iou_rotated(boxes, boxes, mode, clockwise=False))
+    # sides that rounding absorbs into the same corners: not the same box
+    # (the intersection is the smaller one; it gave IoU 2.0 one way)
+    thin = np.array([[0, 0, 1, 2e-20, 0.3], [0, 0, 1, 1e-20, 0.3]])
+    np.testing.assert_allclose(box_iou_rotated(thin[:1], thin[1:]), [[0.5]], rtol=1e-12)
+    np.testing.assert_allclose(box_iou_rotated(thin[1:], thin[:1]), [[0.5]], rtol=1e-12)
+    np.testing.assert_allclose(box_iou_rotated(thin[1:], thin[:1], "iof"), [[1.0]], rtol=1e-12)
 
 
 def test_a_box_whose_area_leaves_doubles_range_is_undefined_or_of_zero_size():

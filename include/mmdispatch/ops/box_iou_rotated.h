@@ -163,7 +163,9 @@ MMD_HOSTDEV inline double mmd_rbox_intersection(const mmd_rbox_shape &a, const m
     const double reach = 0.5 * (a.diagonal + b.diagonal);
     const double ddx = b.cx - a.cx, ddy = b.cy - a.cy;
     if (!(ddx * ddx + ddy * ddy <= reach * reach) || a.area == 0 || b.area == 0) return 0;
-    if (mmd_rbox_same(a, b)) return a.area;
+    /* the same corners: the same box, but for sides their rounding
+     * absorbed (a thin box's 1e-20 against 2e-20): the smaller area */
+    if (mmd_rbox_same(a, b)) return a.area < b.area ? a.area : b.area;
     mmd_polygon clip, polygon[2];
     mmd_rbox_polygon(b, a.cx, a.cy, &clip);
     mmd_rbox_polygon(a, a.cx, a.cy, &polygon[0]);
