@@ -627,7 +627,7 @@ def test_python_kernels_outputs_pass_the_c_kernels_checks_first():
     for the checks (the kernel takes the objects themselves)."""
     calls = []
     with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: calls.append(a),
-                                  backend="checked"), mmdispatch.use_backend("cpu", "checked"):
+                                  backend="probe"), mmdispatch.use_backend("cpu", "probe"):
         args = cpu_args()
         args[2].setflags(write=False)
         with pytest.raises(ValueError, match=re.escape(

@@ -113,8 +113,8 @@ def test_python_kernels_take_torch_outputs_as_they_are():
     autograd sees it): an output that requires grad is its to take."""
     seen = []
     with mmdispatch.register_impl("roi_align_forward_impl", "cpu", lambda *a: seen.append(a),
-                                  backend="torch_outputs"), \
-            mmdispatch.use_backend("cpu", "torch_outputs"):
+                                  backend="probe"), \
+            mmdispatch.use_backend("cpu", "probe"):
         args = forward_args()
         args[2] = torch.zeros(2, 3, 2, 2, dtype=torch.float64, requires_grad=True) * 1
         FWD(*args, 2, 2, 1.0, 2, 1, True)
