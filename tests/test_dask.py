@@ -169,6 +169,9 @@ def test_dataframe_nms_takes_the_ops_classes_and_keeps_images_without_an_id(clie
         mdask.batched_nms(lazy, 0.5).compute()
     kept = mdask.nms(lazy, 0.5).compute()
     assert sorted(kept.index.tolist()) == [0, 2]
+    frame["labels"] = [False, True, False]   # a bool column: two classes
+    kept = mdask.batched_nms(dd.from_pandas(frame, npartitions=1), 0.5).compute()
+    assert sorted(kept.index.tolist()) == [0, 1, 2]
 
 
 def test_the_workers_ran_the_tasks(client):
