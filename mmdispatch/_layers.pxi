@@ -2,15 +2,18 @@
 # for empty slots, and hooks that see every dispatched call.
 #
 # Order within one call (fixed):
-#   1. argument checks, then kernel selection: the slot of (device type,
+#   1. intake checks (arrays, devices, writable outputs overlapping no
+#      other argument), then kernel selection: the slot of (device type,
 #      the thread's backend): a Python kernel, else a C kernel, else the
 #      device's fallback (register_fallback), else KernelNotFoundError;
 #   2. hooks' begin(call), in the order they were added;
-#   3. the kernel (or the fallback);
+#   3. the kernel (or the fallback), whose own checks of shapes, dtypes,
+#      scalars and rois come first;
 #   4. hooks' end(call), in reverse order, also when the kernel raised.
 # Hooks come after selection because they observe: the record names the
-# backend and kind of kernel that really runs (a fallback included), and a
-# call rejected by its checks never reaches a kernel, so hooks do not see it.
+# backend and kind of kernel that really runs (a fallback included). A call
+# refused at intake or with no kernel never reaches one, so hooks do not
+# see it; one refused by the kernel's own checks ends with call.error set.
 #
 # Hooks are process-wide (a hook added in one thread sees the calls of every
 # thread). The exclusion guard is per thread: the calls a hook makes from

@@ -132,10 +132,29 @@ def test_an_exception_inside_the_kernel_still_reaches_the_end():
 
 def test_calls_rejected_before_a_kernel_is_chosen_are_not_seen():
     hook = Recorder()
+    boxes = np.zeros((2, 4), np.float32)
+    read_only = np.zeros((2, 2), np.float32)
+    read_only.flags.writeable = False
     with mmdispatch.add_hook(hook):
         with pytest.raises(TypeError):
             mmdispatch.bbox_overlaps_impl("not an array", None, None, 0, False, 0)
+        with pytest.raises(ValueError, match="read-only"):
+            mmdispatch.bbox_overlaps_impl(boxes, boxes, read_only, 0, False, 0)
     assert hook.calls == []
+
+
+def test_calls_refused_by_the_kernels_own_argument_checks_are_seen_with_their_error():
+    """Shapes, dtypes and scalars are checked by the kernel, after the
+    hooks' begin (README: Fallbacks, hooks and profiling)."""
+    x, rois = tiny()
+    hook = Recorder()
+    with mmdispatch.add_hook(hook):
+        with pytest.raises(ValueError, match="rois") as shape:
+            ops.roi_align(x, rois[:, 1:], 2)
+        with pytest.raises(TypeError, match="rois") as dtype:
+            ops.roi_align(x, rois.astype(np.float64), 2)
+    assert [c.op for c in hook.calls] == ["roi_align_forward_impl"] * 2
+    assert hook.calls[0].error is shape.value and hook.calls[1].error is dtype.value
 
 
 def test_a_hook_that_raises_in_begin_stops_the_kernel_and_the_others_still_end():
