@@ -1463,10 +1463,21 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
     return launch_status("roi_align forward launch");
 }
 
+/* A kernel's dynamic shared memory allowed up to the device's opt-in
+ * limit: the attribute belongs to the kernel, not to a call, so each call
+ * setting its own size would let another thread's smaller size, set
+ * between this call's set and its launch, fail this launch; every caller
+ * sets the same value. */
+template <typename Kernel> int allow_shared_up_to(Kernel kernel, int limit) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+    return err == cudaSuccess ? 0 : cuda_error(err, "cudaFuncSetAttribute");
+}
+
 /* The tiled deterministic avg backward: the rois' channels whose bin
  * gradients are not all finite, flagged, then the tiles. */
 template <typename T>
-int deterministic_tiled(const Tiles<T> &tiles, const mmd_tensor *grad_output,
+int deterministic_tiled(const Tiles<T> &tiles, int shared_limit, const mmd_tensor *grad_output,
                         const mmd_tensor *rois, const mmd_tensor *grad_input, int64_t pooled_h,
                         int64_t pooled_w, typename Compute<T>::type scale, int64_t sampling_ratio,
                         int aligned, const ErrorSink &sink, cudaStream_t stream) {
@@ -1482,9 +1493,8 @@ int deterministic_tiled(const Tiles<T> &tiles, const mmd_tensor *grad_output,
         tiles.chunks);
     int s = launch_status("roi_align deterministic backward flags launch");
     if (s) return s;
-    err = cudaFuncSetAttribute(deterministic_avg_backward_tiled_kernel<T>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tiles.bytes);
-    if (err != cudaSuccess) return cuda_error(err, "cudaFuncSetAttribute");
+    s = allow_shared_up_to(deterministic_avg_backward_tiled_kernel<T>, shared_limit);
+    if (s) return s;
     deterministic_avg_backward_tiled_kernel<T><<<grid_of(tiles.items), kThreads, tiles.bytes,
                                                  stream>>>(
         (const T *)grad_output->data, (const T *)rois->data, flags.as<unsigned>(),
@@ -1533,9 +1543,9 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             pooled_h * pooled_w <= INT_MAX / kLanes) {
             const Tiles<T> tiles(batch, channels, height, width, pooled_h, pooled_w);
             if (tiles.bytes <= (size_t)limit)
-                return deterministic_tiled<T>(tiles, grad_output, rois, grad_input, pooled_h,
-                                              pooled_w, (A)spatial_scale, sampling_ratio,
-                                              aligned, sink, stream);
+                return deterministic_tiled<T>(tiles, limit, grad_output, rois, grad_input,
+                                              pooled_h, pooled_w, (A)spatial_scale,
+                                              sampling_ratio, aligned, sink, stream);
         }
         const size_t geo_offset = geometry_offset(
             sizeof(A) * (size_t)(pooled_h * pooled_w + pooled_h * height + pooled_w * width +
@@ -1559,9 +1569,8 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
                              "blocks of (image, channel, band of %lld rows), got %lld x %lld",
                              INT32_MAX, (long long)band_rows, (long long)planes, (long long)bands);
         const size_t shared = fixed + row * (size_t)band_rows;
-        err = cudaFuncSetAttribute(deterministic_avg_backward_kernel<T>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared);
-        if (err != cudaSuccess) return cuda_error(err, "cudaFuncSetAttribute");
+        const int s = allow_shared_up_to(deterministic_avg_backward_kernel<T>, limit);
+        if (s) return s;
         deterministic_avg_backward_kernel<T><<<(unsigned)(planes * bands), kThreads, shared,
                                                stream>>>(
             (const T *)grad_output->data, (const T *)rois->data, (T *)grad_input->data,
