@@ -88,6 +88,58 @@ def test_cuda_kernel_matches_the_cpu_kernel_on_odd_calls(emu, op_name, backend):
                 assert_same(device, cpu)
 
 
+ORDERS = ["reverse", "shuffle:1", "shuffle:2"]
+
+
+def bits(result):
+    """A call's outcome with every array as its bytes (NaN payloads and
+    signs of zero included)."""
+    if isinstance(result, tuple) and isinstance(result[0], type):
+        return result
+    arrays = result if isinstance(result, (tuple, list)) else [result]
+    return [np.asarray(a).tobytes() if isinstance(a, np.ndarray) else a for a in arrays]
+
+
+@pytest.mark.parametrize("op_name", sorted(mmdispatch.op_signatures()))
+def test_deterministic_kernels_give_the_same_bits_in_any_order_of_threads_and_blocks(
+        emu, op_name, monkeypatch):
+    """MMD_EMU_ORDER runs a launch's blocks, a block's threads between
+    barriers and its warps at warp operations in reverse or shuffled order
+    (a GPU runs them at once): the deterministic backend's results and
+    errors on the fuzzer's plausible calls do not change, so no kernel reads
+    what another thread writes without a barrier between them."""
+    if "deterministic" not in emu.backends(op_name):
+        pytest.skip(f"{op_name} has no deterministic CUDA kernel")
+    for seed in SEEDS[:8]:
+        args, _ = fuzz_cases.plausible_call(op_name, seed)
+        results = {}
+        for order in ["forward"] + ORDERS:
+            monkeypatch.setenv("MMD_EMU_ORDER", order)
+            copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+            with mmdispatch.strict(), mmdispatch.use_backend("cuda", "deterministic"):
+                got = outcome(emu, op_name, on_gpu(copies))
+            results[order] = (bits(got), [a.tobytes() for a in copies
+                                          if isinstance(a, np.ndarray)])
+        for order in ORDERS:
+            assert results[order] == results["forward"], (op_name, seed, order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_tiled_deterministic_roi_align_backward_gives_the_same_bits_in_any_order(
+        emu, order, monkeypatch):
+    """The tiled kernel (lists built by ballots and warp counts, 4 barriers a
+    roi) over 40 channels in two chunks, with non-finite bin gradients:
+    the bits of the forward order."""
+    rng = np.random.default_rng(7)
+    x, rois = roi_workload(rng, np.float32, channels=40, num_rois=60, size=(12, 40))
+    grad_output = rng.standard_normal((len(rois), 40, 3, 3)).astype(np.float32)
+    grad_output[rng.random(grad_output.shape) < 0.01] = np.nan
+    expected = deterministic_avg_backward(x, rois, grad_output, 2)
+    monkeypatch.setenv("MMD_EMU_ORDER", order)
+    got = deterministic_avg_backward(x, rois, grad_output, 2)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
 def test_a_bad_roi_is_deferred_to_the_next_call_and_its_bins_are_nan(emu):
     arrays, _ = roi_case(batch_index=7)
     good, _ = roi_case()

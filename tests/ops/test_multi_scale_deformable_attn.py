@@ -497,8 +497,12 @@ def test_emulated_cuda_kernels_in_16_byte_packs_of_channels_equal_the_cpu(
     tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
     np.testing.assert_allclose(out.astype(cpu_dtype), expected_out, rtol=tol, atol=tol)
     assert np.isnan(expected[1]).sum() == 2 and np.isnan(expected[2]).sum() == 1
-    for g, e in zip(got, expected):
-        np.testing.assert_allclose(g.astype(cpu_dtype), e, rtol=tol, atol=tol)
+    # the default backend adds into a float16 grad_value with float16
+    # atomics, each add rounded, in the order the threads come (a GPU's, or
+    # MMD_EMU_ORDER's): several float16 steps apart from one order to another
+    atomic_tol = 1e-2 if dtype == np.float16 and backend == "default" else tol
+    for g, e, t in zip(got, expected, [atomic_tol, tol, tol]):
+        np.testing.assert_allclose(g.astype(cpu_dtype), e, rtol=t, atol=t)
 
 
 def test_emulated_deterministic_backward_bits_do_not_depend_on_the_arrays_alignment(

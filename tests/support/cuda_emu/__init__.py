@@ -14,6 +14,10 @@ What it checks: each kernel's arithmetic, indexing and bounds logic, its
 barriers and warp operations (a lane missing from one is an error), launch
 sizes CUDA refuses, device memory freed, and host waits counted. What it
 cannot: timing, the memory model of a real GPU, float atomics' order.
+Threads switch only at barriers and warp operations, by default in index
+order, which hides a missing barrier between a write and another thread's
+read; MMD_EMU_ORDER=reverse or shuffle:<seed> runs blocks, threads and
+warps in other orders (runtime.cpp) to show such races.
 
 The library's copy of src/core keeps its own error message: a failing
 kernel's message is ``Emulator.last_error()``, not the exception's text.

@@ -7,8 +7,10 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -112,6 +114,50 @@ void fail(cudaError_t err, const char *why) {
 
 bool is_warp_kind(SyncKind kind) { return kind != SYNC_BLOCK_OR; }
 
+/* The order in which the emulator runs things a GPU runs at once
+ * (MMD_EMU_ORDER, read at each launch): "" or "forward": blocks, and a
+ * block's runnable fibers between synchronisation points, in index order,
+ * every warp waiting at a warp operation released together; "reverse":
+ * blocks and fibers in reverse index order, and only the last warp that
+ * can go on released at a time, so that it runs ahead of the others
+ * through its warp operations up to the next block barrier; "shuffle:<seed>":
+ * blocks in an order drawn for the launch, fibers in an order drawn anew
+ * for each round, and each warp that can go on released with odds 1/2 (one
+ * at least), all drawn from the seed and the launch's number. A kernel whose
+ * results change with the order has a race a GPU can show: a read of
+ * memory another thread writes with no barrier between them (the rounding
+ * of float atomics aside). */
+enum Order { ORDER_FORWARD, ORDER_REVERSE, ORDER_SHUFFLE };
+Order g_order = ORDER_FORWARD;
+std::mt19937_64 g_rng;
+std::vector<int> g_sequence;
+
+void read_order(void) {
+    const char *env = getenv("MMD_EMU_ORDER");
+    g_order = ORDER_FORWARD;
+    if (!env || !*env || !strcmp(env, "forward")) return;
+    if (!strcmp(env, "reverse")) {
+        g_order = ORDER_REVERSE;
+    } else if (!strncmp(env, "shuffle:", 8)) {
+        g_order = ORDER_SHUFFLE;
+        g_rng.seed(strtoull(env + 8, nullptr, 0));
+    } else {
+        static bool warned = false;
+        if (!warned)
+            fprintf(stderr, "mmdispatch CUDA emulator: MMD_EMU_ORDER=%s is not forward, "
+                            "reverse or shuffle:<seed>; running forward\n", env);
+        warned = true;
+    }
+}
+
+/* The order of this round's fibers (g_sequence). */
+void order_round(int threads) {
+    g_sequence.resize(threads);
+    for (int i = 0; i < threads; ++i)
+        g_sequence[i] = g_order == ORDER_REVERSE ? threads - 1 - i : i;
+    if (g_order == ORDER_SHUFFLE) std::shuffle(g_sequence.begin(), g_sequence.end(), g_rng);
+}
+
 /* Releases the lanes of warp `w` waiting at one warp operation once every
  * lane of its mask is there; false where none could be released, and
  * *broken where the mask names a lane that exited or waits elsewhere. */
@@ -175,10 +221,19 @@ bool run_block(int threads) {
         makecontext(&f.context, fiber_main, 0);
     }
     for (;;) {
-        for (int i = 0; i < threads; ++i) {
-            if (g_fibers[i].state != RUNNABLE) continue;
-            current = &g_fibers[i];
-            swapcontext(&g_scheduler, &g_fibers[i].context);
+        if (g_order == ORDER_FORWARD) {
+            for (int i = 0; i < threads; ++i) {
+                if (g_fibers[i].state != RUNNABLE) continue;
+                current = &g_fibers[i];
+                swapcontext(&g_scheduler, &g_fibers[i].context);
+            }
+        } else {
+            order_round(threads);
+            for (int i : g_sequence) {
+                if (g_fibers[i].state != RUNNABLE) continue;
+                current = &g_fibers[i];
+                swapcontext(&g_scheduler, &g_fibers[i].context);
+            }
         }
         int live = 0, at_barrier = 0;
         uint64_t any = 0;
@@ -200,7 +255,20 @@ bool run_block(int threads) {
             continue;
         }
         bool released = false, broken = false;
-        for (int w = 0; w * 32 < threads; ++w) released |= release_warp(w, threads, &broken);
+        const int warps = (threads + 31) / 32;
+        if (g_order == ORDER_FORWARD) {
+            for (int w = 0; w < warps; ++w) released |= release_warp(w, threads, &broken);
+        } else {
+            /* one warp (reverse: the last ready), or (shuffle) each ready one
+             * with odds 1/2, at least one */
+            std::vector<int> ws(warps);
+            for (int w = 0; w < warps; ++w) ws[w] = g_order == ORDER_REVERSE ? warps - 1 - w : w;
+            if (g_order == ORDER_SHUFFLE) std::shuffle(ws.begin(), ws.end(), g_rng);
+            for (int w : ws) {
+                if (released && (g_order == ORDER_REVERSE || (g_rng() & 1))) continue;
+                released |= release_warp(w, threads, &broken);
+            }
+        }
         if (broken) {
             fail(cudaErrorIllegalInstruction,
                  "a warp operation's mask names a lane that exited or waits elsewhere");
@@ -256,6 +324,8 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
         g_stacks.push_back((char *)stack);
     }
     g_fibers.resize(threads);
+    read_order();
+    if (g_order == ORDER_SHUFFLE) g_rng.seed(g_rng() ^ (uint64_t)g_launches * 0x9e3779b97f4a7c15ull);
     std::vector<unsigned char> dynamic(shared + 16);
     Block state;
     state.block_dim = block_dim;
@@ -264,20 +334,31 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
     g_body = &body;
     block = &state;
     bool ok = true;
-    for (unsigned z = 0; z < grid.z && ok; ++z)
-        for (unsigned y = 0; y < grid.y && ok; ++y)
-            for (unsigned x = 0; x < grid.x && ok; ++x) {
-                state.block_idx = dim3(x, y, z);
-                /* not zeros: a kernel that reads shared memory before writing it
-                 * reads NaN-like bytes, as it would read garbage on a GPU */
-                memset(dynamic.data(), 0xff, dynamic.size());
-                unsigned i = 0;
-                for (unsigned tz = 0; tz < block_dim.z; ++tz)
-                    for (unsigned ty = 0; ty < block_dim.y; ++ty)
-                        for (unsigned tx = 0; tx < block_dim.x; ++tx)
-                            g_fibers[i++].index = dim3(tx, ty, tz);
-                ok = run_block((int)threads);
-            }
+    /* the blocks in order, reversed, or (shuffle) in an order drawn for the
+     * launch (reversed past 2^24 blocks): a GPU runs them at once */
+    const unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
+    std::vector<unsigned long long> block_order;
+    if (g_order == ORDER_SHUFFLE && blocks <= (1ull << 24)) {
+        block_order.resize(blocks);
+        for (unsigned long long b = 0; b < blocks; ++b) block_order[b] = b;
+        std::shuffle(block_order.begin(), block_order.end(), g_rng);
+    }
+    for (unsigned long long b = 0; b < blocks && ok; ++b) {
+        const unsigned long long at = !block_order.empty() ? block_order[b]
+                                      : g_order == ORDER_FORWARD ? b : blocks - 1 - b;
+        const unsigned x = (unsigned)(at % grid.x), y = (unsigned)(at / grid.x % grid.y),
+                       z = (unsigned)(at / grid.x / grid.y);
+        state.block_idx = dim3(x, y, z);
+        /* not zeros: a kernel that reads shared memory before writing it
+         * reads NaN-like bytes, as it would read garbage on a GPU */
+        memset(dynamic.data(), 0xff, dynamic.size());
+        unsigned i = 0;
+        for (unsigned tz = 0; tz < block_dim.z; ++tz)
+            for (unsigned ty = 0; ty < block_dim.y; ++ty)
+                for (unsigned tx = 0; tx < block_dim.x; ++tx)
+                    g_fibers[i++].index = dim3(tx, ty, tz);
+        ok = run_block((int)threads);
+    }
     block = nullptr;
     current = nullptr;
     g_body = nullptr;
