@@ -397,7 +397,8 @@ def _plain_eager(args, tensor_args):
     torch.Tensor, such as a FakeTensor; a dispatch or torch-function mode
     active; autocast on; or a torch.func transform (vmap, grad, jacrev)
     active, whose wrapped tensors are of type torch.Tensor but hold no
-    storage for the kernel to read); else whether a tensor argument needs a
+    storage for the kernel to read), or a meta tensor (torch's dispatch runs
+    the fake implementation for it); else whether a tensor argument needs a
     gradient."""
     if (_dispatch_modes is None or _function_modes is None or _autocast is None
             or _tracing is None or _functorch is None or torch.compiler.is_compiling()
@@ -407,7 +408,7 @@ def _plain_eager(args, tensor_args):
     for i in tensor_args:
         value = args[i]
         if value is not None:
-            if type(value) is not _Tensor:
+            if type(value) is not _Tensor or value.is_meta:   # meta: the fake implementation
                 return None
             needs_grad = needs_grad or (grad and value.requires_grad)
     if _dispatch_modes() or _function_modes() or _autocast():

@@ -43,11 +43,38 @@ def like_dtype(value, like):
     return value.to(like.dtype)
 
 
+_SIXTEEN_BITS = (torch.float16, torch.bfloat16)
+
+
+def with_coordinates(features, coordinates):
+    """(features, coordinates) in one dtype for a kernel (ours take arrays
+    of one dtype): the coordinates (rois, sampling locations) in the
+    features' dtype, except beside 16-bit features, where coordinates of
+    another dtype (float32 boxes, integer ones) would move by pixels in 16
+    bits (1001.3 is 1000 in bfloat16): there the features go to float32
+    and the coordinates with them, and the caller casts the result back to
+    the features' dtype (`in_dtype_of`), as torch.autocast runs the op.
+    Inside torch.autocast on the features' device, both as they are: the
+    op's autocast kernel does the same."""
+    dtype = features.dtype
+    if coordinates.dtype == dtype or torch.is_autocast_enabled(features.device.type):
+        return features, coordinates
+    if dtype in _SIXTEEN_BITS:
+        return features.float(), coordinates.float()
+    return features, coordinates.to(dtype)
+
+
+def in_dtype_of(result, features):
+    """An op's result in the dtype of the features it was given (see
+    with_coordinates)."""
+    return result if result.dtype == features.dtype else result.to(features.dtype)
+
+
 def rois_of(op, boxes, like):
-    """(K, 5) rois [batch index, x1, y1, x2, y2] in `like`'s dtype (see
-    like_dtype) from a
-    Tensor[K, 5] or a list of Tensor[L, 4] (one per image), as torchvision
-    takes them."""
+    """(K, 5) rois [batch index, x1, y1, x2, y2] from a Tensor[K, 5] or a
+    list of Tensor[L, 4] (one per image), as torchvision takes them, in the
+    boxes' dtype (an empty list: `like`'s); with_coordinates takes them to
+    the features'."""
     if not isinstance(like, torch.Tensor):
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(like).__name__} (the "
                         f"numpy and CuPy functions are in mmdispatch.ops)")
@@ -69,7 +96,7 @@ def rois_of(op, boxes, like):
     else:
         raise TypeError(f"{op}: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], got "
                         f"{type(boxes).__name__}")
-    return like_dtype(rois, like)
+    return rois
 
 
 def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
@@ -77,17 +104,18 @@ def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, a
     W); boxes a Tensor[K, 5] or a list of Tensor[L, 4]; returns (K, C,
     *output_size). Differentiable with respect to input."""
     h, w = _pair("roi_align", output_size)
-    rois = rois_of("roi_align", boxes, input)
-    return _ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio), _AVG,
-                      bool(aligned))[0]
+    features, rois = with_coordinates(input, rois_of("roi_align", boxes, input))
+    return in_dtype_of(_ROI_ALIGN(features, rois, h, w, float(spatial_scale),
+                                  int(sampling_ratio), _AVG, bool(aligned))[0], input)
 
 
 def roi_pool(input, boxes, output_size, spatial_scale=1.0):
     """RoIPool (max pooling, Fast R-CNN) as torchvision.ops.roi_pool;
     differentiable with respect to input."""
     h, w = _pair("roi_pool", output_size)
-    rois = rois_of("roi_pool", boxes, input)
-    return _ROI_POOL(input, rois, h, w, float(spatial_scale), CONVENTIONS["torchvision"])[0]
+    features, rois = with_coordinates(input, rois_of("roi_pool", boxes, input))
+    return in_dtype_of(_ROI_POOL(features, rois, h, w, float(spatial_scale),
+                                 CONVENTIONS["torchvision"])[0], input)
 
 
 def ps_roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1):
@@ -98,8 +126,9 @@ def ps_roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1
     samples 0 (torchvision computes values for such rois, and NaN for such
     bins)."""
     h, w = _pair("ps_roi_align", output_size)
-    rois = rois_of("ps_roi_align", boxes, input)
-    return _PS_ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio))
+    features, rois = with_coordinates(input, rois_of("ps_roi_align", boxes, input))
+    return in_dtype_of(_PS_ROI_ALIGN(features, rois, h, w, float(spatial_scale),
+                                     int(sampling_ratio)), input)
 
 
 def ps_roi_pool(input, boxes, output_size, spatial_scale=1.0):
@@ -109,8 +138,8 @@ def ps_roi_pool(input, boxes, output_size, spatial_scale=1.0):
     gradient (torchvision's spreads a bin that reaches past the map over
     the last row and column too)."""
     h, w = _pair("ps_roi_pool", output_size)
-    rois = rois_of("ps_roi_pool", boxes, input)
-    return _PS_ROI_POOL(input, rois, h, w, float(spatial_scale))
+    features, rois = with_coordinates(input, rois_of("ps_roi_pool", boxes, input))
+    return in_dtype_of(_PS_ROI_POOL(features, rois, h, w, float(spatial_scale)), input)
 
 
 def _nms(boxes, scores, idxs, iou_threshold, offset=0):
@@ -248,7 +277,14 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     cross_entropy = nn.functional.binary_cross_entropy_with_logits(inputs, targets,
                                                                    reduction="none")
     p_t = p * targets + (1 - p) * (1 - targets)
-    loss = cross_entropy * ((1 - p_t) ** gamma)
+    # (1 - p_t) ** gamma, whose gradient is NaN where 1 - p_t is 0 (a
+    # saturated logit) and gamma < 1 (pow's infinite slope times 0, as in
+    # torchvision's): 0 ** gamma there as a constant, so its gradient is 0
+    remaining = 1 - p_t
+    some = remaining > 0
+    modulating = torch.where(some, torch.where(some, remaining, 1) ** gamma,
+                             remaining.new_zeros(()).pow(gamma))
+    loss = cross_entropy * modulating
     if alpha >= 0:
         loss = (alpha * targets + (1 - alpha) * (1 - targets)) * loss
     if reduction == "mean":

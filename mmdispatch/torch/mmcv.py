@@ -21,8 +21,10 @@ from mmdispatch.torch._library import DERIVED
 from mmdispatch.torch._vision import _nms, _pair
 from mmdispatch.torch._vision import categories as _categories
 from mmdispatch.torch._vision import deform_groups as _deform_groups_of
+from mmdispatch.torch._vision import in_dtype_of as _in_dtype_of
 from mmdispatch.torch._vision import like_dtype as _like_dtype
 from mmdispatch.torch._vision import rois_of as _rois_of
+from mmdispatch.torch._vision import with_coordinates as _with_coordinates
 
 __all__ = ["DeformConv2d", "DeformConv2dPack", "ModulatedDeformConv2d",
            "ModulatedDeformConv2dPack", "MultiScaleDeformableAttention",
@@ -89,9 +91,9 @@ def roi_align(input, rois, output_size, spatial_scale=1.0, sampling_ratio=0, poo
     differentiable with respect to input in both modes."""
     h, w = _pair("roi_align", output_size)
     mode = _choice("roi_align", "pool_mode", pool_mode, _POOL_MODES)
-    rois = _rois_of("roi_align", rois, input)
-    return _ROI_ALIGN(input, rois, h, w, float(spatial_scale), int(sampling_ratio), mode,
-                      bool(aligned))[0]
+    features, rois = _with_coordinates(input, _rois_of("roi_align", rois, input))
+    return _in_dtype_of(_ROI_ALIGN(features, rois, h, w, float(spatial_scale),
+                                   int(sampling_ratio), mode, bool(aligned))[0], input)
 
 
 def roi_pool(input, rois, output_size, spatial_scale=1.0):
@@ -102,8 +104,9 @@ def roi_pool(input, rois, output_size, spatial_scale=1.0):
     scaled corner is not a whole number. Differentiable with respect to
     input."""
     h, w = _pair("roi_pool", output_size)
-    rois = _rois_of("roi_pool", rois, input)
-    return _ROI_POOL(input, rois, h, w, float(spatial_scale), _ROI_POOL_CONVENTIONS["mmcv"])[0]
+    features, rois = _with_coordinates(input, _rois_of("roi_pool", rois, input))
+    return _in_dtype_of(_ROI_POOL(features, rois, h, w, float(spatial_scale),
+                                  _ROI_POOL_CONVENTIONS["mmcv"])[0], input)
 
 
 def _detections(boxes, scores, idxs, iou_threshold, offset, score_threshold, max_num):
@@ -324,8 +327,10 @@ def roi_align_rotated(input, rois, output_size, spatial_scale, sampling_ratio=0,
     """mmcv.ops.roi_align_rotated: rois (K, 6) [batch index, cx, cy, w, h,
     angle]; (K, C, *output_size); differentiable with respect to input."""
     h, w = _pair("roi_align_rotated", output_size)
-    return _ROI_ALIGN_ROTATED(input, _like_dtype(rois, input), h, w, float(spatial_scale),
-                              int(sampling_ratio), bool(aligned), bool(clockwise))
+    features, rois = _with_coordinates(input, rois)
+    return _in_dtype_of(_ROI_ALIGN_ROTATED(features, rois, h, w, float(spatial_scale),
+                                           int(sampling_ratio), bool(aligned), bool(clockwise)),
+                        input)
 
 
 class RoIAlignRotated(nn.Module):
@@ -659,8 +664,9 @@ def multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_i
     _im2col_step("multi_scale_deformable_attn", im2col_step)
     levels = (t.to(device=value.device, dtype=torch.int64)
               for t in (value_spatial_shapes, value_level_start_index))
-    return _MSDA(value, *levels, _like_dtype(sampling_locations, value),
-                 _like_dtype(attention_weights, value))
+    features, locations = _with_coordinates(value, sampling_locations)
+    return _in_dtype_of(_MSDA(features, *levels, locations,
+                              _like_dtype(attention_weights, features)), value)
 
 
 class MultiScaleDeformableAttnFunction:

@@ -423,6 +423,32 @@ def test_deformable_inputs_take_the_offsets_dtype_as_mmcv_under_autocast():
     assert mmcv.deform_conv2d(x, offset, weight).dtype == torch.float64
 
 
+def test_sixteen_bit_features_with_float32_coordinates_run_in_float32():
+    """roi_align, roi_pool, roi_align_rotated and msda on bfloat16 features
+    with float32 rois or sampling locations: computed in float32 (16 bits
+    would move the coordinates), the result in the features' dtype."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.rand(1, 4, 30, 1100, generator=g).to(torch.bfloat16)
+    rois = torch.tensor([[0, 1001.3, 5.2, 1013.7, 20.9]])
+    rotated = torch.tensor([[0, 1007.3, 12.1, 12.4, 8.3, 0.3]])
+    for op, coordinates in ((lambda x, r: mmcv.roi_align(x, r, 3, 1.0, 2), rois),
+                            (lambda x, r: mmcv.roi_pool(x, r, 3), rois),
+                            (lambda x, r: mmcv.roi_align_rotated(x, r, 3, 1.0, 2), rotated)):
+        got = op(x, coordinates)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, op(x.float(), coordinates).to(torch.bfloat16),
+                                   rtol=0, atol=0)
+    value = torch.rand(1, 1100, 1, 4, generator=g).to(torch.bfloat16)
+    shapes, starts = torch.tensor([[1, 1100]]), torch.tensor([0])
+    locations = torch.full((1, 2, 1, 1, 1, 2), 0.5)
+    locations[..., 0] = torch.tensor([0.9103, 0.9108]).reshape(1, 2, 1, 1, 1)
+    weights = torch.ones(1, 2, 1, 1, 1)
+    got = mmcv.multi_scale_deformable_attn(value, shapes, starts, locations, weights)
+    assert got.dtype == torch.bfloat16
+    expected = mmcv.multi_scale_deformable_attn(value.float(), shapes, starts, locations, weights)
+    torch.testing.assert_close(got, expected.to(torch.bfloat16), rtol=0, atol=0)
+
+
 def test_attention_takes_residual_as_mmcvs_old_name_of_identity():
     torch.manual_seed(3)
     attn = mmcv.MultiScaleDeformableAttention(embed_dims=16, num_heads=2, num_levels=1,

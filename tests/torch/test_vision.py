@@ -86,6 +86,65 @@ def test_sigmoid_focal_loss_matches_torchvision(reduction, alpha):
                                torch.autograd.grad(theirs.sum(), inputs)[0])
 
 
+@pytest.mark.parametrize("gamma", [0, 0.5, 0.9, 1, 2])
+def test_sigmoid_focal_loss_of_saturated_logits_has_finite_gradients_for_any_gamma(gamma):
+    """Where 1 - p_t is 0 (a logit of +-100 the right way), pow's slope is
+    infinite for gamma < 1 and torchvision's gradient NaN; ours is 0 (the
+    exact one is below 1e-60), and the loss and the other gradients are
+    torchvision's."""
+    inputs = torch.tensor([[-100.0, -100, 100, 100, 20, 0.3]], requires_grad=True)
+    targets = torch.tensor([[0.0, 1, 0, 1, 1, 1]])
+    ours = mt.sigmoid_focal_loss(inputs, targets, 0.25, gamma)
+    theirs = tv.sigmoid_focal_loss(inputs, targets, 0.25, gamma)
+    torch.testing.assert_close(ours, theirs)
+    (grad,) = torch.autograd.grad(ours.sum(), inputs)
+    (their_grad,) = torch.autograd.grad(theirs.sum(), inputs)
+    assert torch.isfinite(grad).all()
+    saturated = torch.tensor([[True, False, False, True, True, False]])
+    assert (grad[saturated] == 0).all()
+    torch.testing.assert_close(grad[~saturated], their_grad[~saturated])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_features_with_float32_boxes_run_in_float32_not_on_rounded_boxes(dtype):
+    """Outside autocast, float32 (or integer) boxes beside 16-bit features
+    are not rounded to 16 bits (1001.3 would be 1000 in bfloat16): the op
+    runs in float32, as under autocast, the result and the gradient in the
+    features' dtype."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(1, 8, 40, 1100, generator=g).to(dtype).requires_grad_(True)
+    boxes = torch.tensor([[0, 1001.3, 5.2, 1013.7, 30.9], [0, 777.7, 3.3, 790.2, 20.1]])
+    int_boxes = torch.tensor([[0, 1001, 5, 1013, 30], [0, 777, 3, 790, 20]])
+    for op in (lambda x, b: mt.roi_align(x, b, 3, 1.0, 2, True), lambda x, b: mt.roi_pool(x, b, 3),
+               lambda x, b: mt.ps_roi_align(x, b, 2, 1.0, 2),
+               lambda x, b: mt.ps_roi_pool(x, b, 2)):
+        for b in (boxes, int_boxes, [boxes[:, 1:]]):
+            got = op(x, b)
+            expected = op(x.detach().float(), b if isinstance(b, list) else b.float())
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, expected.to(dtype), rtol=0, atol=0)
+            (grad,) = torch.autograd.grad(got.float().sum(), x)
+            assert grad.dtype == dtype and grad.abs().sum() > 0
+    with torch.autocast("cpu", dtype=dtype):
+        torch.testing.assert_close(mt.roi_align(x, boxes, 3, 1.0, 2, True),
+                                   mt.roi_align(x.detach().float(), boxes, 3, 1.0, 2,
+                                                True).to(dtype), rtol=0, atol=0)
+
+
+def test_meta_tensors_take_the_fake_implementations_as_torchvisions_meta_kernels():
+    """Eager calls on meta tensors give the output shapes (no data), as
+    torchvision's ops do on meta tensors."""
+    x, rois = torch.rand(1, 2, 8, 8, device="meta"), torch.rand(3, 5, device="meta")
+    out = mt.roi_align(x, rois, 2)
+    assert out.device.type == "meta" and out.shape == tv.roi_align(x, rois, 2).shape
+    assert mt.roi_pool(x, rois, 2).shape == (3, 2, 2, 2)
+    offset = torch.rand(1, 18, 3, 3, device="meta")
+    assert mt.deform_conv2d(torch.rand(1, 2, 5, 5, device="meta"), offset,
+                            torch.rand(3, 2, 3, 3, device="meta")).shape == (1, 3, 3, 3)
+    assert mt.box_iou(torch.rand(3, 4, device="meta"), torch.rand(2, 4, device="meta")).shape \
+        == (3, 2)
+
+
 def test_modules_are_torchvisions():
     x, rois = feature_map(), [random_boxes(3, 40, seed=12)]
     ours, theirs = mt.RoIAlign((2, 3), 0.5, 2, True), tv.RoIAlign((2, 3), 0.5, 2, True)
