@@ -81,6 +81,9 @@ CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
 _LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w\s]+?)\s*(\w+)\s*\[\s*\]\s*;")
+# a static __shared__ declaration inside a function (indented), one or more
+# declarators: `__shared__ T a[N], b;`
+_STATIC_SHARED = re.compile(r"(?m)^([ \t]+(?:alignas\(\w+\)\s+)?)__shared__\s+([^;{}()]+);")
 
 
 def unavailable_reason():
@@ -108,13 +111,37 @@ def _matching_paren(text, start):
     raise ValueError("unbalanced parentheses after a launch")
 
 
+def _split_declarators(text):
+    """`T a[N + 1], b` -> ["T a[N + 1]", " b"]: commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "[<" and 1 or ch in "]>" and -1 or 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def _static_shared(match):
+    """A static __shared__ declaration as a function-local static, each of
+    its variables handed to mmd_emu::shared_region (filled with 0xff bytes
+    at each block's start, as the dynamic shared memory is)."""
+    names = [re.match(r"\s*(?:.*\s)?(\w+)\s*(?:\[|$)", d.split("[", 1)[0] + "[").group(1)
+             for d in _split_declarators(match.group(2))]
+    fills = " ".join(f"::mmd_emu::shared_region(&{n}, sizeof({n}));" for n in names)
+    return f"{match.group(1)}static {match.group(2)}; {fills}"
+
+
 def translate(source):
     """CUDA C++ -> the emulator's C++: `kernel<<<cfg>>>(args)` becomes a
-    launch of a closure that calls kernel(args) in every thread, and
-    `extern __shared__ T name[]` the block's dynamic shared memory."""
+    launch of a closure that calls kernel(args) in every thread, `extern
+    __shared__ T name[]` the block's dynamic shared memory, and a static
+    `__shared__` variable a function-local static that each block finds
+    filled with 0xff bytes, as a GPU's shared memory holds garbage."""
     source = _EXTERN_SHARED.sub(
         lambda m: f"{m.group(1)} *{m.group(2)} = ({m.group(1)} *)mmd_emu::block->dynamic_shared;",
         source)
+    source = _STATIC_SHARED.sub(_static_shared, source)
     out, pos = [], 0
     while True:
         start = source.find("<<<", pos)

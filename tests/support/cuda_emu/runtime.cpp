@@ -352,6 +352,7 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
         /* not zeros: a kernel that reads shared memory before writing it
          * reads NaN-like bytes, as it would read garbage on a GPU */
         memset(dynamic.data(), 0xff, dynamic.size());
+        state.static_shared.clear();
         unsigned i = 0;
         for (unsigned tz = 0; tz < block_dim.z; ++tz)
             for (unsigned ty = 0; ty < block_dim.y; ++ty)
@@ -366,6 +367,13 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
 }
 
 void misaligned(const char *what) { fail(cudaErrorMisalignedAddress, what); }
+
+void shared_region(void *address, size_t size) {
+    std::vector<const void *> &seen = block->static_shared;
+    if (std::find(seen.begin(), seen.end(), address) != seen.end()) return;
+    seen.push_back(address);
+    memset(address, 0xff, size);
+}
 
 }  // namespace mmd_emu
 

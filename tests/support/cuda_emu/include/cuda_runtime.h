@@ -20,6 +20,7 @@
 #include <functional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #define __global__
 #define __device__
@@ -27,7 +28,8 @@
 #define __forceinline__ inline
 #define __noinline__
 /* function-local statics are shared by every fiber of the block, as CUDA's
- * __shared__ variables are; blocks run one at a time */
+ * __shared__ variables are; blocks run one at a time (the emulator's
+ * translate() also has each block find them filled with 0xff bytes) */
 #define __shared__ static
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
@@ -121,6 +123,8 @@ struct Fiber;
 struct Block {
     dim3 block_idx, block_dim, grid_dim;
     unsigned char *dynamic_shared;
+    /* the static __shared__ variables this block's threads have passed */
+    std::vector<const void *> static_shared;
 };
 /* the fiber running now and its block (set by the scheduler) */
 extern Fiber *current;
@@ -128,6 +132,12 @@ extern Block *block;
 extern uint3 current_thread_idx(void);
 /* the calling thread's lane: its linear index in the block, mod 32 */
 extern int current_lane(void);
+/* A static __shared__ variable, called after its declaration (translate()):
+ * the first of a block's threads to pass it fills it with 0xff bytes, as
+ * the dynamic shared memory is filled, so that a kernel reading it before
+ * writing it reads NaN-like bytes, as it would read garbage on a GPU (a
+ * function-local static would keep the previous block's values). */
+void shared_region(void *address, size_t size);
 
 /* Synchronisation points; each returns when every thread it waits for has
  * arrived. value: this lane's contribution; returns its result. */
