@@ -1284,3 +1284,23 @@ def test_cupy_outputs_cost_one_allocation_per_call_and_no_device_queries(emu, mo
     mmdispatch.roi_align_forward_impl(x, rois, None, None, None, 2, 2, 1.0, 2, 1, True)
     emu.synchronize()
     assert asked == ["current", "switch to 0", "allocate (2, 3, 2, 2)"]
+
+
+def test_the_emulators_translation_gives_every_static_shared_variable_a_fill_per_block():
+    """Static __shared__ variables become function-local statics that each
+    block finds filled with 0xff bytes (mmd_emu::shared_region), as a GPU's
+    shared memory holds garbage at a block's start; `extern __shared__`
+    arrays are the block's dynamic shared memory."""
+    source = ("    alignas(16) __shared__ float tile[4][33];\n"
+              "    __shared__ mmd_rbox_shape row[8], col[8];\n"
+              "    __shared__ int64_t selected;\n"
+              "    extern __shared__ unsigned char raw[];\n")
+    lines = cuda_emu.translate(source).splitlines()
+    assert lines[0] == ("    alignas(16) static float tile[4][33]; "
+                        "::mmd_emu::shared_region(&tile, sizeof(tile));")
+    assert lines[1] == ("    static mmd_rbox_shape row[8], col[8]; "
+                        "::mmd_emu::shared_region(&row, sizeof(row)); "
+                        "::mmd_emu::shared_region(&col, sizeof(col));")
+    assert lines[2] == ("    static int64_t selected; "
+                        "::mmd_emu::shared_region(&selected, sizeof(selected));")
+    assert "mmd_emu::block->dynamic_shared" in lines[3] and "static" not in lines[3]
