@@ -397,18 +397,24 @@ def _plain_eager(args, tensor_args):
     torch.Tensor, such as a FakeTensor; a dispatch or torch-function mode
     active; autocast on; or a torch.func transform (vmap, grad, jacrev)
     active, whose wrapped tensors are of type torch.Tensor but hold no
-    storage for the kernel to read), or a meta tensor (torch's dispatch runs
-    the fake implementation for it); else whether a tensor argument needs a
-    gradient."""
+    storage for the kernel to read), or a first array on the meta device
+    (torch's dispatch runs the fake implementation, whose outputs are meta
+    tensors; a meta tensor after a real first array goes to the kernel,
+    which refuses it, where the fake implementation would return
+    uninitialised memory on the real device); else whether a tensor
+    argument needs a gradient."""
     if (_dispatch_modes is None or _function_modes is None or _autocast is None
             or _tracing is None or _functorch is None or torch.compiler.is_compiling()
             or _tracing() is not None or _functorch()):
+        return None
+    first = args[tensor_args[0]]
+    if type(first) is not _Tensor or first.is_meta:   # meta: the fake implementation
         return None
     grad, needs_grad = torch.is_grad_enabled(), False
     for i in tensor_args:
         value = args[i]
         if value is not None:
-            if type(value) is not _Tensor or value.is_meta:   # meta: the fake implementation
+            if type(value) is not _Tensor:
                 return None
             needs_grad = needs_grad or (grad and value.requires_grad)
     if _dispatch_modes() or _function_modes() or _autocast():

@@ -86,6 +86,21 @@ def test_sigmoid_focal_loss_matches_torchvision(reduction, alpha):
                                torch.autograd.grad(theirs.sum(), inputs)[0])
 
 
+def test_sigmoid_focal_loss_is_torchvisions_for_targets_outside_0_1_and_gamma_1():
+    """The where() that keeps gamma < 1 gradients finite changes nothing
+    else: targets outside [0, 1] (1 - p_t < 0) and the targets' gradient at
+    gamma 1 are torchvision's."""
+    inputs = torch.tensor([3.0, -3, 20, 0.5])
+    targets = torch.tensor([1.5, -0.2, 1.0, 0.3], requires_grad=True)
+    for gamma in (0.5, 1, 2):
+        ours = mt.sigmoid_focal_loss(inputs, targets, -1, gamma)
+        theirs = tv.sigmoid_focal_loss(inputs, targets, -1, gamma)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+        if gamma >= 1:
+            torch.testing.assert_close(torch.autograd.grad(ours.sum(), targets)[0],
+                                       torch.autograd.grad(theirs.sum(), targets)[0])
+
+
 @pytest.mark.parametrize("gamma", [0, 0.5, 0.9, 1, 2])
 def test_sigmoid_focal_loss_of_saturated_logits_has_finite_gradients_for_any_gamma(gamma):
     """Where 1 - p_t is 0 (a logit of +-100 the right way), pow's slope is
@@ -143,6 +158,10 @@ def test_meta_tensors_take_the_fake_implementations_as_torchvisions_meta_kernels
                             torch.rand(3, 2, 3, 3, device="meta")).shape == (1, 3, 3, 3)
     assert mt.box_iou(torch.rand(3, 4, device="meta"), torch.rand(2, 4, device="meta")).shape \
         == (3, 2)
+    bf16 = torch.rand(1, 2, 8, 8, device="meta", dtype=torch.bfloat16)
+    assert mt.roi_align(bf16, rois, 2).dtype == torch.bfloat16   # boxes of another dtype
+    with pytest.raises(TypeError, match="no data"):   # not uninitialised memory on the CPU
+        mt.roi_align(torch.rand(1, 2, 8, 8), rois, 2)
 
 
 def test_modules_are_torchvisions():
