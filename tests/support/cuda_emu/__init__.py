@@ -112,10 +112,12 @@ def _matching_paren(text, start):
 
 
 def _split_declarators(text):
-    """`T a[N + 1], b` -> ["T a[N + 1]", " b"]: commas outside brackets."""
+    """`T a[N + 1], b` -> ["T a[N + 1]", " b"]: commas outside square
+    brackets (a type with a comma, Foo<a, b>, would be split: the build
+    then fails, loudly)."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
-        depth += ch in "[<" and 1 or ch in "]>" and -1 or 0
+        depth += ch == "[" and 1 or ch == "]" and -1 or 0
         if ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
@@ -142,6 +144,11 @@ def translate(source):
         lambda m: f"{m.group(1)} *{m.group(2)} = ({m.group(1)} *)mmd_emu::block->dynamic_shared;",
         source)
     source = _STATIC_SHARED.sub(_static_shared, source)
+    left = re.search(r".*\b__shared__\b.*", source)
+    if left:   # a form the patterns above do not know would go unfilled
+        raise ValueError(f"the CUDA emulator cannot translate this __shared__ declaration "
+                         f"(write it as `[alignas(N)] __shared__ T name[...];`): "
+                         f"{left.group(0).strip()}")
     out, pos = [], 0
     while True:
         start = source.find("<<<", pos)

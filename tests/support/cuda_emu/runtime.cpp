@@ -67,7 +67,11 @@ ucontext_t g_scheduler;
 std::vector<Fiber> g_fibers;
 std::vector<char *> g_stacks;
 const std::function<void()> *g_body = nullptr;
-int g_allowed_shared = MMD_EMU_SHARED_PER_BLOCK;
+/* what cudaFuncSetAttribute allowed, for this thread's next launch only
+ * (the emulator does not tell kernels apart: our launchers allow a kernel
+ * its dynamic shared memory right before launching it, and an allowance
+ * that outlived its launch would let any later kernel past 48 KB) */
+thread_local int t_allowed_shared = MMD_EMU_SHARED_PER_BLOCK;
 thread_local cudaError_t t_last_error = cudaSuccess;
 thread_local int t_device = 0;
 
@@ -296,9 +300,11 @@ uint64_t sync(SyncKind kind, unsigned mask, uint64_t value, int src_lane) {
     return f->result;
 }
 
-void allow_dynamic_shared(int bytes) { g_allowed_shared = bytes; }
+void allow_dynamic_shared(int bytes) { t_allowed_shared = bytes; }
 
 bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()> &body) {
+    const int allowed = t_allowed_shared;
+    t_allowed_shared = MMD_EMU_SHARED_PER_BLOCK;
     const unsigned long long threads =
         (unsigned long long)block_dim.x * block_dim.y * block_dim.z;
     if (threads == 0 || threads > MMD_EMU_MAX_THREADS || block_dim.z > 64 || grid.x == 0 ||
@@ -307,8 +313,8 @@ bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()
         fail(cudaErrorInvalidConfiguration, "a launch CUDA refuses (grid or block size)");
         return false;
     }
-    if (shared > (size_t)(g_allowed_shared > MMD_EMU_SHARED_PER_BLOCK
-                              ? g_allowed_shared : MMD_EMU_SHARED_PER_BLOCK)) {
+    if (shared > (size_t)(allowed > MMD_EMU_SHARED_PER_BLOCK ? allowed
+                                                             : MMD_EMU_SHARED_PER_BLOCK)) {
         fail(cudaErrorInvalidValue, "more dynamic shared memory than the kernel may have");
         return false;
     }

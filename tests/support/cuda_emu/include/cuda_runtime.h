@@ -147,8 +147,8 @@ uint64_t sync(SyncKind kind, unsigned mask, uint64_t value, int src_lane);
 /* A launch: runs kernel(args...) for every thread of the grid; false (and
  * cudaGetLastError set) for a configuration CUDA refuses. */
 bool launch(dim3 grid, dim3 block, size_t shared, const std::function<void()> &body);
-/* what cudaFuncSetAttribute allowed last (one limit for every kernel: the
- * emulator does not tell kernels apart) */
+/* what cudaFuncSetAttribute allowed, for the calling thread's next launch
+ * (the emulator does not tell kernels apart; runtime.cpp) */
 void allow_dynamic_shared(int bytes);
 
 struct Launch {
