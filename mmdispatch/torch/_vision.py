@@ -194,8 +194,9 @@ def batched_nms(boxes, scores, idxs, iou_threshold):
     """nms within each category of idxs, as torchvision.ops.batched_nms:
     boxes of different categories never suppress each other. Equal scores
     are kept in index order (torchvision's path for more than 1,000 boxes
-    on the CPU, 25,000 on CUDA (5,000 before torchvision 0.22), re-sorts them with an unstable sort: the same boxes, its tied
-    ones in an order torch leaves unspecified)."""
+    on the CPU, 25,000 on CUDA (5,000 before torchvision 0.22), re-sorts
+    them with an unstable sort: the same boxes, its tied ones in an order
+    torch leaves unspecified)."""
     return _nms(boxes, scores, categories(idxs), iou_threshold)
 
 
@@ -234,8 +235,8 @@ def box_iou(boxes1, boxes2, fmt="xyxy"):
     broadcast. The result is float32 for integer, float16 and bfloat16
     boxes and for "cxcywhr", else the wider of the two dtypes (16-bit boxes
     are taken to float32 first: torchvision subtracts their corners in
-    bfloat16, several thousandths off at worst). A pair whose union has no area
-    gives 0 (torchvision gives NaN). Differentiable for the axis-aligned
+    bfloat16, several thousandths off at worst). A pair whose union has no
+    area gives 0 (torchvision gives NaN). Differentiable for the axis-aligned
     formats: inputs that need a gradient are computed with torch
     operations."""
     op = "box_iou"
