@@ -134,7 +134,7 @@ bool is_warp_kind(SyncKind kind) { return kind != SYNC_BLOCK_OR; }
 enum Order { ORDER_FORWARD, ORDER_REVERSE, ORDER_SHUFFLE };
 Order g_order = ORDER_FORWARD;
 std::mt19937_64 g_rng;
-std::vector<int> g_sequence;
+std::vector<int> g_sequence, g_warp_sequence;   /* this round's fibers and warps */
 
 void read_order(void) {
     const char *env = getenv("MMD_EMU_ORDER");
@@ -154,12 +154,11 @@ void read_order(void) {
     }
 }
 
-/* The order of this round's fibers (g_sequence). */
-void order_round(int threads) {
-    g_sequence.resize(threads);
-    for (int i = 0; i < threads; ++i)
-        g_sequence[i] = g_order == ORDER_REVERSE ? threads - 1 - i : i;
-    if (g_order == ORDER_SHUFFLE) std::shuffle(g_sequence.begin(), g_sequence.end(), g_rng);
+/* 0..count-1 in the order's order: as they are, reversed or shuffled */
+void in_order(std::vector<int> &sequence, int count) {
+    sequence.resize(count);
+    for (int i = 0; i < count; ++i) sequence[i] = g_order == ORDER_REVERSE ? count - 1 - i : i;
+    if (g_order == ORDER_SHUFFLE) std::shuffle(sequence.begin(), sequence.end(), g_rng);
 }
 
 /* Releases the lanes of warp `w` waiting at one warp operation once every
@@ -225,19 +224,11 @@ bool run_block(int threads) {
         makecontext(&f.context, fiber_main, 0);
     }
     for (;;) {
-        if (g_order == ORDER_FORWARD) {
-            for (int i = 0; i < threads; ++i) {
-                if (g_fibers[i].state != RUNNABLE) continue;
-                current = &g_fibers[i];
-                swapcontext(&g_scheduler, &g_fibers[i].context);
-            }
-        } else {
-            order_round(threads);
-            for (int i : g_sequence) {
-                if (g_fibers[i].state != RUNNABLE) continue;
-                current = &g_fibers[i];
-                swapcontext(&g_scheduler, &g_fibers[i].context);
-            }
+        in_order(g_sequence, threads);
+        for (int i : g_sequence) {
+            if (g_fibers[i].state != RUNNABLE) continue;
+            current = &g_fibers[i];
+            swapcontext(&g_scheduler, &g_fibers[i].context);
         }
         int live = 0, at_barrier = 0;
         uint64_t any = 0;
@@ -259,19 +250,13 @@ bool run_block(int threads) {
             continue;
         }
         bool released = false, broken = false;
-        const int warps = (threads + 31) / 32;
-        if (g_order == ORDER_FORWARD) {
-            for (int w = 0; w < warps; ++w) released |= release_warp(w, threads, &broken);
-        } else {
-            /* one warp (reverse: the last ready), or (shuffle) each ready one
-             * with odds 1/2, at least one */
-            std::vector<int> ws(warps);
-            for (int w = 0; w < warps; ++w) ws[w] = g_order == ORDER_REVERSE ? warps - 1 - w : w;
-            if (g_order == ORDER_SHUFFLE) std::shuffle(ws.begin(), ws.end(), g_rng);
-            for (int w : ws) {
-                if (released && (g_order == ORDER_REVERSE || (g_rng() & 1))) continue;
-                released |= release_warp(w, threads, &broken);
-            }
+        /* forward: every ready warp; reverse: only the last ready one;
+         * shuffle: each ready one with odds 1/2, at least one */
+        in_order(g_warp_sequence, (threads + 31) / 32);
+        for (int w : g_warp_sequence) {
+            if (released && g_order != ORDER_FORWARD && (g_order == ORDER_REVERSE || (g_rng() & 1)))
+                continue;
+            released |= release_warp(w, threads, &broken);
         }
         if (broken) {
             fail(cudaErrorIllegalInstruction,
