@@ -1464,23 +1464,31 @@ int forward(const mmd_context *ctx, const mmd_tensor *input, const mmd_tensor *r
 }
 
 /* A kernel's dynamic shared memory allowed up to the device's opt-in
- * limit: the attribute belongs to the kernel, not to a call, so each call
- * setting its own size would let another thread's smaller size, set
- * between this call's set and its launch, fail this launch; every caller
- * sets the same value. */
-template <typename Kernel> int allow_shared_up_to(Kernel kernel, int limit) {
+ * limit: the attribute belongs to the kernel (on each device), not to a
+ * call, so each call setting its own size would let another thread's
+ * smaller size, set between this call's set and its launch, fail this
+ * launch; every caller sets the same value, once per kernel and device
+ * (`allowed`, the caller's record for that kernel: a driver call saved on
+ * every later call; threads that race there set the same value twice). */
+template <typename Kernel>
+int allow_shared_up_to(Kernel kernel, int device, int limit, std::atomic<int> *allowed) {
+    const bool recorded = device >= 0 && device < kMaxDevices;
+    if (recorded && allowed[device].load(std::memory_order_acquire) == limit) return 0;
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
-    return err == cudaSuccess ? 0 : cuda_error(err, "cudaFuncSetAttribute");
+    if (err != cudaSuccess) return cuda_error(err, "cudaFuncSetAttribute");
+    if (recorded) allowed[device].store(limit, std::memory_order_release);
+    return 0;
 }
 
 /* The tiled deterministic avg backward: the rois' channels whose bin
  * gradients are not all finite, flagged, then the tiles. */
 template <typename T>
-int deterministic_tiled(const Tiles<T> &tiles, int shared_limit, const mmd_tensor *grad_output,
-                        const mmd_tensor *rois, const mmd_tensor *grad_input, int64_t pooled_h,
-                        int64_t pooled_w, typename Compute<T>::type scale, int64_t sampling_ratio,
-                        int aligned, const ErrorSink &sink, cudaStream_t stream) {
+int deterministic_tiled(const Tiles<T> &tiles, int device, int shared_limit,
+                        const mmd_tensor *grad_output, const mmd_tensor *rois,
+                        const mmd_tensor *grad_input, int64_t pooled_h, int64_t pooled_w,
+                        typename Compute<T>::type scale, int64_t sampling_ratio, int aligned,
+                        const ErrorSink &sink, cudaStream_t stream) {
     const int64_t num_rois = rois->shape[0], channels = grad_input->shape[1];
     const int64_t total = mmd_numel(grad_output), flag_count = num_rois * tiles.chunks;
     StreamBuffer flags(stream);
@@ -1493,7 +1501,9 @@ int deterministic_tiled(const Tiles<T> &tiles, int shared_limit, const mmd_tenso
         tiles.chunks);
     int s = launch_status("roi_align deterministic backward flags launch");
     if (s) return s;
-    s = allow_shared_up_to(deterministic_avg_backward_tiled_kernel<T>, shared_limit);
+    static std::atomic<int> allowed[kMaxDevices];   /* this kernel's (per T) */
+    s = allow_shared_up_to(deterministic_avg_backward_tiled_kernel<T>, device, shared_limit,
+                           allowed);
     if (s) return s;
     deterministic_avg_backward_tiled_kernel<T><<<grid_of(tiles.items), kThreads, tiles.bytes,
                                                  stream>>>(
@@ -1543,8 +1553,8 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
             pooled_h * pooled_w <= INT_MAX / kLanes) {
             const Tiles<T> tiles(batch, channels, height, width, pooled_h, pooled_w);
             if (tiles.bytes <= (size_t)limit)
-                return deterministic_tiled<T>(tiles, limit, grad_output, rois, grad_input,
-                                              pooled_h, pooled_w, (A)spatial_scale,
+                return deterministic_tiled<T>(tiles, ctx->device_id, limit, grad_output, rois,
+                                              grad_input, pooled_h, pooled_w, (A)spatial_scale,
                                               sampling_ratio, aligned, sink, stream);
         }
         const size_t geo_offset = geometry_offset(
@@ -1569,7 +1579,9 @@ int backward(const mmd_context *ctx, const mmd_tensor *grad_output, const mmd_te
                              "blocks of (image, channel, band of %lld rows), got %lld x %lld",
                              INT32_MAX, (long long)band_rows, (long long)planes, (long long)bands);
         const size_t shared = fixed + row * (size_t)band_rows;
-        const int s = allow_shared_up_to(deterministic_avg_backward_kernel<T>, limit);
+        static std::atomic<int> allowed[kMaxDevices];   /* this kernel's (per T) */
+        const int s = allow_shared_up_to(deterministic_avg_backward_kernel<T>, ctx->device_id,
+                                         limit, allowed);
         if (s) return s;
         deterministic_avg_backward_kernel<T><<<(unsigned)(planes * bands), kThreads, shared,
                                                stream>>>(

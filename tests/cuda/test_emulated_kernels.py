@@ -1304,3 +1304,26 @@ def test_the_emulators_translation_gives_every_static_shared_variable_a_fill_per
     assert lines[2] == ("    static int64_t selected; "
                         "::mmd_emu::shared_region(&selected, sizeof(selected));")
     assert "mmd_emu::block->dynamic_shared" in lines[3] and "static" not in lines[3]
+
+
+def test_the_emulators_launches_name_the_kernels_whose_address_the_source_takes():
+    """A launch carries its kernel's identity, which the emulator keys
+    cudaFuncSetAttribute's shared-memory allowance by (per kernel and
+    device, kept across calls, as on a GPU), where the source names the
+    kernel as a value (given an attribute, or a pointer to one); a kernel
+    only launched or defined, such as a template whose arguments the launch
+    deduces, launches as nullptr, which no allowance names."""
+    source = ("__global__ void big(float *x) {}\n"
+              "template <typename A, typename B> __global__ void deduced(A a, B b) {}\n"
+              "/* deduced, in a comment, is not named as a value */\n"
+              "void run(float *x) {\n"
+              "    cudaFuncSetAttribute(big, cudaFuncAttributeMaxDynamicSharedMemorySize, 1);\n"
+              "    big<<<1, 1, 65536>>>(x);\n"
+              "    deduced<float><<<1, 1>>>(1.0f, x);\n"
+              "    auto kernel = cond ? big : other;\n"
+              "    kernel<<<2, 32>>>(x);\n"
+              "}\n")
+    out = cuda_emu.translate(source)
+    assert "mmd_emu::Launch(1, 1, 65536)(mmd_emu::kernel_id(big), [&]() { big(x); })" in out
+    assert "mmd_emu::Launch(1, 1)(nullptr, [&]() { deduced<float>(1.0f, x); })" in out
+    assert "mmd_emu::Launch(2, 32)(mmd_emu::kernel_id(kernel), [&]() { kernel(x); })" in out

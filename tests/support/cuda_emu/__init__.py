@@ -80,6 +80,7 @@ CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-exceptions", "-w", "-DMMD_CUDA_M
 CFLAGS = ["-std=c11", "-O1", "-fPIC", "-w", *SANITIZE]
 
 _LAUNCH_NAME = re.compile(r"([A-Za-z_]\w*(?:::\w+)*(?:<[^<>;{}()]*>)?)\s*$")
+_COMMENTS = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w\s]+?)\s*(\w+)\s*\[\s*\]\s*;")
 # a static __shared__ declaration inside a function (indented), one or more
 # declarators: `__shared__ T a[N], b;`
@@ -169,8 +170,23 @@ def translate(source):
         close = _matching_paren(source, open_paren)
         args = source[open_paren + 1:close]
         out.append(source[pos:name_start])
-        out.append(f"mmd_emu::Launch({config})([&]() {{ {name.group(1)}({args}); }})")
+        kernel = name.group(1)
+        out.append(f"mmd_emu::Launch({config})({_kernel_id(source, kernel)}, "
+                   f"[&]() {{ {kernel}({args}); }})")
         pos = close + 1
+
+
+def _kernel_id(source, kernel):
+    """The launch's kernel identity for the emulator's per-kernel
+    attributes (cudaFuncSetAttribute's shared memory allowance): the
+    kernel's address where the source names it other than at its launches
+    (a kernel given an attribute is named there, and so is a pointer to a
+    kernel), else nullptr, which no allowance names (a template whose
+    arguments the launch deduces has no address to take)."""
+    code = _COMMENTS.sub(" ", source)
+    # named as a value: not launched (<<<) nor defined or declared (a `(`)
+    as_value = re.search(r"(?<![\w:])" + re.escape(kernel) + r"(?!\w)(?!\s*[(<])", code)
+    return f"mmd_emu::kernel_id({kernel})" if as_value else "nullptr"
 
 
 def _signatures():

@@ -67,11 +67,11 @@ ucontext_t g_scheduler;
 std::vector<Fiber> g_fibers;
 std::vector<char *> g_stacks;
 const std::function<void()> *g_body = nullptr;
-/* what cudaFuncSetAttribute allowed, for this thread's next launch only
- * (the emulator does not tell kernels apart: our launchers allow a kernel
- * its dynamic shared memory right before launching it, and an allowance
- * that outlived its launch would let any later kernel past 48 KB) */
-thread_local int t_allowed_shared = MMD_EMU_SHARED_PER_BLOCK;
+/* what cudaFuncSetAttribute allowed each (kernel, device): a kernel's
+ * attribute, as on a GPU, kept until set again (our launchers set it once
+ * per kernel and device) */
+std::mutex g_allowed_lock;
+std::map<std::pair<const void *, int>, int> g_allowed_shared;
 thread_local cudaError_t t_last_error = cudaSuccess;
 thread_local int t_device = 0;
 
@@ -285,11 +285,19 @@ uint64_t sync(SyncKind kind, unsigned mask, uint64_t value, int src_lane) {
     return f->result;
 }
 
-void allow_dynamic_shared(int bytes) { t_allowed_shared = bytes; }
+void allow_dynamic_shared(const void *kernel, int bytes) {
+    std::lock_guard<std::mutex> lock(g_allowed_lock);
+    g_allowed_shared[{kernel, t_device}] = bytes;
+}
 
-bool launch(dim3 grid, dim3 block_dim, size_t shared, const std::function<void()> &body) {
-    const int allowed = t_allowed_shared;
-    t_allowed_shared = MMD_EMU_SHARED_PER_BLOCK;
+bool launch(dim3 grid, dim3 block_dim, size_t shared, const void *kernel,
+            const std::function<void()> &body) {
+    int allowed = MMD_EMU_SHARED_PER_BLOCK;
+    {
+        std::lock_guard<std::mutex> lock(g_allowed_lock);
+        const auto found = g_allowed_shared.find({kernel, t_device});
+        if (found != g_allowed_shared.end()) allowed = found->second;
+    }
     const unsigned long long threads =
         (unsigned long long)block_dim.x * block_dim.y * block_dim.z;
     if (threads == 0 || threads > MMD_EMU_MAX_THREADS || block_dim.z > 64 || grid.x == 0 ||

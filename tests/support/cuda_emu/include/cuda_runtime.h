@@ -146,20 +146,27 @@ uint64_t sync(SyncKind kind, unsigned mask, uint64_t value, int src_lane);
 
 /* A launch: runs kernel(args...) for every thread of the grid; false (and
  * cudaGetLastError set) for a configuration CUDA refuses. */
-bool launch(dim3 grid, dim3 block, size_t shared, const std::function<void()> &body);
-/* what cudaFuncSetAttribute allowed, for the calling thread's next launch
- * (the emulator does not tell kernels apart; runtime.cpp) */
-void allow_dynamic_shared(int bytes);
+bool launch(dim3 grid, dim3 block, size_t shared, const void *kernel,
+            const std::function<void()> &body);
+/* A kernel's identity: its address (a kernel named, or a pointer to one). */
+template <typename K> inline const void *kernel_id(K kernel) {
+    return reinterpret_cast<const void *>(kernel);
+}
+/* cudaFuncSetAttribute's dynamic shared memory allowance of `kernel` on the
+ * calling thread's current device: it holds for every later launch of that
+ * kernel there, from any thread, as on a GPU (runtime.cpp) */
+void allow_dynamic_shared(const void *kernel, int bytes);
 
 struct Launch {
     dim3 grid, block;
     size_t shared;
     Launch(dim3 grid_, dim3 block_, size_t shared_ = 0, cudaStream_t = nullptr)
         : grid(grid_), block(block_), shared(shared_) {}
-    /* body: a closure calling the kernel with the launch's arguments
-     * (cuda_emu/__init__.py's translation of kernel<<<...>>>(args)) */
-    template <typename F> void operator()(F body) const {
-        launch(grid, block, shared, std::function<void()>(body));
+    /* kernel: kernel_id of the kernel launched; body: a closure calling it
+     * with the launch's arguments (cuda_emu/__init__.py's translation of
+     * kernel<<<...>>>(args)) */
+    template <typename F> void operator()(const void *kernel, F body) const {
+        launch(grid, block, shared, kernel, std::function<void()>(body));
     }
 };
 
@@ -338,11 +345,12 @@ template <typename T> inline cudaError_t cudaMalloc(T **ptr, size_t size) {
 template <typename T> inline cudaError_t cudaMallocAsync(T **ptr, size_t size, cudaStream_t s) {
     return cudaMallocAsync((void **)ptr, size, s);
 }
-template <typename F> inline cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute attr, int value) {
+template <typename F>
+inline cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute attr, int value) {
     if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize &&
         (value < 0 || value > MMD_EMU_SHARED_OPTIN))
         return cudaErrorInvalidValue;
-    mmd_emu::allow_dynamic_shared(value);
+    mmd_emu::allow_dynamic_shared(mmd_emu::kernel_id(kernel), value);
     return cudaSuccess;
 }
 
