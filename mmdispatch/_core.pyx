@@ -149,10 +149,75 @@ def get_backend(device):
 cdef bint _any_backend_selected = False
 
 
+# Called with no arguments after use_backend() or strict() changes the
+# calling thread's selection, each way (set by mmdispatch.torch, which
+# hands the selection to the threads torch's autograd runs CUDA backwards
+# in: _thread_selection).
+_selection_hook = None
+
+
+def _set_selection_hook(hook):
+    """Sets the function called after each change of a thread's backend
+    selection or strict mode (None: none)."""
+    global _selection_hook
+    _selection_hook = hook
+
+
+cdef int _selection_changed() except -1:
+    if _selection_hook is not None:
+        _selection_hook()
+    return 0
+
+
+def _thread_selection():
+    """The calling thread's backend selection and strict mode, as bytes
+    (a backend index per device type, then the strict state), or None
+    while all of them are the defaults."""
+    cdef unsigned char *selected = mmd_thread_backends()
+    cdef unsigned char state = mmd_thread_strict()[0]
+    cdef int i
+    if state == MMD_STRICT_UNSET:
+        for i in range(MMD_MAX_DEVICE_TYPES):
+            if selected[i] != 0:
+                break
+        else:
+            return None
+    return selected[:MMD_MAX_DEVICE_TYPES] + bytes((state,))
+
+
+def _set_thread_selection(selection):
+    """Sets the calling thread's backend selection and strict mode to
+    `selection` (one of _thread_selection's values); returns the previous
+    one. The hook is not called: the caller restores the previous value."""
+    previous = _thread_selection()
+    cdef unsigned char *selected = mmd_thread_backends()
+    cdef int i
+    global _any_backend_selected, _strict_possible
+    if selection is None:
+        for i in range(MMD_MAX_DEVICE_TYPES):
+            selected[i] = 0
+        mmd_thread_strict()[0] = MMD_STRICT_UNSET
+        return previous
+    if len(selection) != MMD_MAX_DEVICE_TYPES + 1:
+        raise ValueError(f"not a thread selection: {selection!r}")
+    for i in range(MMD_MAX_DEVICE_TYPES):
+        if selection[i] >= len(_backend_names):
+            raise ValueError(f"not a thread selection: {selection!r}")
+        selected[i] = selection[i]
+        if selection[i] != 0:
+            _any_backend_selected = True
+    mmd_thread_strict()[0] = selection[MMD_MAX_DEVICE_TYPES]
+    if selection[MMD_MAX_DEVICE_TYPES] == MMD_STRICT_ON:
+        _strict_possible = True
+    return previous
+
+
 @contextlib.contextmanager
 def use_backend(device, name):
     """Selects the backend (e.g. ``"reference"``) for a device type in this
-    thread for the duration of the ``with`` block."""
+    thread for the duration of the ``with`` block. With mmdispatch.torch
+    imported, the backward passes that torch's autograd runs from this
+    thread in the block, on CUDA in a thread of its own, take it too."""
     cdef int code = parse_device_type(device)
     cdef int index = _backend_index(name)
     cdef unsigned char *selected = mmd_thread_backends()
@@ -161,10 +226,12 @@ def use_backend(device, name):
     if index != 0:
         _any_backend_selected = True
     selected[code] = index
+    _selection_changed()
     try:
         yield
     finally:
         mmd_thread_backends()[code] = previous
+        _selection_changed()
 
 
 # Strict mode's process default (MMDISPATCH_STRICT=1), and whether strict
@@ -199,17 +266,21 @@ def strict(bint enabled=True):
     item is raised by that call, as on the CPU, and a failed kernel is
     reported by the call that launched it. Slower (a synchronisation per
     call): for debugging, like CUDA_LAUNCH_BLOCKING. Outside strict mode
-    such errors are deferred (see DeferredKernelError)."""
+    such errors are deferred (see DeferredKernelError). With mmdispatch.torch
+    imported, the backward passes that torch's autograd runs from this
+    thread in the block, on CUDA in a thread of its own, take it too."""
     cdef unsigned char *state = mmd_thread_strict()
     cdef unsigned char previous = state[0]
     global _strict_possible
     if enabled:
         _strict_possible = True
     state[0] = MMD_STRICT_ON if enabled else MMD_STRICT_OFF
+    _selection_changed()
     try:
         yield
     finally:
         mmd_thread_strict()[0] = previous
+        _selection_changed()
 
 
 cdef tuple _device_selection(str what, device):

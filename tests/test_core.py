@@ -247,6 +247,37 @@ def test_use_backend_is_thread_local_and_restored():
     assert mmdispatch.get_backend("cpu") == "default"
 
 
+def test_a_threads_selection_and_strict_mode_move_to_another_thread_and_back():
+    """_thread_selection / _set_thread_selection: what mmdispatch.torch hands
+    to the threads torch runs work in (backends and strict mode together),
+    set there for a call and restored after it; and the hook each change
+    of a selection calls, on entry and on exit."""
+    from mmdispatch import _core
+    changes, hook = [], _core._selection_hook   # (the torch layer's, if imported)
+    _core._set_selection_hook(lambda: changes.append(_core._thread_selection()))
+    try:
+        with mmdispatch.use_backend("cpu", "reference"), mmdispatch.strict():
+            selection = _core._thread_selection()
+    finally:
+        _core._set_selection_hook(hook)
+    assert len(changes) == 4 and changes[1] == selection and changes[3] is None
+    seen = {}
+
+    def other_thread():
+        before = _core._set_thread_selection(selection)
+        seen["during"] = (mmdispatch.get_backend("cpu"), mmdispatch.is_strict())
+        _core._set_thread_selection(before)
+        seen["after"] = (mmdispatch.get_backend("cpu"), mmdispatch.is_strict(), before)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"during": ("reference", True), "after": ("default", False, None)}
+    assert _core._thread_selection() is None
+    with pytest.raises(ValueError, match="not a thread selection"):
+        _core._set_thread_selection(b"\x00")
+
+
 def test_backend_without_kernel_is_kernel_not_found():
     with mmdispatch.use_backend("cpu", "deterministic"):
         with pytest.raises(KernelNotFoundError, match=re.escape(

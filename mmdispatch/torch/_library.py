@@ -18,7 +18,11 @@ Each entry point `E(...)` becomes a functional custom op
   registry, backends and Python kernels apply; on the CPU, float16 and
   bfloat16 are computed in float32 (the C kernels take float32 and float64);
   under torch.use_deterministic_algorithms(True), CUDA calls take the
-  `deterministic` backend;
+  `deterministic` backend; a call in a thread of torch's autograd takes
+  the backends and strict mode of the thread that started the backward
+  pass (mmdispatch.use_backend and strict are thread-local, and
+  autograd runs CUDA backwards in a thread per device: see
+  _publish_selection);
 - its fake implementation returns empty tensors of those shapes (a trimmed
   output gets a data-dependent length), so shapes propagate under
   FakeTensor and torch.compile;
@@ -222,7 +226,7 @@ class DerivedOp:
                           for t, optional in tensors)
         general = f"return _general({''.join(f'{x}, ' for x in a)}eager=eager)"
         lines = [f"def run({''.join(f'{x}, ' for x in a)}eager=False):",
-                 f"    if not ({contiguous}):",
+                 f"    if not ({contiguous}) or (_published[0] and _elsewhere()):",
                  f"        {general}",
                  f"    _dtype = {first}.dtype",
                  f"    _device = {first}.device",
@@ -238,6 +242,7 @@ class DerivedOp:
         scope = dict(SHAPE_SCOPE, _general=self.run_general, _LOW=_LOW_PRECISION,
                      _host_output=_host_output, _device_output=_device_output,
                      _deterministic=torch.are_deterministic_algorithms_enabled,
+                     _elsewhere=_selection_elsewhere, _published=_SELECTION_PUBLISHED,
                      _empty=self.empty, _EMPTY=_EMPTY_SHAPE, _entry=self.entry_point)
         call = [None if i is None else a[i] for i in self.arg_of]
         for j, (k, dtype, zeros) in enumerate(self.declared):
@@ -291,13 +296,7 @@ class DerivedOp:
                 call[k] = self.empty(k, dtype, device)
             else:
                 call[k] = (_host_output if cpu else _device_output)(shape, dtype, device, zeros)
-        if not cpu and first.is_cuda and torch.are_deterministic_algorithms_enabled():
-            # torch.use_deterministic_algorithms(True): the CUDA backend that
-            # gives the same bits on every run
-            with _core.use_backend("cuda", "deterministic"):
-                self.entry_point(*call)
-        else:
-            self.entry_point(*call)
+        self.call_entry_point(call, first.is_cuda)
         results = []
         for k, length in self.returns:
             value = call[k]
@@ -307,6 +306,25 @@ class DerivedOp:
                 value = value.to(wanted[k])
             results.append(value)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def call_entry_point(self, call, cuda):
+        """The entry point: in a thread of torch's autograd, with the
+        backends and strict mode of the thread that started the backward
+        pass (_published_selection); on CUDA arrays under
+        torch.use_deterministic_algorithms(True), with the CUDA backend that
+        gives the same bits on every run."""
+        elsewhere = _selection_elsewhere()
+        if elsewhere:
+            previous = _core._set_thread_selection(_published_selection())
+        try:
+            if cuda and torch.are_deterministic_algorithms_enabled():
+                with _core.use_backend("cuda", "deterministic"):
+                    self.entry_point(*call)
+            else:
+                self.entry_point(*call)
+        finally:
+            if elsewhere:
+                _core._set_thread_selection(previous)
 
     def autocast(self, device_type, *args):
         """The op inside torch.autocast(device_type), as torchvision's ops
@@ -379,6 +397,53 @@ class DerivedOp:
 _AUTOCAST_LIBRARY = torch.library.Library(NAMESPACE, "IMPL")
 _AUTOCAST_KEYS = (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"))
 _EMPTY_SHAPE = (0,)
+
+
+# The thread's backend selection and strict mode (_core._thread_selection)
+# in torch's thread-local Python objects, which torch's autograd hands to
+# the threads it runs a backward pass in (its ThreadLocalState, taken when
+# the pass starts): the CUDA backward ops of a pass started inside
+# `use_backend("cuda", "deterministic")` run in a thread of autograd's own,
+# where the selection made in the caller's thread is otherwise not seen.
+_SELECTION_KEY = "mmdispatch.selection"
+_stash_in_tls = getattr(torch._C, "_stash_obj_in_tls", None)
+_get_from_tls = getattr(torch._C, "_get_obj_in_tls", None)
+_is_in_tls = getattr(torch._C, "_is_key_in_tls", None)
+_SELECTION_TLS = None not in (_stash_in_tls, _get_from_tls, _is_in_tls)
+# [whether any thread ever published a selection]: until one does, calls
+# do not look (a list, read by the generated implementations)
+_SELECTION_PUBLISHED = [False]
+
+
+def _publish_selection():
+    """The calling thread's selection into torch's thread-local objects
+    (mmdispatch's hook: called after each change of it)."""
+    selection = _core._thread_selection()
+    if selection is not None:
+        _SELECTION_PUBLISHED[0] = True
+    elif not _SELECTION_PUBLISHED[0]:
+        return
+    _stash_in_tls(_SELECTION_KEY, selection)
+
+
+def _published_selection():
+    """The selection torch's thread-local objects hold here (None: the
+    defaults, or none published): in a thread of autograd's, that of the
+    thread that started the backward pass."""
+    if not _SELECTION_PUBLISHED[0] or not _is_in_tls(_SELECTION_KEY):
+        return None
+    return _get_from_tls(_SELECTION_KEY)
+
+
+def _selection_elsewhere():
+    """Whether a call here must first take a selection other than its
+    own thread's (in a thread of autograd's)."""
+    return _SELECTION_PUBLISHED[0] and _published_selection() != _core._thread_selection()
+
+
+if _SELECTION_TLS:
+    _core._set_selection_hook(_publish_selection)
+    _publish_selection()   # a selection made before this import
 _Tensor = torch.Tensor
 # private torch functions (present in every torch we support); without them
 # every call goes through torch.library

@@ -316,6 +316,63 @@ def test_registered_backends_and_python_kernels_apply_to_torch_calls():
     np.testing.assert_array_equal(out.numpy(), 7)
 
 
+def test_a_call_in_a_thread_torch_runs_takes_the_selection_of_the_thread_that_started_it():
+    """use_backend and strict are thread-local, and torch runs work in
+    threads of its own (autograd's CUDA backward passes, a thread per
+    device; TorchScript's fork): torch hands such a thread the starting
+    thread's ThreadLocalState, whose Python objects carry mmdispatch's
+    selection, so a call there takes the backend selected where the work
+    started. Here through a fork, on the CPU; the CUDA backward pass is
+    test_a_cuda_backward_pass_takes_the_backend_selected_around_backward."""
+    import threading
+    seen = []
+
+    def kernel(input, rois, output, *rest):
+        seen.append(threading.get_ident())
+        output.fill_(7)
+
+    @torch.jit.script
+    def child(x, rois):
+        return OPS.roi_align_forward(x, rois, 2, 2, 1.0, 2, 1, True)[0]
+
+    @torch.jit.script
+    def parent(x, rois):
+        return torch.jit.wait(torch.jit.fork(child, x, rois))
+
+    x, rois = roi_args()[:2]
+    with mmdispatch.register_impl("roi_align_forward_impl", "cpu", kernel, backend="probe"):
+        with mmdispatch.use_backend("cpu", "probe"):
+            out = parent(x, rois)
+        assert len(seen) == 1 and bool((out == 7).all())
+        if seen[0] == threading.get_ident():
+            pytest.skip("this torch ran the fork in the calling thread")
+        # outside the block, the fork takes the default backend again
+        out = parent(x, rois)
+        assert len(seen) == 1
+        torch.testing.assert_close(out, child(x, rois))
+
+
+def test_a_cuda_backward_pass_takes_the_backend_selected_around_backward(torch_cuda):
+    """autograd runs a CUDA backward pass in a thread of its own, where the
+    calling thread's use_backend is not seen but for the selection torch
+    hands over: `with use_backend("cuda", name): loss.backward()` runs the
+    named backend's backward (the deterministic one, say)."""
+    import threading
+    seen = []
+
+    def kernel(grad_output, rois, argmax_y, argmax_x, grad_input, *rest):
+        seen.append(threading.get_ident())
+        grad_input.fill_(7)
+
+    x, rois, *rest = roi_args(torch.float32, mode=1, requires_grad=True, device="cuda")
+    out = mmdispatch.torch.roi_align(x, rois, 2, 1.0, 2, True)
+    with mmdispatch.register_impl("roi_align_backward_impl", "cuda", kernel, backend="probe"):
+        with mmdispatch.use_backend("cuda", "probe"):
+            out.sum().backward()
+    assert len(seen) == 1
+    assert bool((x.grad == 7).all())
+
+
 def test_mmdispatch_works_without_torch_and_its_torch_layer_says_what_it_needs(tmp_path):
     import subprocess
     import sys
