@@ -163,9 +163,16 @@ def _nms(boxes, scores, idxs, iou_threshold, offset=0):
     if boxes.dtype != scores.dtype and not autocast_on(boxes):
         common = torch.promote_types(boxes.dtype, scores.dtype)
         boxes, scores = boxes.to(common), scores.to(common)
-    if scores.is_floating_point():
-        scores = torch.where(scores.isnan(), torch.full_like(scores, math.inf), scores)
-    return _NMS(boxes, scores, idxs, float(iou_threshold), int(offset))
+    return _NMS(boxes, nan_first(scores), idxs, float(iou_threshold), int(offset))
+
+
+def nan_first(scores):
+    """Scores for the nms kernels' ranking, a NaN taken as +inf: first, as
+    torch.sort(descending=True) puts it in torchvision's and MMCV's nms
+    (see _nms)."""
+    if not scores.is_floating_point():
+        return scores
+    return torch.where(scores.isnan(), torch.full_like(scores, math.inf), scores)
 
 
 def nms(boxes, scores, iou_threshold):

@@ -309,11 +309,13 @@ def nms_rotated(dets, scores, iou_threshold, labels=None, clockwise=True):
     threshold rounded to float32, as MMCV's CUDA kernel has it (its CPU
     kernel suppresses at equality too). With labels, boxes of different
     labels never suppress each other (MMCV's CPU and CUDA kernels ignore
-    labels, so its own test expects a box of another class suppressed)."""
+    labels, so its own test expects a box of another class suppressed). A
+    NaN score ranks first, as MMCV's sort puts it (_vision.nan_first)."""
     if dets.shape[0] == 0:
         return dets, None
     scores = _like_dtype(scores, dets)
-    keep = _NMS_ROTATED(dets, scores, None if labels is None else _categories(labels),
+    keep = _NMS_ROTATED(dets, _vision.nan_first(scores),
+                        None if labels is None else _categories(labels),
                         _float32_threshold(iou_threshold), bool(clockwise))
     return torch.cat([dets[keep], scores[keep].reshape(-1, 1)], dim=1), keep
 
@@ -503,7 +505,9 @@ def modulated_deform_conv2d(input, offset, mask, weight, bias=None, stride=1, pa
 
 class _DeformBase(nn.Module):
     """What MMCV's two deformable convolution modules share: the geometry
-    and a weight (C_out, C_in // groups, kh, kw)."""
+    and a weight (C_out, C_in // groups, kh, kw); a bias parameter, None
+    (bias False), or no `bias` attribute at all (bias None: DeformConv2d,
+    as MMCV's)."""
 
     def __init__(self, op, in_channels, out_channels, kernel_size, stride, padding, dilation,
                  groups, deform_groups, bias):
@@ -522,7 +526,7 @@ class _DeformBase(nn.Module):
                                                *self.kernel_size))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_channels))
-        else:
+        elif bias is not None:
             self.register_parameter("bias", None)
 
     def _offset_conv(self, per_tap):
@@ -538,7 +542,7 @@ class _DeformBase(nn.Module):
                 f"stride={self.stride},\npadding={self.padding},\n"
                 f"dilation={self.dilation},\ngroups={self.groups},\n"
                 f"deform_groups={self.deform_groups},\n"
-                f"bias={self.bias is not None})")
+                f"bias={getattr(self, 'bias', None) is not None})")
 
 
 class DeformConv2d(_DeformBase):
@@ -553,7 +557,7 @@ class DeformConv2d(_DeformBase):
         if bias:
             raise ValueError(f"DeformConv2d: bias={bias} is not supported (as in MMCV)")
         super().__init__("DeformConv2d", in_channels, out_channels, kernel_size, stride,
-                         padding, dilation, groups, deform_groups, False)
+                         padding, dilation, groups, deform_groups, None)
         self.im2col_step = im2col_step
         self.reset_parameters()
 
@@ -662,6 +666,8 @@ def multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_i
     im2col_step is checked and changes nothing (the kernels take the whole
     batch); the level tensors move to value's device if they are elsewhere."""
     _im2col_step("multi_scale_deformable_attn", im2col_step)
+    if value_level_start_index is None:   # as MMCV's CPU path, which never reads it
+        value_level_start_index = _level_starts(value_spatial_shapes, value.device)
     levels = (t.to(device=value.device, dtype=torch.int64)
               for t in (value_spatial_shapes, value_level_start_index))
     features, locations = _with_coordinates(value, sampling_locations)
@@ -682,10 +688,15 @@ def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_lo
     # a list of (H, W) pairs too, which MMCV's loop over the shapes takes
     value_spatial_shapes = torch.as_tensor(value_spatial_shapes, dtype=torch.int64,
                                            device=value.device)
-    sizes = value_spatial_shapes.prod(1)
-    starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
-    return multi_scale_deformable_attn(value, value_spatial_shapes, starts, sampling_locations,
-                                       attention_weights)
+    return multi_scale_deformable_attn(value, value_spatial_shapes,
+                                       _level_starts(value_spatial_shapes, value.device),
+                                       sampling_locations, attention_weights)
+
+
+def _level_starts(spatial_shapes, device):
+    """Each level's first row of value, from the levels' (H, W)."""
+    sizes = torch.as_tensor(spatial_shapes, dtype=torch.int64, device=device).prod(1)
+    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -764,7 +775,8 @@ class MultiScaleDeformableAttention(nn.Module):
         offsets = self.sampling_offsets(query).view(*sample_shape, 2)
         weights = self.attention_weights(query).view(n, num_query, self.num_heads, -1)
         weights = weights.softmax(-1).view(sample_shape)
-        if reference_points is None or reference_points.shape[-1] not in (2, 4):
+        if (reference_points is None or reference_points.dim() != 4
+                or reference_points.shape[-1] not in (2, 4)):
             got = None if reference_points is None else tuple(reference_points.shape)
             raise ValueError(f"{op}: reference_points must be (N, Q, L, 2) or (N, Q, L, 4), got "
                              f"{got}")

@@ -365,6 +365,23 @@ def test_nms_rotated_of_no_boxes_returns_them_and_none():
     assert dets.shape == (0, 5) and keep is None
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_nms_rotated_ranks_a_nan_score_first_as_mmcvs_sort_and_keeps_it_in_dets(batched):
+    """MMCV sorts the scores with torch.sort(descending=True), which puts
+    NaN first; our kernels rank it last, so the layer takes it as +inf
+    (as mmcv.nms does), and dets keep the score given."""
+    boxes = torch.tensor([[0.0, 0, 4, 4, 0], [0.5, 0, 4, 4, 0], [0, 0.4, 4, 4, 0],
+                          [20, 20, 4, 4, 0.3]])
+    scores = torch.tensor([0.9, 0.5, math.nan, 0.8])
+    if batched:
+        dets, keep = mmcv.batched_nms(boxes, scores, torch.zeros(4, dtype=torch.int64),
+                                      dict(type="nms_rotated", iou_threshold=0.5))
+    else:
+        dets, keep = mmcv.nms_rotated(boxes, scores, 0.5)
+    assert keep.tolist() == [2, 3]   # NaN first suppresses boxes 0 and 1
+    assert math.isnan(dets[0, -1]) and dets[1, -1] == scores[3]
+
+
 def test_modules_store_output_size_as_a_pair_and_use_torchvision_means_avg():
     x = feature_map()
     module = mmcv.RoIAlign(2, pool_mode="max", use_torchvision=True)
@@ -376,7 +393,9 @@ def test_modules_store_output_size_as_a_pair_and_use_torchvision_means_avg():
 def test_deformable_modules_initialise_as_mmcvs():
     torch.manual_seed(0)
     dcn = mmcv.DeformConv2d(64, 64, 3)
-    assert dcn.bias is None and not any(n == "bias" for n, _ in dcn.named_parameters())
+    # no bias attribute at all, as MMCV's (its test asserts it)
+    assert not hasattr(dcn, "bias") and not hasattr(mmcv.DeformConv2dPack(4, 4, 3), "bias")
+    assert "bias=False" in repr(dcn)
     bound = math.sqrt(6 / (64 * 9))   # kaiming uniform for ReLU
     assert dcn.weight.abs().max() <= bound and dcn.weight.abs().max() > 0.9 * bound
     with pytest.raises(ValueError, match="DeformConv2d: bias=True is not supported"):
@@ -516,6 +535,30 @@ def test_mmcv_argument_checks_that_mmcv_makes():
     for f in (mmcv.roi_align_rotated, mmcv.RoIAlignRotated.__init__):
         scale = inspect.signature(f).parameters["spatial_scale"]
         assert scale.default is inspect.Parameter.empty
+
+
+def test_msda_without_level_start_index_derives_it_as_mmcvs_cpu_path_does():
+    """MMCV's module runs its grid_sample fallback on the CPU, which never
+    reads level_start_index, so a caller may leave it out; ours derives it
+    from the shapes. A reference_points of other than 4 dimensions is a
+    ValueError naming it."""
+    torch.manual_seed(0)
+    attn = mmcv.MultiScaleDeformableAttention(embed_dims=16, num_heads=4, num_levels=2,
+                                              num_points=2, batch_first=True).eval()
+    query, value = torch.rand(2, 7, 16), torch.rand(2, 16, 16)
+    points = torch.rand(2, 7, 2, 2)
+    shapes, starts = torch.tensor([[3, 4], [2, 2]]), torch.tensor([0, 12])
+    expected = attn(query, value=value, reference_points=points, spatial_shapes=shapes,
+                    level_start_index=starts)
+    got = attn(query, value=value, reference_points=points, spatial_shapes=shapes)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    args = (torch.rand(1, 16, 4, 4), shapes, None, torch.rand(1, 3, 4, 2, 2, 2),
+            torch.rand(1, 3, 4, 2, 2))
+    torch.testing.assert_close(mmcv.multi_scale_deformable_attn(*args),
+                               mmcv.multi_scale_deformable_attn_pytorch(*args[:2], *args[3:]),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="reference_points must be .N, Q, L, 2."):
+        attn(query, value=value, reference_points=torch.rand(2, 7, 2), spatial_shapes=shapes)
 
 
 def test_the_grid_sample_fallbacks_name_takes_a_list_of_level_shapes():
