@@ -168,7 +168,12 @@ bool gemm_with(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64
     }
     Device &d = g_devices[device];
     std::lock_guard<std::mutex> lock(d.lock);
-    if (d.handle == nullptr && !d.failed) d.failed = functions.create(&d.handle) != kStatusSuccess;
+    if (d.handle == nullptr && !d.failed) {
+        /* a handle made in a graph capture may be refused (it allocates):
+         * the call takes our own products, and a later call makes it */
+        if (capturing(stream)) return false;
+        d.failed = functions.create(&d.handle) != kStatusSuccess;
+    }
     if (d.failed || functions.set_stream(d.handle, stream) != kStatusSuccess) return false;
     const T one = 1;
     if (batches == 1)

@@ -77,8 +77,8 @@ std::atomic<bool> g_device_used[kMaxDevices];
 namespace {
 
 struct DeviceErrors {
-    std::once_flag once;
-    cudaError_t init_error = cudaSuccess;
+    std::mutex init_lock;
+    std::atomic<bool> ready{false};        /* the state below is allocated */
     unsigned long long *word = nullptr;    /* device memory; MMD_DEFERRED_NONE when clear */
     unsigned long long *taken = nullptr;   /* mapped host memory: take_kernel's answer */
     unsigned long long *taken_dev = nullptr;
@@ -95,16 +95,21 @@ __global__ void take_kernel(unsigned long long *word, unsigned long long *out) {
 
 cudaError_t allocate_state(int device, DeviceErrors &e) {
     void *host = nullptr, *mapped = nullptr;
-    cudaError_t err = cudaMalloc((void **)&e.word, sizeof *e.word);
-    if (err == cudaSuccess) err = cudaMemset(e.word, 0xff, sizeof *e.word);
+    unsigned long long *word = nullptr;
+    cudaError_t err = cudaMalloc((void **)&word, sizeof *word);
+    if (err == cudaSuccess) err = cudaMemset(word, 0xff, sizeof *word);
     if (err == cudaSuccess) err = cudaHostAlloc(&host, 2 * sizeof *e.taken, cudaHostAllocMapped);
     if (err == cudaSuccess) err = cudaHostGetDevicePointer(&mapped, host, 0);
     /* the word must be clear before any stream, non-blocking ones too, uses it */
     if (err == cudaSuccess) err = cudaDeviceSynchronize();
-    if (err != cudaSuccess) {
+    if (err != cudaSuccess) {   /* nothing kept: a later call tries again */
+        cudaGetLastError();
+        if (host) cudaFreeHost(host);
+        if (word) cudaFree(word);
         cudaGetLastError();
         return err;
     }
+    e.word = word;
     e.taken = (unsigned long long *)host;
     e.taken_dev = (unsigned long long *)mapped;
     e.flag = (int *)(e.taken + 1);
@@ -116,14 +121,43 @@ cudaError_t allocate_state(int device, DeviceErrors &e) {
 
 }  // namespace
 
-int error_sink(int device, uint32_t seq, ErrorSink *sink) {
+bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+    if (err == cudaSuccess) return status != cudaStreamCaptureStatusNone;
+    cudaGetLastError();
+    /* the legacy stream, asked while a blocking stream captures */
+    return err == cudaErrorStreamCaptureImplicit;
+}
+
+int prepare_device(int device, cudaStream_t stream) {
     if (device < 0 || device >= kMaxDevices)
         return mmd_error(MMD_ERR_RUNTIME, "cuda:%d: mmdispatch supports CUDA devices 0 to %d",
                          device, kMaxDevices - 1);
     DeviceErrors &e = g_errors[device];
-    std::call_once(e.once, [&] { e.init_error = allocate_state(device, e); });
-    if (e.init_error != cudaSuccess)
-        return cuda_error(e.init_error, "allocating the device's deferred-error word");
+    if (e.ready.load(std::memory_order_acquire)) return MMD_OK;
+    std::lock_guard<std::mutex> lock(e.init_lock);
+    if (e.ready.load(std::memory_order_relaxed)) return MMD_OK;
+    /* allocating and clearing the word waits for the device, which a
+     * capture forbids (from any thread, in its global mode) */
+    if (capturing(stream))
+        return mmd_error(MMD_ERR_RUNTIME,
+                         "the first mmdispatch call on cuda:%d cannot be captured into a CUDA "
+                         "graph (it allocates the device's state and waits for the device): "
+                         "make one call of any mmdispatch op on the device before capturing",
+                         device);
+    const cudaError_t err = allocate_state(device, e);
+    if (err != cudaSuccess)
+        return cuda_error(err, "allocating the device's deferred-error word");
+    scratch_pool(device, stream);
+    e.ready.store(true, std::memory_order_release);
+    return MMD_OK;
+}
+
+int error_sink(int device, uint32_t seq, ErrorSink *sink) {
+    const int s = prepare_device(device, nullptr);
+    if (s) return s;
+    const DeviceErrors &e = g_errors[device];
     *sink = ErrorSink{e.word, e.flag_dev, seq};
     return MMD_OK;
 }
@@ -131,6 +165,9 @@ int error_sink(int device, uint32_t seq, ErrorSink *sink) {
 int take_pending(int device, cudaStream_t stream, const char *raised_by) {
     DeviceErrors &e = g_errors[device];
     if (g_error_flags[device].load(std::memory_order_acquire) == nullptr) return MMD_OK;
+    /* taking it waits for the device, which a capture forbids: it stays
+     * pending for a call outside the capture (or synchronize()) */
+    if (raised_by != nullptr && capturing(stream)) return MMD_OK;
     std::lock_guard<std::mutex> lock(e.take_lock);
     if (*(volatile int *)e.flag == 0) return MMD_OK;   /* another thread took it */
     /* Every kernel that may still report must finish first, so that the
@@ -152,7 +189,8 @@ int take_pending(int device, cudaStream_t stream, const char *raised_by) {
 namespace {
 
 struct Scratch {
-    std::once_flag once;
+    std::mutex lock;
+    std::atomic<bool> made{false};   /* pool holds the device's answer */
     std::atomic<cudaMemPool_t> pool{nullptr};
 };
 
@@ -188,10 +226,18 @@ cudaMemPool_t create_scratch_pool(int device) {
 
 }  // namespace
 
-cudaMemPool_t scratch_pool(int device) {
+cudaMemPool_t scratch_pool(int device, cudaStream_t stream) {
     if ((unsigned)device >= (unsigned)kMaxDevices) return nullptr;
     Scratch &s = g_scratch[device];
-    std::call_once(s.once, [&] { s.pool.store(create_scratch_pool(device)); });
+    if (s.made.load(std::memory_order_acquire)) return s.pool.load(std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(s.lock);
+    if (!s.made.load(std::memory_order_relaxed)) {
+        /* no pool made in a capture (which may forbid it): the call takes
+         * CUDA's default pool, and a later one makes the pool */
+        if (capturing(stream)) return nullptr;
+        s.pool.store(create_scratch_pool(device));
+        s.made.store(true, std::memory_order_release);
+    }
     return s.pool.load(std::memory_order_relaxed);
 }
 

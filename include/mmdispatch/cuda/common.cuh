@@ -171,13 +171,23 @@ struct ErrorSink {
 extern std::atomic<int *> g_error_flags[kMaxDevices];
 extern std::atomic<bool> g_device_used[kMaxDevices];
 
-/* A sink for a call recorded with mmd_deferred_begin(seq); the device's
- * error word is allocated on its first use (the current device must be
- * `device`). */
+/* Whether `stream` is capturing a CUDA graph (the legacy stream counts as
+ * capturing while a blocking stream does). */
+bool capturing(cudaStream_t stream);
+/* The device's state made on the first call on it (its error word, which
+ * waits for the device, and its scratch pool), so that a warm-up call of
+ * any op readies a device for graph capture; a first call in a capture is
+ * an error saying so, and a failure is not kept (a later call tries
+ * again). The current device must be `device`. */
+int prepare_device(int device, cudaStream_t stream);
+/* A sink for a call recorded with mmd_deferred_begin(seq) (the device
+ * prepared on its first use; the current device must be `device`). */
 int error_sink(int device, uint32_t seq, ErrorSink *sink);
 /* Waits for the device, takes its error word and returns the deferred
  * error it holds (MMD_ERR_DEFERRED), or MMD_OK. `raised_by`: the entry
- * point whose call found it pending, or null for synchronize. */
+ * point whose call found it pending (MMD_OK, the error left pending,
+ * where that call's stream is capturing: a capture forbids the wait), or
+ * null for synchronize. */
 int take_pending(int device, cudaStream_t stream, const char *raised_by);
 
 /* Scratch memory (src/cuda/device.cu): each device's own stream-ordered
@@ -185,9 +195,10 @@ int take_pending(int device, cudaStream_t stream, const char *raised_by);
  * synchronisations (CUDA's default pool returns all of it to the driver at
  * every synchronisation, so the next call maps its scratch again), or null
  * where the device has no memory pools (then cudaMallocAsync's default
- * pool). The current device must be `device`. */
+ * pool; also while `stream` captures a graph before the pool is made,
+ * which a capture may forbid). The current device must be `device`. */
 constexpr unsigned long long kScratchKeepBytes = 256ull << 20;
-cudaMemPool_t scratch_pool(int device);
+cudaMemPool_t scratch_pool(int device, cudaStream_t stream);
 
 /* Allocates `bytes` (at least 1) of scratch on the current device, in
  * stream order; freed with cudaFreeAsync. */
@@ -195,7 +206,7 @@ inline cudaError_t scratch_allocate(void **ptr, size_t bytes, cudaStream_t strea
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    const cudaMemPool_t pool = scratch_pool(device);
+    const cudaMemPool_t pool = scratch_pool(device, stream);
     if (bytes == 0) bytes = 1;
     return pool ? cudaMallocFromPoolAsync(ptr, bytes, pool, stream)
                 : cudaMallocAsync(ptr, bytes, stream);
@@ -228,12 +239,20 @@ template <typename F> int on_device(const mmd_context *ctx, F f) {
     DeviceGuard guard(ctx->device_id);
     if (guard.error() != cudaSuccess) return cuda_error(guard.error(), "cudaSetDevice");
     const int device = ctx->device_id;
-    if ((unsigned)device < (unsigned)kMaxDevices &&
-        !g_device_used[device].load(std::memory_order_relaxed))
-        g_device_used[device].store(true, std::memory_order_relaxed);
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
+    if ((unsigned)device < (unsigned)kMaxDevices &&
+        !g_device_used[device].load(std::memory_order_acquire)) {
+        const int s = prepare_device(device, stream);
+        if (s) return s;
+        g_device_used[device].store(true, std::memory_order_release);
+    }
     int s = raise_pending(device, stream, ctx->op ? ctx->op : "an mmdispatch call");
     if (s) return s;
+    if (strict(ctx) && capturing(stream))
+        return mmd_error(MMD_ERR_RUNTIME,
+                         "strict mode waits for the device, so a call in it cannot be "
+                         "captured into a CUDA graph: leave mmdispatch.strict() (or unset "
+                         "MMDISPATCH_STRICT) for the capture");
     s = f(stream);
     if (s == MMD_OK && strict(ctx)) {
         const cudaError_t err = cudaStreamSynchronize(stream);

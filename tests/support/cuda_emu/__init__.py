@@ -293,6 +293,8 @@ class Emulator:
                 ("mmd_emu_kernel_backend", ctypes.c_int, [ctypes.c_int]),
                 ("mmd_emu_kernel_fn", ctypes.c_void_p, [ctypes.c_int]),
                 ("mmd_emu_launches", ctypes.c_longlong, []),
+                ("mmd_emu_capture", None, [ctypes.c_int]),
+                ("mmd_emu_capture_violations", ctypes.c_longlong, []),
                 ("mmd_emu_host_waits", ctypes.c_longlong, []),
                 ("mmd_emu_live_allocations", ctypes.c_longlong, []),
                 ("mmd_emu_pool_maps", ctypes.c_longlong, []),
@@ -357,17 +359,32 @@ class Emulator:
         finally:
             self.lib.mmd_emu_limit_scratch(0)
 
+    @contextlib.contextmanager
+    def capturing(self):
+        """Every stream captures a CUDA graph while the block runs (in
+        CUDA's global mode): launches still run at once, and the calls a
+        capture forbids (synchronisations, cudaMalloc, cudaMemset,
+        cudaMemcpy, cudaHostAlloc, cudaMemPoolCreate, copies to the host)
+        fail and are counted (counters()["capture_violations"])."""
+        self.lib.mmd_emu_capture(1)
+        try:
+            yield self
+        finally:
+            self.lib.mmd_emu_capture(0)
+
     def counters(self):
         """launches, host waits, live device allocations, scratch-pool
         allocations that found no freed block to reuse (pool_maps), the
-        freed bytes the pools keep (pool_kept_bytes) and the products the
-        cuBLAS stand-in made (cublas_calls)."""
+        freed bytes the pools keep (pool_kept_bytes), the products the
+        cuBLAS stand-in made (cublas_calls) and the calls a capture refused
+        (capture_violations, see capturing())."""
         return {"launches": self.lib.mmd_emu_launches(),
                 "host_waits": self.lib.mmd_emu_host_waits(),
                 "live_allocations": self.lib.mmd_emu_live_allocations(),
                 "pool_maps": self.lib.mmd_emu_pool_maps(),
                 "pool_kept_bytes": self.lib.mmd_emu_pool_kept_bytes(),
-                "cublas_calls": self.lib.mmd_emu_cublas_calls()}
+                "cublas_calls": self.lib.mmd_emu_cublas_calls(),
+                "capture_violations": self.lib.mmd_emu_capture_violations()}
 
     @contextlib.contextmanager
     def active(self):

@@ -8,6 +8,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <random>
@@ -458,20 +459,42 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
     return cudaSuccess;
 }
 
+/* The capture mode (mmd_emu_capture): every stream capturing; the calls
+ * a capture forbids (they synchronise, or allocate or copy outside stream
+ * order) fail with cudaErrorStreamCaptureUnsupported, as CUDA's global
+ * capture mode has them fail from any thread, and are counted. */
+std::atomic<int> g_capturing{0};
+std::atomic<long long> g_capture_violations{0};
+
+bool capture_forbids(void) {
+    if (!g_capturing.load()) return false;
+    ++g_capture_violations;
+    t_last_error = cudaErrorStreamCaptureUnsupported;
+    return true;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus *status) {
+    *status = g_capturing.load() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+    return cudaSuccess;
+}
+
 /* Launches finish before they return: waiting is only counted. */
 cudaError_t cudaDeviceSynchronize(void) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     ++g_host_waits;
     trim_pools_at_synchronisation();
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     ++g_host_waits;
     trim_pools_at_synchronisation();
     return cudaSuccess;
 }
 
 cudaError_t cudaMalloc(void **ptr, size_t size) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     *ptr = aligned_alloc(256, ((size ? size : 1) + 255) / 256 * 256);
     if (!*ptr) return t_last_error = cudaErrorMemoryAllocation;
     std::lock_guard<std::mutex> lock(g_memory_lock);
@@ -504,6 +527,7 @@ cudaError_t cudaFree(void *ptr) {
 cudaError_t cudaFreeAsync(void *ptr, cudaStream_t) { return cudaFree(ptr); }
 
 cudaError_t cudaMemPoolCreate(cudaMemPool_t *pool, const cudaMemPoolProps *props) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     if (props->allocType != cudaMemAllocationTypePinned ||
         props->location.type != cudaMemLocationTypeDevice || props->location.id != 0)
         return t_last_error = cudaErrorInvalidValue;
@@ -576,6 +600,7 @@ cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool,
 }
 
 cudaError_t cudaHostAlloc(void **ptr, size_t size, unsigned) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     *ptr = calloc(1, size ? size : 1);
     return *ptr ? cudaSuccess : cudaErrorMemoryAllocation;
 }
@@ -591,6 +616,7 @@ cudaError_t cudaHostGetDevicePointer(void **device, void *host, unsigned) {
 }
 
 cudaError_t cudaMemset(void *ptr, int value, size_t size) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     memset(ptr, value, size);
     return cudaSuccess;
 }
@@ -601,13 +627,18 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t size, cudaStream_t) {
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t size, cudaMemcpyKind) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     ++g_host_waits;   /* a synchronous copy waits for the device */
     memmove(dst, src, size);
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t size, cudaMemcpyKind,
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t size, cudaMemcpyKind kind,
                             cudaStream_t) {
+    /* a copy to the host in a capture is legal into pinned memory only;
+     * ours (strict mode's verdict) goes to pageable memory */
+    if (kind == cudaMemcpyDeviceToHost && capture_forbids())
+        return cudaErrorStreamCaptureUnsupported;
     memmove(dst, src, size);
     return cudaSuccess;
 }
@@ -703,6 +734,8 @@ int mmd_emu_kernel_backend(int i) { return g_recorded[i].backend; }
 void *mmd_emu_kernel_fn(int i) { return g_recorded[i].fn; }
 
 long long mmd_emu_launches(void) { return g_launches; }
+void mmd_emu_capture(int on) { g_capturing.store(on); }
+long long mmd_emu_capture_violations(void) { return g_capture_violations.load(); }
 long long mmd_emu_host_waits(void) { return g_host_waits; }
 int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, void **dgemm,
                              void **sgemm_batched, void **dgemm_batched) {

@@ -54,6 +54,8 @@ enum cudaError_t {
     cudaErrorInsufficientDriver = 35,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureImplicit = 906,
     cudaErrorIllegalInstruction = 715,
     cudaErrorMisalignedAddress = 716,
     cudaErrorLaunchFailure = 719
@@ -66,6 +68,16 @@ enum cudaMemcpyKind {
     cudaMemcpyDeviceToHost = 2,
     cudaMemcpyDeviceToDevice = 3,
     cudaMemcpyDefault = 4
+};
+
+/* Stream capture (CUDA graphs): the emulator's capture mode is a switch
+ * the tests turn (mmd_emu_capture), which puts every stream in an active
+ * capture; launches still run at once (nothing is recorded or replayed),
+ * and the calls a capture forbids fail and are counted (runtime.cpp). */
+enum cudaStreamCaptureStatus {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2
 };
 
 enum cudaDeviceAttr {
@@ -319,6 +331,7 @@ cudaError_t cudaDriverGetVersion(int *version);
 cudaError_t cudaRuntimeGetVersion(int *version);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device);
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device);
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus *status);
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaMalloc(void **ptr, size_t size);
