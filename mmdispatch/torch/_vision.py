@@ -388,6 +388,13 @@ class DeformConv2d(nn.Module):
         return text + (", bias=False)" if self.bias is None else ")")
 
 
+# torch.fx traces the modules below with these functions as leaves (their
+# argument checks would meet fx's proxies), as torchvision's modules trace
+for _leaf in ("roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool"):
+    torch.fx.wrap(_leaf)
+del _leaf
+
+
 class RoIAlign(nn.Module):
     """torchvision.ops.RoIAlign."""
 

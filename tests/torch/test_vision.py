@@ -192,6 +192,23 @@ def test_gradcheck_in_float64_on_contiguous_and_strided_inputs(strided):
 
 
 @needs_data_dependent_tracing
+@pytest.mark.parametrize("name, function, args", [
+    ("RoIAlign", "roi_align", (2, 0.5, 2, True)), ("RoIPool", "roi_pool", (2, 0.5)),
+    ("PSRoIAlign", "ps_roi_align", (2, 0.5, 2)), ("PSRoIPool", "ps_roi_pool", (2, 0.5))])
+def test_torch_fx_traces_the_roi_modules_with_their_function_as_a_leaf(name, function, args):
+    """torch.fx.symbolic_trace (torchvision's create_feature_extractor
+    traces so) of the modules: their function is one call in the graph, as
+    torchvision's modules trace (its argument checks would meet fx's
+    proxies), and the traced module gives the module's values."""
+    x = torch.rand(1, 4, 8, 8)
+    rois = torch.tensor([[0, 1.0, 1, 6, 6], [0, 0, 2, 7, 5]])
+    module = getattr(mt, name)(*args)
+    traced = torch.fx.symbolic_trace(module)
+    calls = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert calls == [getattr(mt, function)]
+    torch.testing.assert_close(traced(x, rois), module(x, rois), rtol=0, atol=0)
+
+
 def test_compiled_function_with_roi_align_nms_and_box_iou_has_no_graph_break():
     def detect(x, boxes, scores):
         pooled = mt.roi_align(x, [boxes], 3, 0.5, 2, True)
