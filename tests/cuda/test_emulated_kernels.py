@@ -31,6 +31,13 @@ def on_gpu(arrays):
     return [OnGpu(a) if isinstance(a, np.ndarray) else a for a in arrays]
 
 
+def call_copies(op_name, seed, count=2):
+    """`count` copies of the fuzzer's plausible call of op_name for seed
+    (arrays copied, so that each call writes its own outputs)."""
+    args, _ = fuzz_cases.plausible_call(op_name, seed)
+    return [[a.copy() if isinstance(a, np.ndarray) else a for a in args] for _ in range(count)]
+
+
 def roi_case(batch_index=1):
     """roi_align_forward_impl's arrays (avg mode): a (2, 3, 9, 9) map, two
     rois, 2x2 bins; the second roi on image `batch_index`."""
@@ -70,9 +77,7 @@ def test_cuda_kernel_matches_the_cpu_kernel_on_odd_calls(emu, op_name, backend):
     if backend not in emu.backends(op_name):
         pytest.skip(f"{op_name} has no {backend} CUDA kernel")
     for seed in SEEDS:
-        args, _ = fuzz_cases.plausible_call(op_name, seed)
-        on_cpu = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
-        device_copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        on_cpu, device_copies = call_copies(op_name, seed)
         expected = outcome(emu, op_name, on_cpu)
         live = emu.counters()["live_allocations"]
         with mmdispatch.strict(), mmdispatch.use_backend("cuda", backend):
@@ -1344,9 +1349,7 @@ def test_every_cuda_call_after_a_warm_up_can_be_captured_into_a_graph(emu, op_na
     if backend not in emu.backends(op_name):
         pytest.skip(f"{op_name} has no {backend} CUDA kernel")
     for seed in CAPTURE_SEEDS:
-        args, _ = fuzz_cases.plausible_call(op_name, seed)
-        warm = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
-        captured = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        warm, captured = call_copies(op_name, seed)
         emu.synchronize()   # no deferred error of an earlier call
         with mmdispatch.strict(False), mmdispatch.use_backend("cuda", backend):
             expected = bits(outcome(emu, op_name, on_gpu(warm)))

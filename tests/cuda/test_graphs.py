@@ -120,14 +120,10 @@ def _cases(torch):
         lambda x, r: mt.roi_pool(x, r, 7, 0.25),
         lambda s: [feat(g(s), 2, 16, 32, 32), _rois(torch, g(s + 1), 2, 64, 32, 32, 0.25, dev)],
         (0,))
-    cases["ps_roi_align"] = (
-        lambda x, r: mt.ps_roi_align(x, r, 3, 0.25, 2),
-        lambda s: [feat(g(s), 2, 18, 16, 16), _rois(torch, g(s + 1), 2, 12, 16, 16, 0.25, dev)],
-        (0,))
-    cases["ps_roi_pool"] = (
-        lambda x, r: mt.ps_roi_pool(x, r, 3, 0.25),
-        lambda s: [feat(g(s), 2, 18, 16, 16), _rois(torch, g(s + 1), 2, 12, 16, 16, 0.25, dev)],
-        (0,))
+    for name, fn in (("ps_roi_align", lambda x, r: mt.ps_roi_align(x, r, 3, 0.25, 2)),
+                     ("ps_roi_pool", lambda x, r: mt.ps_roi_pool(x, r, 3, 0.25))):
+        cases[name] = (fn, lambda s: [feat(g(s), 2, 18, 16, 16),
+                                      _rois(torch, g(s + 1), 2, 12, 16, 16, 0.25, dev)], (0,))
     cases["roi_align_rotated"] = (
         lambda x, r: mmcv.roi_align_rotated(x, r, 7, 0.25, 2, True, False),
         lambda s: [feat(g(s), 2, 8, 16, 16),
