@@ -34,6 +34,7 @@ Each entry point `E(...)` becomes a functional custom op
 """
 import ctypes
 import functools
+import inspect
 import itertools
 import mmap
 import re
@@ -156,6 +157,10 @@ class DerivedOp:
         self.returns = [(params[p.name], params[p.length] if p.length else -1)
                         for p in sig.params if p.is_output and p.name not in lengths]
         self.output_names = [sig.params[k].name for k, _ in self.returns]
+        # an output whose length is read back from the device (the nms
+        # family): the op cannot be captured into a CUDA graph, and says so
+        # to torch.compile's CUDA graphs where this torch has the tag
+        self.counted = any(length >= 0 for _, length in self.returns)
         self.first_input = self.arg_of[self.tensor_params[0]]
         self.tensor_args = tuple(self.arg_of[k] for k in self.tensor_params)
         self.empties = {}
@@ -164,8 +169,9 @@ class DerivedOp:
         returned = ", ".join(["Tensor"] * len(self.returns))
         self.schema = (f"({', '.join(args)}) -> "
                        f"{returned if len(self.returns) == 1 else f'({returned})'}")
+        tags = {"tags": (_CUDAGRAPH_UNSAFE,)} if self.counted and _CUDAGRAPH_UNSAFE else {}
         self.op = torch.library.custom_op(self.qualname, self.run, mutates_args=(),
-                                          schema=self.schema)
+                                          schema=self.schema, **tags)
         self.op.register_fake(self.fake)
         # outputs whose dtype is the first array's: autocast casts them back to it
         self.follow_first = {k for k, dtype, _ in self.declared if dtype is None}
@@ -257,6 +263,10 @@ class DerivedOp:
             lines.append(f"    o{k} = (_empty({k}, {a[position + 1]}, _device)"
                          f" if eager and tuple({a[position]}) == _EMPTY"
                          f" else _new({a[position]}, {a[position + 1]}, _device, {zeros}))")
+        if self.counted:
+            lines.append(f"    if {first}.is_cuda and _capturing(): _refuse_capture()")
+            scope.update(_capturing=torch.cuda.is_current_stream_capturing,
+                         _refuse_capture=self.refuse_capture)
         lines.append(f"    _entry({', '.join(call)})")
         results = [f"o{k}[:int(o{length}[0])]" if length >= 0 else f"o{k}"
                    for k, length in self.returns]
@@ -296,6 +306,8 @@ class DerivedOp:
                 call[k] = self.empty(k, dtype, device)
             else:
                 call[k] = (_host_output if cpu else _device_output)(shape, dtype, device, zeros)
+        if self.counted and first.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.refuse_capture()
         self.call_entry_point(call, first.is_cuda)
         results = []
         for k, length in self.returns:
@@ -306,6 +318,16 @@ class DerivedOp:
                 value = value.to(wanted[k])
             results.append(value)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def refuse_capture(self):
+        """The error of an op whose output length is read back from the
+        device, called while torch's current CUDA stream captures a graph
+        (before anything is launched: the capture goes on)."""
+        raise RuntimeError(
+            f"{self.name}: its output's length depends on the data and is read back from the "
+            f"device, so it cannot be captured into a CUDA graph: call it outside the capture, "
+            f"or capture mmdispatch.{self.signature.name} with outputs of your own (the count "
+            f"stays on the device)")
 
     def call_entry_point(self, call, cuda):
         """The entry point: in a thread of torch's autograd, with the
@@ -397,6 +419,10 @@ class DerivedOp:
 _AUTOCAST_LIBRARY = torch.library.Library(NAMESPACE, "IMPL")
 _AUTOCAST_KEYS = (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"))
 _EMPTY_SHAPE = (0,)
+# torch.compile's CUDA graphs leave ops with this tag out (torch 2.8 and
+# later; custom_op takes tags from 2.5)
+_CUDAGRAPH_UNSAFE = (getattr(torch.Tag, "cudagraph_unsafe", None)
+                     if "tags" in inspect.signature(torch.library.custom_op).parameters else None)
 
 
 # The thread's backend selection and strict mode (_core._thread_selection)

@@ -373,6 +373,27 @@ def test_a_cuda_backward_pass_takes_the_backend_selected_around_backward(torch_c
     assert bool((x.grad == 7).all())
 
 
+def test_ops_whose_length_is_read_back_are_tagged_and_refuse_a_cuda_graph_capture():
+    """The nms family reads its kept count back from the device, which a
+    CUDA graph capture forbids: those ops carry torch.Tag.cudagraph_unsafe
+    (torch.compile's CUDA graphs leave them out) and, on CUDA tensors while
+    torch's current stream captures, raise a RuntimeError saying so before
+    launching anything (tests/cuda/test_graphs.py on a GPU); no other op
+    pays for the check."""
+    counted = {name for name, op in DERIVED.items() if op.counted}
+    assert counted == {"nms_impl", "nms_rotated_impl", "soft_nms_impl"}
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    for name, op in DERIVED.items():
+        tags = getattr(OPS, op.name).default.tags
+        if tag is not None:
+            assert (tag in tags) == op.counted, name
+        assert ("_refuse_capture()" in op.run.source) == op.counted, name
+    message = pytest.raises(RuntimeError, DERIVED["nms_impl"].refuse_capture).value
+    assert str(message).startswith("nms: its output's length depends on the data and is read "
+                                   "back from the device, so it cannot be captured into a CUDA "
+                                   "graph")
+
+
 def test_mmdispatch_works_without_torch_and_its_torch_layer_says_what_it_needs(tmp_path):
     import subprocess
     import sys
