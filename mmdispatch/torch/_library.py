@@ -18,11 +18,10 @@ Each entry point `E(...)` becomes a functional custom op
   registry, backends and Python kernels apply; on the CPU, float16 and
   bfloat16 are computed in float32 (the C kernels take float32 and float64);
   under torch.use_deterministic_algorithms(True), CUDA calls take the
-  `deterministic` backend; a call in a thread of torch's autograd takes
-  the backends and strict mode of the thread that started the backward
-  pass (mmdispatch.use_backend and strict are thread-local, and
-  autograd runs CUDA backwards in a thread per device: see
-  _publish_selection);
+  `deterministic` backend; a call in a backward pass takes the backends
+  and strict mode of the thread that started the pass
+  (mmdispatch.use_backend and strict are thread-local, and autograd runs
+  CUDA backwards in a thread per device: see _publish_selection);
 - its fake implementation returns empty tensors of those shapes (a trimmed
   output gets a data-dependent length), so shapes propagate under
   FakeTensor and torch.compile;
@@ -39,6 +38,7 @@ import itertools
 import mmap
 import re
 import sys
+import threading
 
 import torch
 
@@ -232,7 +232,8 @@ class DerivedOp:
                           for t, optional in tensors)
         general = f"return _general({''.join(f'{x}, ' for x in a)}eager=eager)"
         lines = [f"def run({''.join(f'{x}, ' for x in a)}eager=False):",
-                 f"    if not ({contiguous}) or (_published[0] and _elsewhere()):",
+                 f"    if not ({contiguous}) or (_published[0] and _node() is not None"
+                 f" and _elsewhere()):",
                  f"        {general}",
                  f"    _dtype = {first}.dtype",
                  f"    _device = {first}.device",
@@ -249,6 +250,7 @@ class DerivedOp:
                      _host_output=_host_output, _device_output=_device_output,
                      _deterministic=torch.are_deterministic_algorithms_enabled,
                      _elsewhere=_selection_elsewhere, _published=_SELECTION_PUBLISHED,
+                     _node=_current_node,
                      _empty=self.empty, _EMPTY=_EMPTY_SHAPE, _entry=self.entry_point)
         call = [None if i is None else a[i] for i in self.arg_of]
         for j, (k, dtype, zeros) in enumerate(self.declared):
@@ -340,8 +342,12 @@ class DerivedOp:
             previous = _core._set_thread_selection(_published_selection())
         try:
             if cuda and torch.are_deterministic_algorithms_enabled():
-                with _core.use_backend("cuda", "deterministic"):
-                    self.entry_point(*call)
+                _THREAD.paused = True   # the call's own choice, not the thread's
+                try:
+                    with _core.use_backend("cuda", "deterministic"):
+                        self.entry_point(*call)
+                finally:
+                    _THREAD.paused = False
             else:
                 self.entry_point(*call)
         finally:
@@ -435,15 +441,25 @@ _SELECTION_KEY = "mmdispatch.selection"
 _stash_in_tls = getattr(torch._C, "_stash_obj_in_tls", None)
 _get_from_tls = getattr(torch._C, "_get_obj_in_tls", None)
 _is_in_tls = getattr(torch._C, "_is_key_in_tls", None)
-_SELECTION_TLS = None not in (_stash_in_tls, _get_from_tls, _is_in_tls)
+# the node autograd runs in this thread (None outside a backward pass): only
+# calls there look for a selection handed over (65 ns, where reading torch's
+# thread-local objects takes 400)
+_current_node = getattr(torch._C, "_current_autograd_node", None)
+_SELECTION_TLS = None not in (_stash_in_tls, _get_from_tls, _is_in_tls, _current_node)
 # [whether any thread ever published a selection]: until one does, calls
 # do not look (a list, read by the generated implementations)
 _SELECTION_PUBLISHED = [False]
+# .paused: whether the hook leaves this thread's selection unpublished,
+# while a call takes the deterministic backend for
+# torch.use_deterministic_algorithms (the call's own choice)
+_THREAD = threading.local()
 
 
 def _publish_selection():
     """The calling thread's selection into torch's thread-local objects
     (mmdispatch's hook: called after each change of it)."""
+    if getattr(_THREAD, "paused", False):
+        return
     selection = _core._thread_selection()
     if selection is not None:
         _SELECTION_PUBLISHED[0] = True
@@ -463,8 +479,10 @@ def _published_selection():
 
 def _selection_elsewhere():
     """Whether a call here must first take a selection other than its
-    own thread's (in a thread of autograd's)."""
-    return _SELECTION_PUBLISHED[0] and _published_selection() != _core._thread_selection()
+    own thread's (in a backward pass that autograd runs in a thread of its
+    own)."""
+    return (_SELECTION_PUBLISHED[0] and _current_node() is not None
+            and _published_selection() != _core._thread_selection())
 
 
 if _SELECTION_TLS:

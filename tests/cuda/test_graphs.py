@@ -298,16 +298,16 @@ def test_replay_with_bad_roi_gives_nan_rows_and_a_deferred_error(tc):
     r = _rois(torch, torch.Generator().manual_seed(0), 2, 12, 16, 16, 0.25, "cuda")
     graph, out = _warm_up_and_capture(torch, lambda x, r: mt.roi_align(x, r, 7, 0.25, 2, True),
                                       (x, r))
-    good = r.clone()
+    want = mt.roi_align(x, r, 7, 0.25, 2, True)   # before the replay leaves an error
     r[3, 0] = 7   # batch index outside [0, 2)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isnan(out[3]).all()
     rows = [i for i in range(12) if i != 3]
-    torch.testing.assert_close(out[rows], mt.roi_align(x, good, 7, 0.25, 2, True)[rows])
     with pytest.raises(mmdispatch.DeferredKernelError, match=r"roi_align.*rois\[3, 0\]"):
         mmdispatch.synchronize("cuda")
     mmdispatch.synchronize("cuda")   # raised once, then cleared
+    torch.testing.assert_close(out[rows], want[rows])
 
 
 def test_pending_error_does_not_break_a_capture(tc):
@@ -432,10 +432,10 @@ def test_first_call_under_capture_is_refused_saying_why_and_does_not_poison_the_
 
 
 def test_capture_of_a_larger_shape_than_the_warm_up(tc):
-    """Warm-up on a small roi_align (no scratch: the scratch pool does not
-    exist yet, the transposed kernels are not loaded), capture a large one
-    (transposed chunks: the pool is created and its first allocation is a
-    graph memory node; CUDA's lazy loading loads kernels during capture)."""
+    """Warm-up on a small roi_align (no scratch; the first call made the
+    scratch pool; the transposed kernels are not loaded), capture a large
+    one (transposed chunks: its scratch is a graph memory node; CUDA's lazy
+    loading loads kernels during capture)."""
     rc, out = _run_fresh(_FRESH_PRELUDE + """
     mt.roi_align(x, r, 7, 0.25, 2, True)            # error word, no scratch
     big = torch.randn(2, 256, 64, 64, device="cuda")

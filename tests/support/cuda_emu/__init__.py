@@ -363,8 +363,9 @@ class Emulator:
     def capturing(self):
         """Every stream captures a CUDA graph while the block runs (in
         CUDA's global mode): launches still run at once, and the calls a
-        capture forbids (synchronisations, cudaMalloc, cudaMemset,
-        cudaMemcpy, cudaHostAlloc, cudaMemPoolCreate, copies to the host)
+        capture forbids (synchronisations, cudaMalloc, cudaFree, cudaMemset,
+        cudaMemcpy, cudaHostAlloc, cudaFreeHost, cudaMemPoolCreate, copies
+        to the host)
         fail and are counted (counters()["capture_violations"])."""
         self.lib.mmd_emu_capture(1)
         try:

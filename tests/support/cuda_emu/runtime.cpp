@@ -493,18 +493,28 @@ cudaError_t cudaStreamSynchronize(cudaStream_t) {
     return cudaSuccess;
 }
 
-cudaError_t cudaMalloc(void **ptr, size_t size) {
-    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
+namespace {
+/* cudaMalloc's and cudaMallocAsync's allocation (stream order is moot:
+ * launches run at once) */
+cudaError_t allocate(void **ptr, size_t size) {
     *ptr = aligned_alloc(256, ((size ? size : 1) + 255) / 256 * 256);
     if (!*ptr) return t_last_error = cudaErrorMemoryAllocation;
     std::lock_guard<std::mutex> lock(g_memory_lock);
     g_allocations.insert(*ptr);
     return cudaSuccess;
 }
+}  // namespace
 
-cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t) { return cudaMalloc(ptr, size); }
+cudaError_t cudaMalloc(void **ptr, size_t size) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
+    return allocate(ptr, size);
+}
 
-cudaError_t cudaFree(void *ptr) {
+cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t) { return allocate(ptr, size); }
+
+namespace {
+/* cudaFree's and cudaFreeAsync's release */
+cudaError_t release(void *ptr) {
     if (!ptr) return cudaSuccess;
     {
         std::lock_guard<std::mutex> lock(g_memory_lock);
@@ -523,8 +533,14 @@ cudaError_t cudaFree(void *ptr) {
     free(ptr);
     return cudaSuccess;
 }
+}  // namespace
 
-cudaError_t cudaFreeAsync(void *ptr, cudaStream_t) { return cudaFree(ptr); }
+cudaError_t cudaFree(void *ptr) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
+    return release(ptr);
+}
+
+cudaError_t cudaFreeAsync(void *ptr, cudaStream_t) { return release(ptr); }
 
 cudaError_t cudaMemPoolCreate(cudaMemPool_t *pool, const cudaMemPoolProps *props) {
     if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
@@ -606,6 +622,7 @@ cudaError_t cudaHostAlloc(void **ptr, size_t size, unsigned) {
 }
 
 cudaError_t cudaFreeHost(void *ptr) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     free(ptr);
     return cudaSuccess;
 }
