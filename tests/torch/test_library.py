@@ -329,6 +329,8 @@ def test_a_backward_pass_in_another_thread_takes_the_selection_handed_over_with_
     test_a_cuda_backward_pass_takes_the_backend_selected_around_backward."""
     import threading
     from mmdispatch.torch import _library
+    if not _library._SELECTION_TLS:
+        pytest.skip(f"torch {torch.__version__} lacks the thread-local objects it hands over")
     seen = []
 
     def kernel(grad_output, rois, argmax_y, argmax_x, grad_input, *rest):
@@ -363,6 +365,9 @@ def test_a_cuda_backward_pass_takes_the_backend_selected_around_backward(torch_c
     hands over: `with use_backend("cuda", name): loss.backward()` runs the
     named backend's backward (the deterministic one, say)."""
     import threading
+    from mmdispatch.torch import _library
+    if not _library._SELECTION_TLS:
+        pytest.skip(f"torch {torch.__version__} lacks the thread-local objects it hands over")
     seen = []
 
     def kernel(grad_output, rois, argmax_y, argmax_x, grad_input, *rest):
