@@ -1419,7 +1419,7 @@ with emu.active(), mmdispatch.strict(False):
 
 
 def test_the_first_call_on_a_device_in_a_capture_is_refused_saying_why_and_not_kept(
-        cuda_emulator):
+        cuda_emulator, tmp_path):
     """The first call on a device allocates its error word and waits for the
     device: in a capture it is an error that says to warm up first, and the
     failure is not kept (it was, for the process: every later call on the
@@ -1430,8 +1430,9 @@ def test_the_first_call_on_a_device_in_a_capture_is_refused_saying_why_and_not_k
     from pathlib import Path
     support = str(Path(cuda_emu.__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([support, os.environ.get("PYTHONPATH", "")]))
+    # (from elsewhere than the source tree, whose mmdispatch/ has no extension)
     done = subprocess.run([sys.executable, "-c", FIRST_CALL_IN_A_CAPTURE], capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("refused: RuntimeError the first mmdispatch call on cuda:0 "

@@ -20,6 +20,7 @@ shapes and signatures ran on the CPU): the first GPU run checks them.
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -397,8 +398,10 @@ def test_nms_entry_point_with_preallocated_outputs_captures(tc):
 def _run_fresh(code):
     """Runs code in a fresh interpreter (nothing of mmdispatch initialised
     yet); returns (returncode, output)."""
+    # (from elsewhere than the source tree, whose mmdispatch/ has no extension)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+                          text=True, timeout=300, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
+                          cwd=tempfile.gettempdir())
     return proc.returncode, proc.stdout + proc.stderr
 
 
