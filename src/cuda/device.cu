@@ -149,7 +149,7 @@ int prepare_device(int device, cudaStream_t stream) {
     const cudaError_t err = allocate_state(device, e);
     if (err != cudaSuccess)
         return cuda_error(err, "allocating the device's deferred-error word");
-    scratch_pool(device, stream);
+    scratch_pool(device);   /* outside a capture: the calls' scratch comes later */
     e.ready.store(true, std::memory_order_release);
     return MMD_OK;
 }
@@ -189,8 +189,7 @@ int take_pending(int device, cudaStream_t stream, const char *raised_by) {
 namespace {
 
 struct Scratch {
-    std::mutex lock;
-    std::atomic<bool> made{false};   /* pool holds the device's answer */
+    std::once_flag once;
     std::atomic<cudaMemPool_t> pool{nullptr};
 };
 
@@ -226,18 +225,10 @@ cudaMemPool_t create_scratch_pool(int device) {
 
 }  // namespace
 
-cudaMemPool_t scratch_pool(int device, cudaStream_t stream) {
+cudaMemPool_t scratch_pool(int device) {
     if ((unsigned)device >= (unsigned)kMaxDevices) return nullptr;
     Scratch &s = g_scratch[device];
-    if (s.made.load(std::memory_order_acquire)) return s.pool.load(std::memory_order_relaxed);
-    std::lock_guard<std::mutex> lock(s.lock);
-    if (!s.made.load(std::memory_order_relaxed)) {
-        /* no pool made in a capture (which may forbid it): the call takes
-         * CUDA's default pool, and a later one makes the pool */
-        if (capturing(stream)) return nullptr;
-        s.pool.store(create_scratch_pool(device));
-        s.made.store(true, std::memory_order_release);
-    }
+    std::call_once(s.once, [&] { s.pool.store(create_scratch_pool(device)); });
     return s.pool.load(std::memory_order_relaxed);
 }
 

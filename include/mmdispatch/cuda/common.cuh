@@ -195,10 +195,10 @@ int take_pending(int device, cudaStream_t stream, const char *raised_by);
  * synchronisations (CUDA's default pool returns all of it to the driver at
  * every synchronisation, so the next call maps its scratch again), or null
  * where the device has no memory pools (then cudaMallocAsync's default
- * pool; also while `stream` captures a graph before the pool is made,
- * which a capture may forbid). The current device must be `device`. */
+ * pool). Made by prepare_device, before any call's scratch (so never in
+ * a graph capture). The current device must be `device`. */
 constexpr unsigned long long kScratchKeepBytes = 256ull << 20;
-cudaMemPool_t scratch_pool(int device, cudaStream_t stream);
+cudaMemPool_t scratch_pool(int device);
 
 /* Allocates `bytes` (at least 1) of scratch on the current device, in
  * stream order; freed with cudaFreeAsync. */
@@ -206,7 +206,7 @@ inline cudaError_t scratch_allocate(void **ptr, size_t bytes, cudaStream_t strea
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    const cudaMemPool_t pool = scratch_pool(device, stream);
+    const cudaMemPool_t pool = scratch_pool(device);
     if (bytes == 0) bytes = 1;
     return pool ? cudaMallocFromPoolAsync(ptr, bytes, pool, stream)
                 : cudaMallocAsync(ptr, bytes, stream);
