@@ -233,7 +233,7 @@ class DerivedOp:
         general = f"return _general({''.join(f'{x}, ' for x in a)}eager=eager)"
         lines = [f"def run({''.join(f'{x}, ' for x in a)}eager=False):",
                  f"    if not ({contiguous}) or (_published[0] and _node() is not None"
-                 f" and _elsewhere()):",
+                 f" and _handed_over() is not _OWN):",
                  f"        {general}",
                  f"    _dtype = {first}.dtype",
                  f"    _device = {first}.device",
@@ -249,7 +249,7 @@ class DerivedOp:
         scope = dict(SHAPE_SCOPE, _general=self.run_general, _LOW=_LOW_PRECISION,
                      _host_output=_host_output, _device_output=_device_output,
                      _deterministic=torch.are_deterministic_algorithms_enabled,
-                     _elsewhere=_selection_elsewhere, _published=_SELECTION_PUBLISHED,
+                     _handed_over=_handed_over, _OWN=_OWN, _published=_SELECTION_PUBLISHED,
                      _node=_current_node,
                      _empty=self.empty, _EMPTY=_EMPTY_SHAPE, _entry=self.entry_point)
         call = [None if i is None else a[i] for i in self.arg_of]
@@ -337,9 +337,10 @@ class DerivedOp:
         pass (_published_selection); on CUDA arrays under
         torch.use_deterministic_algorithms(True), with the CUDA backend that
         gives the same bits on every run."""
-        elsewhere = _selection_elsewhere()
+        handed_over = _handed_over()
+        elsewhere = handed_over is not _OWN
         if elsewhere:
-            previous = _core._set_thread_selection(_published_selection())
+            previous = _core._set_thread_selection(handed_over)
         try:
             if cuda and torch.are_deterministic_algorithms_enabled():
                 _THREAD.paused = True   # the call's own choice, not the thread's
@@ -477,12 +478,17 @@ def _published_selection():
     return _get_from_tls(_SELECTION_KEY)
 
 
-def _selection_elsewhere():
-    """Whether a call here must first take a selection other than its
-    own thread's (in a backward pass that autograd runs in a thread of its
-    own)."""
-    return (_SELECTION_PUBLISHED[0] and _current_node() is not None
-            and _published_selection() != _core._thread_selection())
+_OWN = object()   # _handed_over's answer where the thread's own selection holds
+
+
+def _handed_over():
+    """The selection a call here must take instead of its own thread's (in
+    a backward pass that autograd runs in a thread of its own: the
+    selection handed over, None for the defaults), or _OWN."""
+    if not _SELECTION_PUBLISHED[0] or _current_node() is None:
+        return _OWN
+    published = _published_selection()
+    return _OWN if published == _core._thread_selection() else published
 
 
 if _SELECTION_TLS:
