@@ -316,6 +316,24 @@ def test_registered_backends_and_python_kernels_apply_to_torch_calls():
     np.testing.assert_array_equal(out.numpy(), 7)
 
 
+def probe_backward_kernel():
+    """(seen, kernel): a roi_align backward kernel for the "probe" backend
+    that records the thread it runs in and fills grad_input with 7; skips
+    the test on a torch without the thread-local objects it hands to
+    autograd's threads (mmdispatch.torch then hands no selection over)."""
+    import threading
+    from mmdispatch.torch import _library
+    if not _library._SELECTION_TLS:
+        pytest.skip(f"torch {torch.__version__} lacks the thread-local objects it hands over")
+    seen = []
+
+    def kernel(grad_output, rois, argmax_y, argmax_x, grad_input, *rest):
+        seen.append(threading.get_ident())
+        grad_input.fill_(7)
+
+    return seen, kernel
+
+
 def test_a_backward_pass_in_another_thread_takes_the_selection_handed_over_with_torchs_state():
     """use_backend and strict are thread-local, and autograd runs a CUDA
     backward pass in a thread of its own, handing it the starting thread's
@@ -329,14 +347,7 @@ def test_a_backward_pass_in_another_thread_takes_the_selection_handed_over_with_
     test_a_cuda_backward_pass_takes_the_backend_selected_around_backward."""
     import threading
     from mmdispatch.torch import _library
-    if not _library._SELECTION_TLS:
-        pytest.skip(f"torch {torch.__version__} lacks the thread-local objects it hands over")
-    seen = []
-
-    def kernel(grad_output, rois, argmax_y, argmax_x, grad_input, *rest):
-        seen.append(threading.get_ident())
-        grad_input.fill_(7)
-
+    seen, kernel = probe_backward_kernel()
     result = {}
 
     def autograd_thread():
@@ -364,16 +375,7 @@ def test_a_cuda_backward_pass_takes_the_backend_selected_around_backward(torch_c
     calling thread's use_backend is not seen but for the selection torch
     hands over: `with use_backend("cuda", name): loss.backward()` runs the
     named backend's backward (the deterministic one, say)."""
-    import threading
-    from mmdispatch.torch import _library
-    if not _library._SELECTION_TLS:
-        pytest.skip(f"torch {torch.__version__} lacks the thread-local objects it hands over")
-    seen = []
-
-    def kernel(grad_output, rois, argmax_y, argmax_x, grad_input, *rest):
-        seen.append(threading.get_ident())
-        grad_input.fill_(7)
-
+    seen, kernel = probe_backward_kernel()
     x, rois, *rest = roi_args(torch.float32, mode=1, requires_grad=True, device="cuda")
     out = mmdispatch.torch.roi_align(x, rois, 2, 1.0, 2, True)
     with mmdispatch.register_impl("roi_align_backward_impl", "cuda", kernel, backend="probe"):
