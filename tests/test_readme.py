@@ -35,6 +35,12 @@ def test_readme_python_block_runs_as_pasted(index, tmp_path):
         "pooled = roi_pool(": "assert pooled.shape == (1, 8, 7, 7)",
         "pooled[at] = roi_align(": "assert ious.shape == (len(keep), 4)",
         "keep = torchvision.ops.nms(boxes,": "assert keep.tolist() == [0, 2]",
+        'program.save("head.onnx")': (
+            "import numpy as np, onnxruntime; session = onnxruntime.InferenceSession('head.onnx'); "
+            "got = session.run(None, {i.name: a.numpy() for i, a in "
+            "zip(session.get_inputs(), args)}); want = Head()(*args); "
+            "np.testing.assert_allclose(got[0], want[0].numpy(), rtol=1e-5, atol=1e-5); "
+            "assert got[1].tolist() == want[1].tolist() == [0, 2]"),
         "model.roi_heads.box_roi_pool = MultiScaleRoIAlign(": (
             "assert isinstance(model.roi_heads.box_roi_pool, MultiScaleRoIAlign); "
             "assert len(detections) == 1 and detections[0]['boxes'].shape[1] == 4"),

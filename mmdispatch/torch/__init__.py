@@ -26,6 +26,7 @@ except ImportError as exc:
 
 from typing import TYPE_CHECKING
 
+from mmdispatch.torch import _onnx  # noqa: F401  (fills ONNX_EXPORTS)
 from mmdispatch.torch._torchvision import TorchvisionKernels, replace_torchvision_kernels
 from mmdispatch.torch._vision import (DeformConv2d, PSRoIAlign, PSRoIPool, RoIAlign, RoIPool,
                                       batched_nms, box_iou, deform_conv2d, nms, ps_roi_align,

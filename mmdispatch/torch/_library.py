@@ -186,13 +186,25 @@ class DerivedOp:
         do): torch.library's machinery,
         and even more its autograd wrapper (which rebuilds the argument list
         per argument), costs several times what a tiny call's work does
-        (the bench's torch rows measure it)."""
+        (the bench's torch rows measure it). Traced by torch.onnx.export,
+        the ONNX_EXPORTS form of the call."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
+            if _onnx_exporting():
+                return self.export_onnx(args)
             return self.op(*args)
         if needs_grad and self.gradient is not None:
             return _EagerAutograd.apply(self, *args)
         return self.run(*args, eager=not needs_grad)
+
+    def export_onnx(self, args):
+        """The call as torch.onnx.export records it (ONNX_EXPORTS)."""
+        export = ONNX_EXPORTS.get(self.signature.name)
+        if export is None:
+            raise sys.modules["torch.onnx"].errors.OnnxExporterError(
+                f"{self.name}: torch.onnx.export cannot export it: ONNX has no operator for it "
+                f"(the ops that export: {', '.join(sorted(map(torch_name, ONNX_EXPORTS)))})")
+        return export(self, args)
 
     def output_specs(self, args):
         """((parameter index, dtype or None for the first array's, zeros),
@@ -502,6 +514,26 @@ _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 _tracing = getattr(torch._C, "_get_tracing_state", None)
 _functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+# entry point -> how torch.onnx.export records a call of it: ops of
+# torchvision's (mmdispatch.torch._torchvision fills it), whose ONNX
+# functions both of torch's exporters know, or torch's own ops
+ONNX_EXPORTS = {}
+
+
+def _onnx_exporting():
+    """Whether torch.onnx.export is tracing the call (either exporter);
+    never before something imported torch.onnx (torch imports it lazily).
+    torch.export's strict mode (TorchDynamo) takes is_in_onnx_export() for
+    False: it calls this function instead, outside its trace."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
+
+
+_assume_constant = getattr(torch.compiler, "assume_constant_result", None)
+if _assume_constant is not None:
+    _onnx_exporting = _assume_constant(_onnx_exporting)
 
 
 def _plain_eager(args, tensor_args):

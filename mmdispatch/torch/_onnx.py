@@ -1,0 +1,288 @@
+"""ONNX export of our ops: a model on mmdispatch.torch exports, with either
+of torch.onnx.export's exporters, to the ONNX operators a model on
+torchvision.ops exports to (RoiAlign, MaxRoiPool, NonMaxSuppression,
+DeformConv; box_iou as elementwise operators).
+
+DerivedOp.__call__ hands a call that torch.onnx.export traces to
+ONNX_EXPORTS (torch.onnx is imported only by then):
+- the TorchScript exporter (`dynamo=False`) traces our op itself, with real
+  tensors; the symbolic functions below, registered on the first such call,
+  translate its node;
+- the torch.export-based exporter (`dynamo=True`, torch's default) builds
+  its registry of translations before it traces, so a call records the ONNX
+  operator directly (`torch.onnx.ops.symbolic`, torch 2.8 and later), and
+  nms, whose output length only the data tells, records torchvision's nms,
+  whose translation torch has when torchvision was imported before the
+  export.
+What ONNX cannot express (MMCV's max-mode roi_align and roi_pool bins, the
+ops ONNX has no operator for) is refused, naming the op and the parameter.
+"""
+import sys
+
+import torch
+
+from mmdispatch.ops.roi_align import _POOL_MODES
+from mmdispatch.ops.roi_pool import CONVENTIONS
+from mmdispatch.torch._library import ONNX_EXPORTS, torch_name
+
+_AVG = _POOL_MODES["avg"]
+_TORCHVISION_BINS = CONVENTIONS["torchvision"]
+_INT64_MAX = (1 << 63) - 1
+# the opsets where an operator has our semantics: RoiAlign's half-pixel
+# mode (aligned=True) came in opset 16, DeformConv in opset 19
+_ALIGNED_OPSET, _DEFORM_OPSET = 16, 19
+
+
+def _error(op, message):
+    return torch.onnx.errors.OnnxExporterError(f"{op}: torch.onnx.export cannot export {message}")
+
+
+def _refuse(entry_point, args):
+    """The error of a call whose semantics no ONNX operator has."""
+    if entry_point == "roi_align_forward_impl" and args[6] != _AVG:
+        raise _error("roi_align_forward", "pool_mode='max' (ONNX's RoiAlign max mode takes "
+                                          "the largest weighted corner of a sample, not the "
+                                          "largest sample)")
+    if entry_point == "roi_pool_forward_impl" and args[5] != _TORCHVISION_BINS:
+        raise _error("roi_pool_forward", "convention='mmcv' (MMCV's roi_pool bins; ONNX's "
+                                         "MaxRoiPool rounds a roi's corners to pixels, as "
+                                         "torchvision's convention does)")
+
+
+def _nms_boxes(boxes, idxs, offset, add, span):
+    """The boxes for ONNX's NonMaxSuppression: x2 and y2 + 1 for offset=1
+    (the same IoU as MMCV's +1 on widths and heights), and, for a batched
+    call, each category's boxes moved past all others' by a multiple of
+    the coordinates' range plus one (`add` and `span` build the graph)."""
+    if offset:
+        boxes = add(boxes, "offset")
+    if idxs is not None:
+        boxes = add(boxes, span(boxes, idxs))
+    return boxes
+
+
+# ---- the TorchScript exporter: symbolic functions of our ops' nodes
+
+def _constant(g, value):
+    return g.op("Constant", value_t=value)
+
+
+def _check_opset(g, op, need, what="it"):
+    if g.opset < need:
+        raise _error(op, f"{what} at opset_version {g.opset}: ONNX's operator with these "
+                         f"semantics needs opset_version >= {need}")
+
+
+def _rois_split(g, rois):
+    """(batch indices as int64, the (K, 4) corners) of (K, 5) rois."""
+    index = g.op("Gather", rois, _constant(g, torch.tensor(0)), axis_i=1)
+    corners = g.op("Gather", rois, _constant(g, torch.tensor([1, 2, 3, 4])), axis_i=1)
+    return g.op("Cast", index, to_i=7), corners
+
+
+def _ts_roi_align(g, input, rois, height, width, spatial_scale, sampling_ratio, pool_mode,
+                  aligned):   # avg mode (_export refused max)
+    from torch.onnx.symbolic_helper import _maybe_get_const
+    attributes = {}
+    if _maybe_get_const(aligned, "b"):
+        _check_opset(g, "roi_align_forward", _ALIGNED_OPSET, "aligned=True")
+        attributes["coordinate_transformation_mode_s"] = "half_pixel"
+    elif g.opset >= _ALIGNED_OPSET:   # before: RoiAlign's only mode
+        attributes["coordinate_transformation_mode_s"] = "output_half_pixel"
+    index, corners = _rois_split(g, rois)
+    output = g.op("RoiAlign", input, corners, index, mode_s="avg",
+                  output_height_i=_maybe_get_const(height, "i"),
+                  output_width_i=_maybe_get_const(width, "i"),
+                  sampling_ratio_i=max(_maybe_get_const(sampling_ratio, "i"), 0),
+                  spatial_scale_f=_maybe_get_const(spatial_scale, "f"), **attributes)
+    none = _constant(g, torch.empty(0))   # avg mode's argmax outputs are empty
+    return output, none, none
+
+
+def _ts_roi_pool(g, input, rois, height, width, spatial_scale, convention):
+    from torch.onnx.symbolic_helper import _maybe_get_const
+    # torchvision's bins (_export refused MMCV's)
+    output = g.op("MaxRoiPool", input, rois,
+                  pooled_shape_i=[_maybe_get_const(height, "i"), _maybe_get_const(width, "i")],
+                  spatial_scale_f=_maybe_get_const(spatial_scale, "f"))
+    return output, None   # the argmax: only a backward pass reads it
+
+
+def _ts_nms(g, boxes, scores, idxs, iou_threshold, offset):
+    from torch.onnx.symbolic_helper import _is_none, _maybe_get_const
+    # ONNX Runtime's NonMaxSuppression takes float32
+    boxes = g.op("Cast", boxes, to_i=1)
+    scores = g.op("Cast", scores, to_i=1)
+
+    def add(value, what):
+        if what == "offset":
+            what = _constant(g, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+        return g.op("Add", value, what)
+
+    def span(value, categories):
+        width = g.op("Add", g.op("Sub", g.op("ReduceMax", value, keepdims_i=0),
+                                 g.op("ReduceMin", value, keepdims_i=0)),
+                     _constant(g, torch.tensor(1.0)))
+        moved = g.op("Mul", g.op("Cast", categories, to_i=1), width)
+        return g.op("Unsqueeze", moved, _constant(g, torch.tensor([1])))
+
+    boxes = _nms_boxes(boxes, None if _is_none(idxs) else idxs,
+                       _maybe_get_const(offset, "i"), add, span)
+    selected = g.op("NonMaxSuppression",
+                    g.op("Unsqueeze", boxes, _constant(g, torch.tensor([0]))),
+                    g.op("Unsqueeze", scores, _constant(g, torch.tensor([0, 1]))),
+                    _constant(g, torch.tensor([_INT64_MAX])),
+                    _constant(g, torch.tensor([float(_maybe_get_const(iou_threshold, "f"))])))
+    return g.op("Gather", selected, _constant(g, torch.tensor(2)), axis_i=1)
+
+
+def _ts_deform_conv2d(g, input, offset, mask, weight, bias, stride_h, stride_w, pad_h, pad_w,
+                      dilation_h, dilation_w, groups, offset_groups):
+    from torch.onnx.symbolic_helper import _is_none, _maybe_get_const
+    _check_opset(g, "deform_conv2d_forward", _DEFORM_OPSET)
+    ints = [_maybe_get_const(v, "i") for v in (stride_h, stride_w, pad_h, pad_w, dilation_h,
+                                               dilation_w, groups, offset_groups)]
+    # the traced call has a bias (_export gives it zeros); a mask is the last input
+    inputs = (input, weight, offset, bias) + (() if _is_none(mask) else (mask,))
+    return g.op("DeformConv", *inputs, strides_i=ints[0:2], pads_i=[ints[2], ints[3]] * 2,
+                dilations_i=ints[4:6], group_i=ints[6], offset_group_i=ints[7])
+
+
+_SYMBOLICS = {
+    "roi_align_forward_impl": _ts_roi_align,
+    "roi_pool_forward_impl": _ts_roi_pool,
+    "nms_impl": _ts_nms,
+    "deform_conv2d_forward_impl": _ts_deform_conv2d,
+}
+_REGISTERED = []
+
+
+def _register_symbolics():
+    """Our ops' symbolic functions for the TorchScript exporter (once; it
+    looks them up after tracing, so the first traced call is in time)."""
+    if not _REGISTERED:
+        for entry_point, symbolic in _SYMBOLICS.items():
+            torch.onnx.register_custom_op_symbolic(f"mmdispatch::{torch_name(entry_point)}",
+                                                   symbolic, 11)
+        _REGISTERED.append(True)
+
+
+# ---- the torch.export-based exporter: ONNX operators recorded at the call
+
+def _symbolic(op, *args, **kwargs):
+    symbolic = getattr(getattr(torch.onnx, "ops", None), "symbolic", None)
+    if symbolic is None:
+        raise _error(op, f"it with torch {torch.__version__}'s torch.export-based exporter "
+                         f"(torch.onnx.ops.symbolic needs torch 2.8): export with dynamo=False")
+    return symbolic(*args, **kwargs)
+
+
+def _roi_corners(rois):
+    return rois[:, 1:5], rois[:, 0].to(torch.int64)
+
+
+def _roi_align(input, rois, height, width, spatial_scale, sampling_ratio, pool_mode, aligned):
+    op = "roi_align_forward"
+    corners, index = _roi_corners(rois)
+    output = _symbolic(op, "RoiAlign", (input, corners, index),
+                       dict(mode="avg", output_height=height, output_width=width,
+                            sampling_ratio=max(sampling_ratio, 0),
+                            spatial_scale=float(spatial_scale),
+                            coordinate_transformation_mode=("half_pixel" if aligned
+                                                            else "output_half_pixel")),
+                       dtype=input.dtype, shape=(rois.shape[0], input.shape[1], height, width),
+                       version=_ALIGNED_OPSET)
+    none = input.new_empty((0,))
+    return output, none, none
+
+
+def _roi_pool(input, rois, height, width, spatial_scale, convention):
+    op = "roi_pool_forward"
+    output = _symbolic(op, "MaxRoiPool", (input, rois),
+                       dict(pooled_shape=[height, width], spatial_scale=float(spatial_scale)),
+                       dtype=input.dtype, shape=(rois.shape[0], input.shape[1], height, width),
+                       version=11)
+    return output, None   # the argmax: only a backward pass reads it
+
+
+def _nms(boxes, scores, idxs, iou_threshold, offset):
+    if "torchvision" not in sys.modules:
+        raise _error("nms", "it unless torchvision was imported before the export (it records "
+                            "torchvision's nms, whose ONNX function torch registers then), or "
+                            "with dynamo=False")
+    boxes = _nms_boxes(
+        boxes.float(), idxs, offset,
+        lambda b, what: b + (b.new_tensor([0.0, 0.0, 1.0, 1.0]) if what == "offset" else what),
+        lambda b, categories: (categories.to(b.dtype) * (b.max() - b.min() + 1))[:, None])
+    return torch.ops.torchvision.nms(boxes, scores.float(), float(iou_threshold))
+
+
+def _deform_conv2d(input, offset, mask, weight, bias, stride_h, stride_w, pad_h, pad_w,
+                   dilation_h, dilation_w, groups, offset_groups):
+    op = "deform_conv2d_forward"
+    height, width = offset.shape[2], offset.shape[3]
+    return _symbolic(op, "DeformConv", (input, weight, offset, bias, mask),
+                     dict(strides=[stride_h, stride_w], pads=[pad_h, pad_w, pad_h, pad_w],
+                          dilations=[dilation_h, dilation_w], group=groups,
+                          offset_group=offset_groups),
+                     dtype=input.dtype, shape=(input.shape[0], weight.shape[0], height, width),
+                     version=_DEFORM_OPSET)
+
+
+_RECORDED = {
+    "roi_align_forward_impl": _roi_align,
+    "roi_pool_forward_impl": _roi_pool,
+    "nms_impl": _nms,
+    "deform_conv2d_forward_impl": _deform_conv2d,
+}
+
+
+# ---- both exporters
+
+def _overlap(lo_a, hi_a, lo_b, hi_b, offset):
+    width = torch.minimum(hi_a, hi_b) - torch.maximum(lo_a, lo_b) + offset
+    return torch.where(width <= 0, torch.zeros_like(width), width)
+
+
+def _bbox_overlaps(bboxes1, bboxes2, mode, aligned, offset):
+    """bbox_overlaps in torch's ops, which both exporters translate
+    (mmd_box_overlap's formula: a base of 0 or less gives 0)."""
+    a = bboxes1 if aligned else bboxes1[:, None, :]
+    b = bboxes2 if aligned else bboxes2[None, :, :]
+    inter = (_overlap(a[..., 0], a[..., 2], b[..., 0], b[..., 2], offset)
+             * _overlap(a[..., 1], a[..., 3], b[..., 1], b[..., 3], offset))
+    area_a = (a[..., 2] - a[..., 0] + offset) * (a[..., 3] - a[..., 1] + offset)
+    if mode == 0:
+        base = area_a + (b[..., 2] - b[..., 0] + offset) * (b[..., 3] - b[..., 1] + offset) - inter
+    else:
+        base = area_a.expand_as(inter)
+    zero = torch.where(inter.isnan(), inter, torch.zeros_like(inter))
+    return torch.where(base <= 0, zero, inter / base)
+
+
+def _exporting():
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return is_exporting is not None and is_exporting()
+
+
+def _export(entry_point):
+    def export(op, args):
+        _refuse(entry_point, args)
+        if torch.jit.is_tracing():   # the TorchScript exporter: our node, translated later
+            if entry_point == "bbox_overlaps_impl":
+                return _bbox_overlaps(*args)
+            _register_symbolics()
+            if entry_point == "deform_conv2d_forward_impl" and args[4] is None:
+                weight = args[3]
+                args = (*args[:4], weight.new_zeros(weight.shape[0]), *args[5:])
+            return op.op(*args)
+        if _exporting():   # torch.export, for the other exporter
+            return (_bbox_overlaps if entry_point == "bbox_overlaps_impl"
+                    else _RECORDED[entry_point])(*args)
+        # code the exporter runs eagerly (a mode or autocast made the call
+        # leave the plain path): the op itself
+        return op.op(*args)
+    return export
+
+
+ONNX_EXPORTS.update({name: _export(name) for name in (*_RECORDED, "bbox_overlaps_impl")})
