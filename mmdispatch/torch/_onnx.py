@@ -1,7 +1,8 @@
 """ONNX export of our ops: a model on mmdispatch.torch exports, with either
 of torch.onnx.export's exporters, to the ONNX operators a model on
 torchvision.ops exports to (RoiAlign, MaxRoiPool, NonMaxSuppression,
-DeformConv; box_iou as elementwise operators).
+DeformConv; box_iou as elementwise operators), and MMCV's deformable
+attention as MMCV's grid_sample fallback exports (GridSample).
 
 DerivedOp.__call__ hands a call that torch.onnx.export traces to
 ONNX_EXPORTS (torch.onnx is imported only by then):
@@ -260,6 +261,39 @@ def _bbox_overlaps(bboxes1, bboxes2, mode, aligned, offset):
     return torch.where(base <= 0, zero, inter / base)
 
 
+def _multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations, weights):
+    """Multi-scale deformable attention in torch's grid_sample (ONNX's
+    GridSample, opset 16), as MMCV's fallback computes it: bilinear, zeros
+    outside the map, a location x in [0, 1] at pixel x * W - 0.5
+    (align_corners=False), the samples summed with their weights."""
+    n, _, heads, depth = value.shape
+    _, queries, _, levels, points, _ = locations.shape
+    # the levels' (H, W): torch.export keeps an input's symbolic, jit.trace
+    # bakes them in (and warns)
+    sizes = spatial_shapes.tolist()
+    starts = [0]
+    for h, w in sizes[:-1]:
+        starts.append(starts[-1] + h * w)
+    grids = 2 * locations - 1
+    sampled = []
+    for level, ((h, w), start) in enumerate(zip(sizes, starts)):
+        plane = value[:, start:start + h * w].permute(0, 2, 3, 1).reshape(n * heads, depth, h, w)
+        grid = grids[:, :, :, level].transpose(1, 2).reshape(n * heads, queries, points, 2)
+        sampled.append(torch.nn.functional.grid_sample(plane, grid, mode="bilinear",
+                                                       padding_mode="zeros",
+                                                       align_corners=False))
+    weights = weights.transpose(1, 2).reshape(n * heads, 1, queries, levels * points)
+    output = (torch.stack(sampled, -2).flatten(-2) * weights).sum(-1)
+    return output.view(n, heads * depth, queries).transpose(1, 2).contiguous()
+
+
+# entry point -> its form in torch's own ops, which both exporters translate
+_TORCH_FORMS = {
+    "bbox_overlaps_impl": _bbox_overlaps,
+    "multi_scale_deformable_attn_forward_impl": _multi_scale_deformable_attn,
+}
+
+
 def _exporting():
     is_exporting = getattr(torch.compiler, "is_exporting", None)
     return is_exporting is not None and is_exporting()
@@ -268,21 +302,20 @@ def _exporting():
 def _export(entry_point):
     def export(op, args):
         _refuse(entry_point, args)
+        if entry_point in _TORCH_FORMS:
+            return _TORCH_FORMS[entry_point](*args)
         if torch.jit.is_tracing():   # the TorchScript exporter: our node, translated later
-            if entry_point == "bbox_overlaps_impl":
-                return _bbox_overlaps(*args)
             _register_symbolics()
             if entry_point == "deform_conv2d_forward_impl" and args[4] is None:
                 weight = args[3]
                 args = (*args[:4], weight.new_zeros(weight.shape[0]), *args[5:])
             return op.op(*args)
         if _exporting():   # torch.export, for the other exporter
-            return (_bbox_overlaps if entry_point == "bbox_overlaps_impl"
-                    else _RECORDED[entry_point])(*args)
+            return _RECORDED[entry_point](*args)
         # code the exporter runs eagerly (a mode or autocast made the call
         # leave the plain path): the op itself
         return op.op(*args)
     return export
 
 
-ONNX_EXPORTS.update({name: _export(name) for name in (*_RECORDED, "bbox_overlaps_impl")})
+ONNX_EXPORTS.update({name: _export(name) for name in (*_RECORDED, *_TORCH_FORMS)})

@@ -260,3 +260,68 @@ def test_eager_calls_outside_an_export_run_our_kernels_after_torch_onnx_is_impor
     torch.testing.assert_close(mt.roi_align(x, rois, 3, 0.5, 2, True),
                                torchvision.ops.roi_align(x, rois, 3, 0.5, 2, True))
     torch.testing.assert_close(mt.nms(boxes, scores, 0.5), torchvision.ops.nms(boxes, scores, 0.5))
+
+
+class DeformableAttention(torch.nn.Module):
+    """Deformable DETR's encoder attention, its levels' sizes known to the
+    model (taken from the feature maps, as detectors do)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.attention = mmcv.MultiScaleDeformableAttention(embed_dims=16, num_heads=2,
+                                                            num_levels=2, num_points=3,
+                                                            batch_first=True)
+        # offsets that reach outside the maps too (MMCV's start stays inside)
+        torch.nn.init.normal_(self.attention.sampling_offsets.weight, std=2.0)
+        torch.nn.init.normal_(self.attention.attention_weights.weight)
+
+    def forward(self, query, level0, level1, reference_points):
+        shapes = torch.as_tensor([level0.shape[-2:], level1.shape[-2:]], dtype=torch.int64)
+        value = torch.cat([level0.flatten(2), level1.flatten(2)], 2).transpose(1, 2)
+        return self.attention(query, value=value, reference_points=reference_points,
+                              spatial_shapes=shapes,
+                              level_start_index=torch.cat([shapes.new_zeros(1),
+                                                           shapes.prod(1).cumsum(0)[:-1]]))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_multi_scale_deformable_attention_exports_as_grid_sample_and_gives_its_values(
+        exporter, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(2, 7, 16, generator=g), torch.randn(2, 16, 6, 8, generator=g),
+            torch.randn(2, 16, 3, 4, generator=g), torch.rand(2, 7, 2, 2, generator=g))
+    model = DeformableAttention().eval()
+    session = export(model, args, tmp_path / "msda.onnx", exporter,
+                     ["query", "level0", "level1", "reference_points"],
+                     {"query": [0, 1], "level0": [0], "level1": [0], "reference_points": [0, 1]})
+    assert ("", "GridSample") in operators(tmp_path / "msda.onnx")
+    more = (torch.randn(1, 11, 16, generator=g), torch.randn(1, 16, 6, 8, generator=g),
+            torch.randn(1, 16, 3, 4, generator=g), torch.rand(1, 11, 2, 2, generator=g) * 1.4 - 0.2)
+    for inputs in (args, more):
+        with torch.no_grad():
+            want = model(*inputs)
+        np.testing.assert_allclose(run(session, inputs)[0], want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_deformable_attention_levels_given_as_an_input_follow_the_data_in_the_dynamo_export(
+        tmp_path):
+    """torch.export keeps the levels' sizes symbolic: other levels of the
+    same total size give their own results (the TorchScript exporter bakes
+    the traced ones in, as it does for MMCV's fallback, and warns)."""
+    g = torch.Generator().manual_seed(6)
+    value = torch.randn(1, 12 + 2, 2, 4, generator=g)
+    locations = torch.rand(1, 3, 2, 2, 2, 2, generator=g)
+    weights = torch.rand(1, 3, 2, 2, 2, generator=g)
+
+    class Model(torch.nn.Module):
+        def forward(self, value, shapes, locations, weights):
+            return mmcv.multi_scale_deformable_attn(value, shapes, None, locations, weights)
+
+    session = export(Model(), (value, torch.tensor([[3, 4], [1, 2]]), locations, weights),
+                     tmp_path / "m.onnx", "dynamo", ["value", "shapes", "locations", "weights"],
+                     {})
+    for levels in ([[3, 4], [1, 2]], [[2, 6], [2, 1]], [[1, 2], [3, 4]]):
+        args = (value, torch.tensor(levels), locations, weights)
+        np.testing.assert_allclose(run(session, args)[0], Model()(*args).numpy(), rtol=1e-5,
+                                   atol=1e-6)
