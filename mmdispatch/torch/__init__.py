@@ -45,12 +45,29 @@ def __getattr__(name):
     """MultiScaleRoIAlign, made on first use: a subclass of torchvision's
     (torchvision's detection models take no other pooler) where torchvision
     is installed, so `import mmdispatch.torch` does not import torchvision
-    (about a second)."""
+    (about a second). torchvision.ops' other public names (box_area,
+    clip_boxes_to_image, generalized_box_iou, FeaturePyramidNetwork, ...:
+    torch code that runs no compiled kernel) are torchvision's own, so that
+    `import mmdispatch.torch as ops` can replace `from torchvision import
+    ops`."""
     if name == "MultiScaleRoIAlign":
         from mmdispatch.torch import _vision
         cls = _vision.multiscale_roi_align_class(_vision.torchvision_multiscale_base())
         globals()[name] = cls
         return cls
+    if not name.startswith("_"):
+        try:
+            from torchvision import ops
+        except ImportError:
+            ops = None
+        if ops is None or name in getattr(ops, "__all__", ()):
+            if ops is None:
+                raise AttributeError(
+                    f"module {__name__!r} has no attribute {name!r} (torchvision.ops' names "
+                    f"other than ours come from torchvision, which is not installed)")
+            value = getattr(ops, name)
+            globals()[name] = value
+            return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -647,6 +647,39 @@ def test_multiscale_roi_align_bad_input_gets_a_clear_error(call, message):
         call(pooler, fpn_features(), [boxes_of_every_level(5)])
 
 
+def test_every_name_of_torchvision_ops_is_reachable_ours_or_torchvisions_own():
+    """`import mmdispatch.torch as ops` in place of `from torchvision import
+    ops`: the ops with kernels are ours, the rest (box_area,
+    clip_boxes_to_image, FeaturePyramidNetwork: torch code) torchvision's."""
+    ours = {"roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool", "nms", "batched_nms",
+            "box_iou", "deform_conv2d", "sigmoid_focal_loss", "RoIAlign", "RoIPool",
+            "PSRoIAlign", "PSRoIPool", "DeformConv2d", "MultiScaleRoIAlign"}
+    for name in tv.__all__:
+        value = getattr(mt, name)
+        if name in ours:
+            assert value is not getattr(tv, name) and value.__module__.startswith("mmdispatch")
+        else:
+            assert value is getattr(tv, name)
+    from mmdispatch.torch import clip_boxes_to_image, generalized_box_iou  # noqa: F401
+    boxes = random_boxes(6, 30)
+    torch.testing.assert_close(mt.box_area(boxes), tv.box_area(boxes))
+    with pytest.raises(AttributeError, match="has no attribute 'roi_algin'"):
+        mt.roi_algin
+    with pytest.raises(ImportError):
+        from mmdispatch.torch import _no_such_name  # noqa: F401
+
+
+def test_torchvisions_other_names_without_torchvision_say_it_is_not_installed(tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torchvision'] = None; import mmdispatch.torch as mt\n"
+            "try:\n    mt.box_area\nexcept AttributeError as e:\n"
+            "    assert 'from torchvision, which is not installed' in str(e), e\n"
+            "else:\n    raise SystemExit('no error')\n"
+            "assert mt.roi_align is not None")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)   # not the source tree
+
+
 def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_torchvision(
         tmp_path):
     """A subclass of torchvision's MultiScaleRoIAlign (its detection models
