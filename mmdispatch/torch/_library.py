@@ -192,6 +192,9 @@ class DerivedOp:
         if needs_grad is None:
             if _onnx_exporting():
                 return self.export_onnx(args)
+            if _tracing is not None and _tracing() is not None:
+                # torch.jit.trace: torch.onnx.export may translate the graph later
+                _ON_JIT_TRACE[0]()
             return self.op(*args)
         if needs_grad and self.gradient is not None:
             return _EagerAutograd.apply(self, *args)
@@ -520,6 +523,9 @@ _functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
 # torchvision's (mmdispatch.torch._torchvision fills it), whose ONNX
 # functions both of torch's exporters know, or torch's own ops
 ONNX_EXPORTS = {}
+# called when torch.jit.trace records one of our ops (mmdispatch.torch._onnx
+# sets it: the TorchScript exporter's symbolic functions of our ops)
+_ON_JIT_TRACE = [lambda: None]
 
 
 def _onnx_exporting():
@@ -531,9 +537,9 @@ def _onnx_exporting():
     return onnx is not None and onnx.is_in_onnx_export()
 
 
-_assume_constant = getattr(torch.compiler, "assume_constant_result", None)
-if _assume_constant is not None:
-    _onnx_exporting = _assume_constant(_onnx_exporting)
+# what torch.compiler.assume_constant_result(_onnx_exporting) does: calling
+# it imports TorchDynamo (over a second at `import mmdispatch.torch`)
+_onnx_exporting._dynamo_marked_constant = True
 
 
 def _plain_eager(args, tensor_args):

@@ -7,8 +7,9 @@ attention as MMCV's grid_sample fallback exports (GridSample).
 DerivedOp.__call__ hands a call that torch.onnx.export traces to
 ONNX_EXPORTS (torch.onnx is imported only by then):
 - the TorchScript exporter (`dynamo=False`) traces our op itself, with real
-  tensors; the symbolic functions below, registered on the first such call,
-  translate its node;
+  tensors; the symbolic functions below, registered when torch.jit.trace
+  first records one of our ops (the exporter's trace, or one exported
+  later), translate its node;
 - the torch.export-based exporter (`dynamo=True`, torch's default) builds
   its registry of translations before it traces, so a call records the ONNX
   operator directly (`torch.onnx.ops.symbolic`, torch 2.8 and later), and
@@ -20,11 +21,12 @@ ops ONNX has no operator for) is refused, naming the op and the parameter.
 """
 import sys
 
+import numpy as np
 import torch
 
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
-from mmdispatch.torch._library import ONNX_EXPORTS, torch_name
+from mmdispatch.torch._library import _ON_JIT_TRACE, DERIVED, ONNX_EXPORTS, torch_name
 
 _AVG = _POOL_MODES["avg"]
 _TORCHVISION_BINS = CONVENTIONS["torchvision"]
@@ -38,16 +40,48 @@ def _error(op, message):
     return torch.onnx.errors.OnnxExporterError(f"{op}: torch.onnx.export cannot export {message}")
 
 
-def _refuse(entry_point, args):
-    """The error of a call whose semantics no ONNX operator has."""
-    if entry_point == "roi_align_forward_impl" and args[6] != _AVG:
+def _refuse_pool_mode(pool_mode):
+    if pool_mode != _AVG:
         raise _error("roi_align_forward", "pool_mode='max' (ONNX's RoiAlign max mode takes "
                                           "the largest weighted corner of a sample, not the "
                                           "largest sample)")
-    if entry_point == "roi_pool_forward_impl" and args[5] != _TORCHVISION_BINS:
+
+
+def _refuse_convention(convention):
+    if convention != _TORCHVISION_BINS:
         raise _error("roi_pool_forward", "convention='mmcv' (MMCV's roi_pool bins; ONNX's "
                                          "MaxRoiPool rounds a roi's corners to pixels, as "
                                          "torchvision's convention does)")
+
+
+def _refuse(entry_point, args):
+    """The error of a call whose semantics no ONNX operator has."""
+    if entry_point == "roi_align_forward_impl":
+        _refuse_pool_mode(args[6])
+    elif entry_point == "roi_pool_forward_impl":
+        _refuse_convention(args[5])
+
+
+def _float32_below(threshold):
+    """The largest float32 <= threshold: ONNX's NonMaxSuppression compares
+    in float32, and an IoU equal to float32(0.3) > 0.3 must stay kept."""
+    value = np.float32(threshold)
+    if value > threshold:
+        value = np.nextafter(value, np.float32(-np.inf))
+    return float(value)
+
+
+def _dense_rank(values):
+    """Each value's rank among the distinct values (0, 1, ...; every NaN
+    one value, -0.0 as 0.0), in torch's operators: batched nms's
+    categories as small integers, which the float32 offsets keep apart
+    (float categories have no bit view in ONNX)."""
+    ordered, order = values.sort()
+    previous = torch.cat([ordered[:1], ordered[:-1]])
+    new = ordered != previous
+    if values.is_floating_point():
+        new = new & ~(ordered.isnan() & previous.isnan())
+    return torch.zeros_like(order).scatter(0, order, new.to(torch.int64).cumsum(0))
 
 
 def _nms_boxes(boxes, idxs, offset, add, span):
@@ -82,8 +116,10 @@ def _rois_split(g, rois):
 
 
 def _ts_roi_align(g, input, rois, height, width, spatial_scale, sampling_ratio, pool_mode,
-                  aligned):   # avg mode (_export refused max)
+                  aligned):
     from torch.onnx.symbolic_helper import _maybe_get_const
+    _refuse_pool_mode(_maybe_get_const(pool_mode, "i"))   # a jit.trace did not refuse it
+    _check_opset(g, "roi_align_forward", 10)   # RoiAlign came in opset 10
     attributes = {}
     if _maybe_get_const(aligned, "b"):
         _check_opset(g, "roi_align_forward", _ALIGNED_OPSET, "aligned=True")
@@ -102,7 +138,7 @@ def _ts_roi_align(g, input, rois, height, width, spatial_scale, sampling_ratio, 
 
 def _ts_roi_pool(g, input, rois, height, width, spatial_scale, convention):
     from torch.onnx.symbolic_helper import _maybe_get_const
-    # torchvision's bins (_export refused MMCV's)
+    _refuse_convention(_maybe_get_const(convention, "i"))   # a jit.trace did not refuse it
     output = g.op("MaxRoiPool", input, rois,
                   pooled_shape_i=[_maybe_get_const(height, "i"), _maybe_get_const(width, "i")],
                   spatial_scale_f=_maybe_get_const(spatial_scale, "f"))
@@ -110,7 +146,7 @@ def _ts_roi_pool(g, input, rois, height, width, spatial_scale, convention):
 
 
 def _ts_nms(g, boxes, scores, idxs, iou_threshold, offset):
-    from torch.onnx.symbolic_helper import _is_none, _maybe_get_const
+    from torch.onnx.symbolic_helper import _is_none, _maybe_get_const, _unsqueeze_helper
     # ONNX Runtime's NonMaxSuppression takes float32
     boxes = g.op("Cast", boxes, to_i=1)
     scores = g.op("Cast", scores, to_i=1)
@@ -125,15 +161,16 @@ def _ts_nms(g, boxes, scores, idxs, iou_threshold, offset):
                                  g.op("ReduceMin", value, keepdims_i=0)),
                      _constant(g, torch.tensor(1.0)))
         moved = g.op("Mul", g.op("Cast", categories, to_i=1), width)
-        return g.op("Unsqueeze", moved, _constant(g, torch.tensor([1])))
+        return _unsqueeze_helper(g, moved, [1])
 
     boxes = _nms_boxes(boxes, None if _is_none(idxs) else idxs,
                        _maybe_get_const(offset, "i"), add, span)
-    selected = g.op("NonMaxSuppression",
-                    g.op("Unsqueeze", boxes, _constant(g, torch.tensor([0]))),
-                    g.op("Unsqueeze", scores, _constant(g, torch.tensor([0, 1]))),
+    _check_opset(g, "nms", 10)   # NonMaxSuppression came in opset 10
+    threshold = _float32_below(_maybe_get_const(iou_threshold, "f"))
+    selected = g.op("NonMaxSuppression", _unsqueeze_helper(g, boxes, [0]),
+                    _unsqueeze_helper(g, scores, [0, 1]),
                     _constant(g, torch.tensor([_INT64_MAX])),
-                    _constant(g, torch.tensor([float(_maybe_get_const(iou_threshold, "f"))])))
+                    _constant(g, torch.tensor([threshold], dtype=torch.float32)))
     return g.op("Gather", selected, _constant(g, torch.tensor(2)), axis_i=1)
 
 
@@ -158,14 +195,34 @@ _SYMBOLICS = {
 _REGISTERED = []
 
 
+def _unsupported(entry_point):
+    """The symbolic function of an op the TorchScript exporter cannot
+    translate: a clear error in place of torch's unknown-operator one."""
+    name = torch_name(entry_point)
+
+    def symbolic(g, *args):
+        if entry_point in _TORCH_FORMS:
+            raise _error(name, "it from a torch.jit.trace of the model: export the model itself "
+                               "(torch.onnx.export(model, args)), whose trace records it as "
+                               "torch's operators")
+        raise _error(name, "it: ONNX has no operator for it")
+    return symbolic
+
+
 def _register_symbolics():
-    """Our ops' symbolic functions for the TorchScript exporter (once; it
-    looks them up after tracing, so the first traced call is in time)."""
+    """Our ops' symbolic functions for the TorchScript exporter, once,
+    when torch.jit.trace (the exporter's, or one whose graph is exported
+    later) first records one of our ops: the exporter looks them up after
+    tracing."""
     if not _REGISTERED:
-        for entry_point, symbolic in _SYMBOLICS.items():
-            torch.onnx.register_custom_op_symbolic(f"mmdispatch::{torch_name(entry_point)}",
-                                                   symbolic, 11)
+        for entry_point in DERIVED:
+            torch.onnx.register_custom_op_symbolic(
+                f"mmdispatch::{torch_name(entry_point)}",
+                _SYMBOLICS.get(entry_point) or _unsupported(entry_point), 9)
         _REGISTERED.append(True)
+
+
+_ON_JIT_TRACE[0] = _register_symbolics
 
 
 # ---- the torch.export-based exporter: ONNX operators recorded at the call
@@ -182,28 +239,40 @@ def _roi_corners(rois):
     return rois[:, 1:5], rois[:, 0].to(torch.int64)
 
 
+def _one_dtype(input, rois):
+    """(input, rois) in one dtype for ONNX's roi operators: float32 where
+    they differ (torch.autocast leaves 16-bit features beside float32
+    rois, which the op's autocast kernel computes in float32)."""
+    if input.dtype == rois.dtype:
+        return input, rois
+    return input.float(), rois.float()
+
+
 def _roi_align(input, rois, height, width, spatial_scale, sampling_ratio, pool_mode, aligned):
     op = "roi_align_forward"
+    features, rois = _one_dtype(input, rois)
     corners, index = _roi_corners(rois)
-    output = _symbolic(op, "RoiAlign", (input, corners, index),
+    output = _symbolic(op, "RoiAlign", (features, corners, index),
                        dict(mode="avg", output_height=height, output_width=width,
                             sampling_ratio=max(sampling_ratio, 0),
                             spatial_scale=float(spatial_scale),
                             coordinate_transformation_mode=("half_pixel" if aligned
                                                             else "output_half_pixel")),
-                       dtype=input.dtype, shape=(rois.shape[0], input.shape[1], height, width),
+                       dtype=features.dtype,
+                       shape=(rois.shape[0], input.shape[1], height, width),
                        version=_ALIGNED_OPSET)
     none = input.new_empty((0,))
-    return output, none, none
+    return output.to(input.dtype), none, none
 
 
 def _roi_pool(input, rois, height, width, spatial_scale, convention):
     op = "roi_pool_forward"
-    output = _symbolic(op, "MaxRoiPool", (input, rois),
+    features, rois = _one_dtype(input, rois)
+    output = _symbolic(op, "MaxRoiPool", (features, rois),
                        dict(pooled_shape=[height, width], spatial_scale=float(spatial_scale)),
-                       dtype=input.dtype, shape=(rois.shape[0], input.shape[1], height, width),
-                       version=11)
-    return output, None   # the argmax: only a backward pass reads it
+                       dtype=features.dtype,
+                       shape=(rois.shape[0], input.shape[1], height, width), version=11)
+    return output.to(input.dtype), None   # the argmax: only a backward pass reads it
 
 
 def _nms(boxes, scores, idxs, iou_threshold, offset):
@@ -215,7 +284,7 @@ def _nms(boxes, scores, idxs, iou_threshold, offset):
         boxes.float(), idxs, offset,
         lambda b, what: b + (b.new_tensor([0.0, 0.0, 1.0, 1.0]) if what == "offset" else what),
         lambda b, categories: (categories.to(b.dtype) * (b.max() - b.min() + 1))[:, None])
-    return torch.ops.torchvision.nms(boxes, scores.float(), float(iou_threshold))
+    return torch.ops.torchvision.nms(boxes, scores.float(), _float32_below(iou_threshold))
 
 
 def _deform_conv2d(input, offset, mask, weight, bias, stride_h, stride_w, pad_h, pad_w,
@@ -302,6 +371,8 @@ def _exporting():
 def _export(entry_point):
     def export(op, args):
         _refuse(entry_point, args)
+        if entry_point == "nms_impl" and args[2] is not None:
+            args = (args[0], args[1], _dense_rank(args[2]), *args[3:])
         if entry_point in _TORCH_FORMS:
             return _TORCH_FORMS[entry_point](*args)
         if torch.jit.is_tracing():   # the TorchScript exporter: our node, translated later

@@ -325,3 +325,85 @@ def test_deformable_attention_levels_given_as_an_input_follow_the_data_in_the_dy
         args = (value, torch.tensor(levels), locations, weights)
         np.testing.assert_allclose(run(session, args)[0], Model()(*args).numpy(), rtol=1e-5,
                                    atol=1e-6)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_batched_nms_of_float_categories_exports_each_distinct_value_a_category(exporter,
+                                                                               tmp_path):
+    """Our batched_nms keeps 0.0 and 0.5 apart (torchvision's loop over
+    torch.unique does too): the export ranks the values, where eager code
+    compares their bits, which ONNX cannot view."""
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 10.5], [1, 1, 11, 11], [0, 0, 10, 10],
+                          [40, 40, 50, 50]])
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5])
+
+    class Model(torch.nn.Module):
+        def forward(self, boxes, scores, idxs):
+            return mt.batched_nms(boxes, scores, idxs, 0.5)
+
+    session = export(Model(), (boxes, scores, torch.tensor([0.0, 0.5, 0.5, -0.0, 0.0])),
+                     tmp_path / "b.onnx", exporter, ["boxes", "scores", "idxs"],
+                     {"boxes": [0], "scores": [0], "idxs": [0]})
+    for idxs in ([0.0, 0.5, 0.5, -0.0, 0.0], [2.5, 0.5, 1e9, 1e9 + 128, 2.5],
+                 [float("nan"), 1.0, float("nan"), 1.0, 0.0]):
+        args = (boxes, scores, torch.tensor(idxs))
+        np.testing.assert_array_equal(run(session, args)[0], Model()(*args).numpy())
+
+
+def test_a_torch_jit_trace_of_a_model_exports_later_with_our_translations_and_refusals(
+        tmp_path):
+    """torch.onnx.export of a ScriptModule that torch.jit.trace made outside
+    any export: the trace registered our symbolic functions, which refuse
+    what ONNX cannot express as a traced export does."""
+    x, rois, boxes, scores, idxs = detection_inputs(8, 2, 5, 40)
+    model = Call(lambda x, r: mt.roi_align(x, r, (3, 2), 0.5, 2, True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(model, (x, rois))
+        refused = torch.jit.trace(Call(lambda x, r: mmcv.roi_align(x, r, 2, pool_mode="max")),
+                                  (x, rois))
+        pairs = torch.jit.trace(Call(lambda b, s: mt.box_iou(b, b[:3])), (boxes, scores))
+    session = export(traced, (x, rois), tmp_path / "t.onnx", "torchscript", ["x", "rois"], {})
+    np.testing.assert_allclose(run(session, (x, rois))[0], model(x, rois).numpy(), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(Exception) as info:
+        export(refused, (x, rois), tmp_path / "r.onnx", "torchscript", ["x", "rois"], {})
+    assert "roi_align_forward: torch.onnx.export cannot export pool_mode='max'" in raised(info)
+    with pytest.raises(Exception) as info:
+        export(pairs, (boxes, scores), tmp_path / "p.onnx", "torchscript", ["b", "s"], {})
+    assert ("bbox_overlaps: torch.onnx.export cannot export it from a torch.jit.trace of the "
+            "model: export the model itself") in raised(info)
+
+
+@pytest.mark.parametrize("opset", [11, 12, 13])
+def test_the_torchscript_exporter_exports_nms_at_opsets_before_13(opset, tmp_path):
+    """Unsqueeze took its axes as an attribute before opset 13."""
+    _, _, boxes, scores, idxs = detection_inputs(9, 1, 1, 50)
+
+    class Model(torch.nn.Module):
+        def forward(self, boxes, scores, idxs):
+            return mt.nms(boxes, scores, 0.5), mt.batched_nms(boxes, scores, idxs, 0.5)
+
+    session = export(Model(), (boxes, scores, idxs), tmp_path / "n.onnx", "torchscript",
+                     ["boxes", "scores", "idxs"], {}, opset=opset)
+    for got, want in zip(run(session, (boxes, scores, idxs)), Model()(boxes, scores, idxs)):
+        np.testing.assert_array_equal(got, want.numpy())
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_roi_align_under_autocast_exports_in_one_dtype_and_gives_the_eager_values(exporter,
+                                                                                 tmp_path):
+    """Inside torch.autocast, 16-bit features meet float32 rois; ONNX's
+    RoiAlign takes one dtype: the export computes both in float32, as the
+    op's autocast kernel does, and returns the features' dtype."""
+    x, rois = detection_inputs(10, 2, 4, 1)[:2]
+
+    class Model(torch.nn.Module):
+        def forward(self, x, rois):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return mt.roi_align(x.half(), rois, 2, 0.5, 2, True)
+
+    session = export(Model(), (x, rois), tmp_path / "a.onnx", exporter, ["x", "rois"], {})
+    got, want = run(session, (x, rois))[0], Model()(x, rois)
+    assert got.dtype == np.float16 and want.dtype == torch.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.float().numpy(), rtol=2e-3, atol=2e-3)
