@@ -1,8 +1,9 @@
 """ONNX export of our ops: a model on mmdispatch.torch exports, with either
 of torch.onnx.export's exporters, to the ONNX operators a model on
 torchvision.ops exports to (RoiAlign, MaxRoiPool, NonMaxSuppression,
-DeformConv; box_iou as elementwise operators), and MMCV's deformable
-attention as MMCV's grid_sample fallback exports (GridSample).
+DeformConv; box_iou as elementwise operators), ps_roi_align as RoiAlign
+and a Gather, and MMCV's deformable attention as MMCV's grid_sample
+fallback exports (GridSample).
 
 DerivedOp.__call__ hands a call that torch.onnx.export traces to
 ONNX_EXPORTS (torch.onnx is imported only by then):
@@ -356,8 +357,24 @@ def _multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locat
     return output.view(n, heads * depth, queries).transpose(1, 2).contiguous()
 
 
-# entry point -> its form in torch's own ops, which both exporters translate
+def _ps_roi_align(input, rois, height, width, spatial_scale, sampling_ratio):
+    """ps_roi_align as our roi_align (aligned, avg: the same sampling) of
+    every channel, which exports as RoiAlign, then each bin's own channel
+    of its group: bin (i, j) of output channel c reads input channel
+    (c * height + i) * width + j."""
+    bins = height * width
+    every = DERIVED["roi_align_forward_impl"](input, rois, height, width, spatial_scale,
+                                              sampling_ratio, _AVG, True)[0]
+    rois_count, channels = every.shape[0], input.shape[1] // bins
+    own = torch.arange(bins, device=input.device) * (bins + 1)   # (b, b) of (bin, bin)
+    return every.reshape(rois_count, channels, bins * bins)[:, :, own].reshape(
+        rois_count, channels, height, width)
+
+
+# entry point -> its form in torch's own ops (and our exportable ones),
+# which both exporters translate
 _TORCH_FORMS = {
+    "ps_roi_align_forward_impl": _ps_roi_align,
     "bbox_overlaps_impl": _bbox_overlaps,
     "multi_scale_deformable_attn_forward_impl": _multi_scale_deformable_attn,
 }

@@ -203,8 +203,8 @@ REFUSED = {
     "mmcv roi_align max": (lambda x, r: mmcv.roi_align(x, r, 2, pool_mode="max"),
                            ["roi_align_forward", "pool_mode='max'"]),
     "mmcv roi_pool": (lambda x, r: mmcv.roi_pool(x, r, 2), ["roi_pool_forward", "convention"]),
-    "ps_roi_align": (lambda x, r: mt.ps_roi_align(x.repeat(1, 4, 1, 1)[:, :4], r, 2),
-                     ["ps_roi_align_forward", "ONNX has no operator for it"]),
+    "ps_roi_pool": (lambda x, r: mt.ps_roi_pool(x.repeat(1, 4, 1, 1)[:, :4], r, 2),
+                    ["ps_roi_pool_forward", "ONNX has no operator for it"]),
     "roi_align_rotated": (lambda x, r: mmcv.roi_align_rotated(x, torch.cat(
         [r, torch.zeros_like(r[:, :1])], 1), 2, 1.0), ["roi_align_rotated_forward",
                                                   "ONNX has no operator"]),
@@ -407,3 +407,26 @@ def test_roi_align_under_autocast_exports_in_one_dtype_and_gives_the_eager_value
     got, want = run(session, (x, rois))[0], Model()(x, rois)
     assert got.dtype == np.float16 and want.dtype == torch.float16
     np.testing.assert_allclose(got.astype(np.float32), want.float().numpy(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_ps_roi_align_exports_as_roi_align_of_every_channel_and_a_gather(exporter, tmp_path):
+    """torchvision's ps_roi_align does not export; ours does, through
+    RoiAlign (its sampling is roi_align's, aligned), then each bin's
+    channel: the same values as eager code."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.rand(2, 24, 16, 18, generator=g)
+
+    class Model(torch.nn.Module):
+        def forward(self, x, rois):
+            return (mt.ps_roi_align(x, rois, (3, 2), 0.5, -1),
+                    mt.PSRoIAlign(2, 0.5, 2)(x, rois))
+
+    rois = torch.tensor([[0, 1, 1, 20, 24.0], [1, 3.3, 2, 9, 9], [1, 5, 5, 5, 5]])
+    session = export(Model(), (x, rois), tmp_path / "ps.onnx", exporter, ["x", "rois"],
+                     {"rois": [0]})
+    assert ("", "RoiAlign") in operators(tmp_path / "ps.onnx")
+    more = torch.cat([torch.randint(0, 2, (6, 1), generator=g).float(), random_boxes(6, 12)], 1)
+    for r in (rois, more):
+        for got, want in zip(run(session, (x, r)), Model()(x, r)):
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
