@@ -55,20 +55,30 @@ def __getattr__(name):
         cls = _vision.multiscale_roi_align_class(_vision.torchvision_multiscale_base())
         globals()[name] = cls
         return cls
-    if not name.startswith("_"):
+    if name in _TORCHVISION_OWN:
         try:
             from torchvision import ops
-        except ImportError:
-            ops = None
-        if ops is None or name in getattr(ops, "__all__", ()):
-            if ops is None:
-                raise AttributeError(
-                    f"module {__name__!r} has no attribute {name!r} (torchvision.ops' names "
-                    f"other than ours come from torchvision, which is not installed)")
             value = getattr(ops, name)
-            globals()[name] = value
-            return value
+        except (ImportError, RuntimeError, OSError, AttributeError) as exc:
+            raise AttributeError(
+                f"module {__name__!r} has no attribute {name!r}: torchvision.ops' names "
+                f"without a kernel of ours are torchvision's own, and torchvision is not "
+                f"usable here ({exc})") from None
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# torchvision.ops' public names that run no compiled kernel (torch code):
+# torchvision's own objects here (a test checks the list against
+# torchvision.ops.__all__)
+_TORCHVISION_OWN = frozenset({
+    "Conv2dNormActivation", "Conv3dNormActivation", "DropBlock2d", "DropBlock3d",
+    "FeaturePyramidNetwork", "FrozenBatchNorm2d", "MLP", "Permute", "SqueezeExcitation",
+    "StochasticDepth", "box_area", "box_convert", "clip_boxes_to_image", "complete_box_iou",
+    "complete_box_iou_loss", "distance_box_iou", "distance_box_iou_loss", "drop_block2d",
+    "drop_block3d", "generalized_box_iou", "generalized_box_iou_loss", "masks_to_boxes",
+    "remove_small_boxes", "stochastic_depth"})
 
 
 def __dir__():

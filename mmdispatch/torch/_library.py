@@ -190,7 +190,7 @@ class DerivedOp:
         the ONNX_EXPORTS form of the call."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
-            if _onnx_exporting():
+            if _onnx_tracing(args[self.first_input]):
                 return self.export_onnx(args)
             if _tracing is not None and _tracing() is not None:
                 # torch.jit.trace: torch.onnx.export may translate the graph later
@@ -540,6 +540,20 @@ def _onnx_exporting():
 # what torch.compiler.assume_constant_result(_onnx_exporting) does: calling
 # it imports TorchDynamo (over a second at `import mmdispatch.torch`)
 _onnx_exporting._dynamo_marked_constant = True
+# True only in code TorchDynamo traces (torch.compiler.is_compiling() is
+# also true in every other thread while one runs torch.export)
+_dynamo_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
+def _onnx_tracing(tensor):
+    """Whether torch.onnx.export is tracing this call: the exporter's flag
+    is the process's, so a call of another thread (plain tensors, no trace
+    of its own) must not take it for itself. Evidence of this thread's
+    trace first (cheaper than the flag): torch.jit.trace's (thread-local),
+    TorchDynamo's (true only in the code it traces), or the FakeTensors of
+    torch.export's non-strict trace."""
+    return ((_tracing is not None and _tracing() is not None) or _dynamo_tracing()
+            or type(tensor) is not _Tensor) and _onnx_exporting()
 
 
 def _plain_eager(args, tensor_args):
@@ -557,7 +571,7 @@ def _plain_eager(args, tensor_args):
     uninitialised memory on the real device); else whether a tensor
     argument needs a gradient."""
     if (_dispatch_modes is None or _function_modes is None or _autocast is None
-            or _tracing is None or _functorch is None or torch.compiler.is_compiling()
+            or _tracing is None or _functorch is None or _dynamo_tracing()
             or _tracing() is not None or _functorch()):
         return None
     first = args[tensor_args[0]]

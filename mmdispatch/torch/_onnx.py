@@ -61,13 +61,25 @@ def _refuse(entry_point, args):
         _refuse_pool_mode(args[6])
     elif entry_point == "roi_pool_forward_impl":
         _refuse_convention(args[5])
+    elif entry_point == "nms_impl":
+        _nms_threshold(args[3])
 
 
-def _float32_below(threshold):
-    """The largest float32 <= threshold: ONNX's NonMaxSuppression compares
-    in float32, and an IoU equal to float32(0.3) > 0.3 must stay kept."""
+def _nms_threshold(threshold):
+    """The threshold for ONNX's NonMaxSuppression, which compares IoU >
+    threshold in float32 and takes thresholds in [0, 1]: the largest
+    float32 <= threshold (an IoU of float32(0.3), just above 0.3, is
+    suppressed, as in eager code), 1 for any larger (or NaN) threshold,
+    which suppresses nothing either way; a negative one, which suppresses
+    disjoint boxes too, is refused."""
+    threshold = float(threshold)
+    if threshold < 0:
+        raise _error("nms", f"iou_threshold={threshold} (ONNX's NonMaxSuppression takes "
+                            f"thresholds in [0, 1])")
+    if not threshold < 1:
+        return 1.0
     value = np.float32(threshold)
-    if value > threshold:
+    if float(value) > threshold:   # compared in float64 (numpy 2 would compare in float32)
         value = np.nextafter(value, np.float32(-np.inf))
     return float(value)
 
@@ -167,7 +179,7 @@ def _ts_nms(g, boxes, scores, idxs, iou_threshold, offset):
     boxes = _nms_boxes(boxes, None if _is_none(idxs) else idxs,
                        _maybe_get_const(offset, "i"), add, span)
     _check_opset(g, "nms", 10)   # NonMaxSuppression came in opset 10
-    threshold = _float32_below(_maybe_get_const(iou_threshold, "f"))
+    threshold = _nms_threshold(_maybe_get_const(iou_threshold, "f"))
     selected = g.op("NonMaxSuppression", _unsqueeze_helper(g, boxes, [0]),
                     _unsqueeze_helper(g, scores, [0, 1]),
                     _constant(g, torch.tensor([_INT64_MAX])),
@@ -285,7 +297,7 @@ def _nms(boxes, scores, idxs, iou_threshold, offset):
         boxes.float(), idxs, offset,
         lambda b, what: b + (b.new_tensor([0.0, 0.0, 1.0, 1.0]) if what == "offset" else what),
         lambda b, categories: (categories.to(b.dtype) * (b.max() - b.min() + 1))[:, None])
-    return torch.ops.torchvision.nms(boxes, scores.float(), _float32_below(iou_threshold))
+    return torch.ops.torchvision.nms(boxes, scores.float(), _nms_threshold(iou_threshold))
 
 
 def _deform_conv2d(input, offset, mask, weight, bias, stride_h, stride_w, pad_h, pad_w,

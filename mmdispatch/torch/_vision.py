@@ -14,7 +14,7 @@ from torch import nn
 from mmdispatch.ops._arrays import pair
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
-from mmdispatch.torch._library import DERIVED, _onnx_exporting
+from mmdispatch.torch._library import DERIVED, _onnx_tracing
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _ROI_POOL = DERIVED["roi_pool_forward_impl"]
@@ -193,7 +193,7 @@ def categories(idxs):
     values (0.0 and 0.01 on boxes of side 10); ours never do. No sync."""
     if not idxs.is_floating_point():
         return idxs.to(torch.int64)
-    if _onnx_exporting():   # ONNX has no bit view: the export ranks the values
+    if _onnx_tracing(idxs):   # ONNX has no bit view: the export ranks the values
         return idxs
     values = idxs.to(torch.float64) + 0.0   # -0.0 + 0.0 is 0.0
     return torch.where(values.isnan(), math.nan, values).view(torch.int64)

@@ -4,6 +4,7 @@ ops export to, the eager results from ONNX Runtime on the export's inputs
 and on inputs of other sizes, and clear errors for what ONNX cannot
 express."""
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -430,3 +431,56 @@ def test_ps_roi_align_exports_as_roi_align_of_every_channel_and_a_gather(exporte
     for r in (rois, more):
         for got, want in zip(run(session, (x, r)), Model()(x, r)):
             np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_nms_thresholds_export_with_eager_codes_decisions(exporter, tmp_path):
+    """An IoU of float32(0.3), just above 0.3, is suppressed as in eager
+    code; thresholds of 1 and more suppress nothing; a negative one (which
+    suppresses disjoint boxes too) is refused."""
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 3, 10], [20, 20, 30, 30]])
+    scores = torch.tensor([0.9, 0.8, 0.7])
+    for threshold, kept in ((0.3, [0, 2]), (1.0, [0, 1, 2]), (1.5, [0, 1, 2])):
+        model = Call(lambda b, s, t=threshold: mt.nms(b, s, t))
+        assert model(boxes, scores).tolist() == kept
+        session = export(model, (boxes, scores), tmp_path / "t.onnx", exporter, ["b", "s"], {})
+        assert run(session, (boxes, scores))[0].tolist() == kept
+    with pytest.raises(Exception) as info:
+        export(Call(lambda b, s: mt.nms(b, s, -0.1)), (boxes, scores), tmp_path / "n.onnx",
+               exporter, ["b", "s"], {})
+    assert "nms: torch.onnx.export cannot export iou_threshold=-0.1" in raised(info)
+
+
+def test_an_export_in_one_thread_leaves_other_threads_calls_as_they_are(tmp_path):
+    """torch.onnx.export's flag (and torch.export's compiling flag) is the
+    process's: eager calls of another thread meanwhile (a server's) run our
+    kernels as before. (Under autocast such a call goes through torch's
+    dispatch, where torch's own custom-op wrapper can meet the exporting
+    thread's fx annotations: KeyError 'custom' from torch, for any
+    torch.library custom op.)"""
+    needs_exporter("dynamo")
+    x, rois, boxes, scores, _ = detection_inputs(12, 2, 4, 30)
+    idxs = torch.rand(30, generator=torch.Generator().manual_seed(3)).round()   # 0.0 and 1.0
+    want_nms = mt.batched_nms(boxes, scores, idxs, 0.5)
+    want_max = mmcv.roi_align(x, rois, 2, pool_mode="max")
+    done, failures, calls = threading.Event(), [], [0]
+
+    def export_in_a_thread():
+        try:
+            export(Detection(), detection_inputs(0, 2, 4, 60), tmp_path / "m.onnx", "dynamo",
+                   ["x", "rois", "boxes", "scores", "idxs"], {})
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=export_in_a_thread)
+    thread.start()
+    while not done.is_set():
+        try:
+            assert torch.equal(mt.batched_nms(boxes, scores, idxs, 0.5), want_nms)
+            assert torch.equal(mmcv.roi_align(x, rois, 2, pool_mode="max"), want_max)
+            calls[0] += 1
+        except Exception as exc:   # noqa: BLE001  (reported below)
+            failures.append(repr(exc))
+    thread.join()
+    assert not failures, failures[:3]
+    assert calls[0] > 0

@@ -654,6 +654,7 @@ def test_every_name_of_torchvision_ops_is_reachable_ours_or_torchvisions_own():
     ours = {"roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool", "nms", "batched_nms",
             "box_iou", "deform_conv2d", "sigmoid_focal_loss", "RoIAlign", "RoIPool",
             "PSRoIAlign", "PSRoIPool", "DeformConv2d", "MultiScaleRoIAlign"}
+    assert set(tv.__all__) - ours == mt._TORCHVISION_OWN
     for name in tv.__all__:
         value = getattr(mt, name)
         if name in ours:
@@ -674,8 +675,10 @@ def test_torchvisions_other_names_without_torchvision_say_it_is_not_installed(tm
     import sys
     code = ("import sys; sys.modules['torchvision'] = None; import mmdispatch.torch as mt\n"
             "try:\n    mt.box_area\nexcept AttributeError as e:\n"
-            "    assert 'from torchvision, which is not installed' in str(e), e\n"
+            "    assert 'torchvision is not usable here' in str(e), e\n"
             "else:\n    raise SystemExit('no error')\n"
+            "try:\n    mt.roi_algin\nexcept AttributeError as e:\n"
+            "    assert 'torchvision' not in str(e), e\n"
             "assert mt.roi_align is not None")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)   # not the source tree
 
@@ -690,6 +693,7 @@ def test_multiscale_roi_align_is_torchvisions_subclass_made_without_importing_to
     import sys
     code = ("import sys, mmdispatch.torch as mt; assert 'torchvision' not in sys.modules; "
             "assert 'MultiScaleRoIAlign' in dir(mt) and 'MultiScaleRoIAlign' in mt.__all__; "
+            "assert not hasattr(mt, 'no_such_name') and 'torchvision' not in sys.modules; "
             "import torchvision; "
             "assert issubclass(mt.MultiScaleRoIAlign, torchvision.ops.MultiScaleRoIAlign)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)   # not the source tree
