@@ -484,3 +484,24 @@ def test_an_export_in_one_thread_leaves_other_threads_calls_as_they_are(tmp_path
     thread.join()
     assert not failures, failures[:3]
     assert calls[0] > 0
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_model_on_cuda_tensors_exports_the_same_operators_and_values(exporter, torch_cuda,
+                                                                       tmp_path):
+    """Exported from CUDA tensors (the TorchScript exporter runs our CUDA
+    kernels while it traces), run by ONNX Runtime on the CPU: the eager
+    CUDA results."""
+    args = tuple(a.cuda() for a in detection_inputs(13, 2, 5, 70))
+    names = ["x", "rois", "boxes", "scores", "idxs"]
+    session = export(Detection().cuda(), args, tmp_path / "c.onnx", exporter, names,
+                     {name: [0] for name in names})
+    assert {("", "RoiAlign"), ("", "MaxRoiPool"), ("", "NonMaxSuppression")} <= operators(
+        tmp_path / "c.onnx")
+    for inputs in (args, tuple(a.cuda() for a in detection_inputs(14, 3, 8, 40))):
+        got = run(session, tuple(a.cpu() for a in inputs))
+        for g, w in zip(got, Detection()(*inputs)):
+            if w.dtype == torch.int64:
+                np.testing.assert_array_equal(g, w.cpu().numpy())
+            else:
+                np.testing.assert_allclose(g, w.cpu().numpy(), rtol=1e-4, atol=1e-4)
