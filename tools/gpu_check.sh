@@ -27,6 +27,8 @@
 #
 # Environment: OUT (logs; default ./gpu-logs), PYTHON (default python3),
 # MMDISPATCH_CUDA_ARCH_LIST (default 9.0: one arch builds in about a minute),
+# EXTRA_WHEELS=a folder of wheels to install first (test dependencies the
+# machine lacks; tools/gpu_extra_wheels.sh writes one),
 # SKIP_BUILD=1 to use the mmdispatch already installed, WHEEL=path to install
 # a wheel built elsewhere instead of building (about 90 s of device time saved:
 # build one for the machine's Python with MMDISPATCH_WITH_CUDA=1 and carry
@@ -113,6 +115,14 @@ elif [ "${SKIP_BUILD:-0}" != 1 ]; then
         "$py" -m pip install --no-build-isolation --no-deps . > "$out/build.log" 2>&1) || {
         tail -40 "$out/build.log"; pack; exit 1; }
     echo "build: $(( $(date +%s) - start )) s"
+fi
+# optional test dependencies the GPU machine lacks (it has no network):
+# EXTRA_WHEELS=a folder of wheels (tools/gpu_extra_wheels.sh), e.g. onnx,
+# onnxscript and onnxruntime for tests/torch/test_onnx.py
+if [ -n "${EXTRA_WHEELS:-}" ]; then
+    "$py" -m pip install --no-index --no-deps "$(absolute "$EXTRA_WHEELS")"/*.whl \
+        > "$out/extra-wheels.log" 2>&1 && echo "installed the wheels of $EXTRA_WHEELS" ||
+        { echo "EXTRA_WHEELS did not install (tests that need them skip):"; tail -5 "$out/extra-wheels.log"; }
 fi
 # outside the source tree: its mmdispatch/ has no compiled extension
 cd /tmp
