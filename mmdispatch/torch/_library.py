@@ -522,7 +522,7 @@ _functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
 # entry point -> how torch.onnx.export records a call of it: ops of
 # torchvision's (mmdispatch.torch._torchvision fills it), whose ONNX
 # functions both of torch's exporters know, or torch's own ops
-ONNX_EXPORTS = {}
+ONNX_EXPORTS: dict = {}
 # called when torch.jit.trace records one of our ops (mmdispatch.torch._onnx
 # sets it: the TorchScript exporter's symbolic functions of our ops)
 _ON_JIT_TRACE = [lambda: None]
@@ -539,7 +539,7 @@ def _onnx_exporting():
 
 # what torch.compiler.assume_constant_result(_onnx_exporting) does: calling
 # it imports TorchDynamo (over a second at `import mmdispatch.torch`)
-_onnx_exporting._dynamo_marked_constant = True
+setattr(_onnx_exporting, "_dynamo_marked_constant", True)
 # True only in code TorchDynamo traces (torch.compiler.is_compiling() is
 # also true in every other thread while one runs torch.export)
 _dynamo_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)

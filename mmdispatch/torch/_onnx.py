@@ -205,7 +205,7 @@ _SYMBOLICS = {
     "nms_impl": _ts_nms,
     "deform_conv2d_forward_impl": _ts_deform_conv2d,
 }
-_REGISTERED = []
+_REGISTERED: list = []
 
 
 def _unsupported(entry_point):
