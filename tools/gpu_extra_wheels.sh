@@ -5,7 +5,7 @@
 # default onnx, onnxscript and onnxruntime with what they need beyond
 # those, for tests/torch/test_onnx.py's CUDA tests, for the GPU machine's
 # Python (3.12), into .whl-extra/ (ignored: echo '/.whl-*/' >> .git/info/exclude;
-# about 39 MB of the 64 MiB a device run carries). Then carry
+# 37 MB on 2026-11-28, of the 64 MiB a device run carries). Then carry
 # [".whl", ".whl-extra"] and run
 #   OUT=$OUT WHEEL=$(ls .whl/*.whl) EXTRA_WHEELS=.whl-extra bash tools/gpu_check.sh all
 #

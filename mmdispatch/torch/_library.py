@@ -519,9 +519,10 @@ _tracing = getattr(torch._C, "_get_tracing_state", None)
 _functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
-# entry point -> how torch.onnx.export records a call of it: ops of
-# torchvision's (mmdispatch.torch._torchvision fills it), whose ONNX
-# functions both of torch's exporters know, or torch's own ops
+# entry point -> how a call of it that torch.onnx.export traces is recorded
+# (mmdispatch.torch._onnx fills it: our op with a symbolic function for
+# the TorchScript exporter, ONNX operators or torchvision's nms for the
+# torch.export-based one, or torch's own operators for both)
 ONNX_EXPORTS: dict = {}
 # called when torch.jit.trace records one of our ops (mmdispatch.torch._onnx
 # sets it: the TorchScript exporter's symbolic functions of our ops)

@@ -412,8 +412,8 @@ def _export(entry_point):
             return op.op(*args)
         if _exporting():   # torch.export, for the other exporter
             return _RECORDED[entry_point](*args)
-        # code the exporter runs eagerly (a mode or autocast made the call
-        # leave the plain path): the op itself
+        # a trace of this thread that is neither exporter's (FakeTensors or
+        # TorchDynamo outside torch.export while an export runs): the op itself
         return op.op(*args)
     return export
 
