@@ -85,7 +85,8 @@ def torch_host():
     """Where a tiny torch CUDA roi_align call's host time goes, plain and
     with autograd recorded (on the H200 of 2026-11-27: 22.7 and 43.8 us,
     torchvision's 23.2 and 25.7 us; on the CPU machine the autograd part
-    costs 8.5 us): the pieces beside the whole, then cProfile's top
+    cost 8.5 us then, 5.5 us since the autograd code is generated per op,
+    2026-11-28): the pieces beside the whole, then cProfile's top
     functions of the autograd call."""
     try:
         import torch
@@ -94,7 +95,7 @@ def torch_host():
         print(f"gpu_profile: torch host parts skipped: {exc}", flush=True)
         return
     import mmdispatch.torch as mt
-    from mmdispatch.torch._library import DERIVED, _EagerAutograd
+    from mmdispatch.torch._library import DERIVED
     x = torch.zeros((1, 1, 4, 4), device="cuda")
     grad_x = x.clone().requires_grad_(True)
     rois = torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32, device="cuda")
@@ -108,7 +109,7 @@ def torch_host():
         "torchvision roi_align, autograd recorded": lambda: torchvision.ops.roi_align(
             grad_x, rois, 1, 1.0, 2, True),
         "op.run(eager=True) (the implementation alone)": lambda: op.run(*args, eager=True),
-        "_EagerAutograd.apply": lambda: _EagerAutograd.apply(op, *args),
+        "Gradient.apply (the implementation with autograd)": lambda: op.gradient.apply(*args),
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "torch.empty((1, 1, 1, 1), device='cuda')": lambda: torch.empty((1, 1, 1, 1),
                                                                         device="cuda"),

@@ -31,6 +31,7 @@ Each entry point `E(...)` becomes a functional custom op
   there: floating inputs in float32, the outputs that take the first
   array's dtype cast back to it (DerivedOp.autocast).
 """
+import builtins
 import ctypes
 import functools
 import inspect
@@ -164,6 +165,7 @@ class DerivedOp:
         self.first_input = self.arg_of[self.tensor_params[0]]
         self.tensor_args = tuple(self.arg_of[k] for k in self.tensor_params)
         self.empties = {}
+        self.empty_ids = set()   # id() of every tensor in empties (they live as long as the op)
         self.gradient = None   # set by Gradient
         self.run = self.compile_run()
         returned = ", ".join(["Tensor"] * len(self.returns))
@@ -180,13 +182,13 @@ class DerivedOp:
 
     def __call__(self, *args):
         """The op; in eager code on plain tensors (no tracing, no subclass,
-        no dispatch mode) its implementation straight away, through
-        _EagerAutograd when a gradient is needed (an op without a gradient,
-        nms or bbox_overlaps, then gives outputs that need none, as MMCV's
-        do): torch.library's machinery,
-        and even more its autograd wrapper (which rebuilds the argument list
-        per argument), costs several times what a tiny call's work does
-        (the bench's torch rows measure it). Traced by torch.onnx.export,
+        no dispatch mode) its implementation straight away, through its
+        Gradient's apply when a gradient is needed (an op without a
+        gradient, nms or bbox_overlaps, then gives outputs that need none,
+        as MMCV's do): torch.library's machinery, and even more its autograd
+        wrapper (which rebuilds the argument list per argument), costs
+        several times what a tiny call's work does (the bench's torch rows
+        measure it). Traced by torch.onnx.export,
         the ONNX_EXPORTS form of the call."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
@@ -197,7 +199,7 @@ class DerivedOp:
                 _ON_JIT_TRACE[0]()
             return self.op(*args)
         if needs_grad and self.gradient is not None:
-            return _EagerAutograd.apply(self, *args)
+            return self.gradient.apply(*args)
         return self.run(*args, eager=not needs_grad)
 
     def export_onnx(self, args):
@@ -399,19 +401,15 @@ class DerivedOp:
     def empty(self, param, dtype, device):
         """A zero-size tensor for output `param`, made once per dtype and
         device: an unused output (roi_align's argmax pair in avg mode) costs
-        an allocation otherwise. Only eager calls take it (_EagerAutograd
+        an allocation otherwise. Only eager calls take it (Gradient.apply
         too, which returns it untouched): what torch.library returns gets
         autograd metadata attached."""
         key = (param, dtype, device)
         value = self.empties.get(key)
         if value is None:
             value = self.empties[key] = torch.empty(_EMPTY_SHAPE, dtype=dtype, device=device)
+            self.empty_ids.add(id(value))
         return value
-
-    def is_empty(self, param, value):
-        """Whether `value` is the zero-size tensor `empty` made for output
-        `param` (found by identity: no guard on a FakeTensor's size)."""
-        return self.empties.get((param, value.dtype, value.device)) is value
 
     def fake(self, *args):
         device = args[self.first_input].device
@@ -590,43 +588,6 @@ def _plain_eager(args, tensor_args):
     return needs_grad
 
 
-class _EagerAutograd(torch.autograd.Function):
-    """A derived op's autograd in eager code: its implementation, with the
-    setup and backward of its Gradient (those torch.library runs under
-    torch.compile), without torch.library's per-call wrapper."""
-
-    @staticmethod
-    def forward(ctx, op, *args):
-        # eager: an unused (0,) output is the op's shared one, not allocated
-        # (autograd leaves a non-differentiable output that is not an input
-        # as it is; setup_context keeps it out of the saved tensors), but a
-        # differentiable one gets its own tensor: autograd attaches its
-        # history to it
-        output = op.run(*args, eager=True)
-        gradient = op.gradient
-        outputs = output if isinstance(output, tuple) else (output,)
-        for r, param in gradient.differentiable:
-            if op.is_empty(param, outputs[r]):
-                outputs = tuple(o.clone() if r in gradient.grads_of else o
-                                for r, o in enumerate(outputs))
-                output = outputs if isinstance(output, tuple) else outputs[0]
-                break
-        ctx.gradient = gradient
-        # no zero-filled gradients for the outputs that got none (argmax
-        # outputs, marked non-differentiable below): a (1024, 256, 7, 7)
-        # roi_pool argmax's zeros took 20 ms of a 270 ms forward+backward;
-        # gradients() skips a backward call whose output's gradient is None
-        ctx.set_materialize_grads(False)
-        gradient.setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(*[outputs[r] for r in gradient.non_differentiable])
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # needs_input_grad counts the op, argument 0
-        return (None, *ctx.gradient.gradients(ctx, ctx.needs_input_grad[1:], grads))
-
-
 class _BackwardCall:
     """One call of a backward op, giving the gradients of one or more
     forward arguments: its arguments come from the forward's (see
@@ -702,72 +663,146 @@ class Gradient:
         self.non_differentiable = [r for r in range(len(forward.returns))
                                    if r not in self.grads_of]
         self.differentiable = [(r, forward.returns[r][0]) for r in sorted(self.grads_of)]
+        self.gradients = self.compile_gradients()
+        self.setup_context, self.apply = self.compile_autograd()
         forward.op.register_autograd(self.backward_fn, setup_context=self.setup_context)
         forward.gradient = self
 
-    def setup_context(self, ctx, inputs, output):
-        outputs = output if isinstance(output, tuple) else (output,)
-        ctx.wrt_specs = {i: (tuple(inputs[i].shape), inputs[i].dtype) for i in self.wrts
-                         if inputs[i] is not None}
-        # an eager call's unused (0,) output, one tensor shared by every call
-        # (DerivedOp.empty: roi_align's argmax pair in avg mode), is kept as
-        # it is, not saved: nothing in it can change, and an in-place op of
-        # one caller on it must not fail another call's backward (a size
-        # test would guard on a data-dependent size under torch.compile)
-        saved = [inputs[i] for i in self.saved_tensors]
-        kept = []
-        is_empty = self.forward.is_empty
-        for i, param in zip(self.saved_outputs, self.saved_params):
-            value = outputs[i]
-            if is_empty(param, value):
-                kept.append(value)
-                saved.append(None)
-            else:
-                kept.append(None)
-                saved.append(value)
-        ctx.kept = kept
-        ctx.save_for_backward(*saved)
-        ctx.scalars = [inputs[i] for i in self.saved_scalars]
+    def compile_autograd(self):
+        """(setup_context, apply): Python code generated for this op, as
+        DerivedOp.compile_run's. setup_context(ctx, inputs, output) is what
+        torch.library runs (torch.compile, export) and apply(*args) the op
+        with its autograd in eager code (DerivedOp.__call__ on plain
+        tensors): a torch.autograd.Function of the op's own whose forward
+        is the implementation and the same setup, without torch.library's
+        per-call wrapper. Unrolled, the setup of a tiny roi_align call took
+        about 1.5 us where the loops over the saved values took 4 (the
+        2-core build machine, 2026-11-28).
+
+        The setup keeps the shapes and dtypes of the arguments it gives
+        gradients to (ctx.wrt_specs), the inputs and outputs the backward
+        reads (ctx.saved_tensors, ctx.scalars), and as it is, not saved
+        (ctx.kept), an eager call's unused (0,) output: one tensor shared by
+        every call (DerivedOp.empty: roi_align's argmax pair in avg mode),
+        in which nothing can change, and an in-place op of one caller on
+        it must not fail another call's backward (a size test would guard
+        on a data-dependent size under torch.compile). An output found by
+        identity among the op's empties."""
+        forward = self.forward
+        a = [f"a{i}" for i in range(len(forward.arg_names))]
+        o = [f"o{r}" for r in range(len(forward.returns))]
+        unpack = f"    {', '.join(o)}, = output" if len(o) > 1 else "    o0 = output"
+        specs = ", ".join(f"{i}: None if {a[i]} is None else (tuple({a[i]}.shape), {a[i]}.dtype)"
+                          for i in self.wrts)
+        setup = [f"    ctx.wrt_specs = {{{specs}}}"]
+        kept = [f"k{j}" for j in range(len(self.saved_outputs))]
+        for k, r in zip(kept, self.saved_outputs):
+            setup.append(f"    {k} = o{r} if id(o{r}) in _empty_ids else None")
+        saved = [a[i] for i in self.saved_tensors] + [
+            f"None if {k} is not None else o{r}" for k, r in zip(kept, self.saved_outputs)]
+        setup += [f"    ctx.kept = ({''.join(f'{k}, ' for k in kept)})",
+                  f"    ctx.save_for_backward({', '.join(saved)})",
+                  f"    ctx.scalars = ({''.join(f'{a[i]}, ' for i in self.saved_scalars)})"]
+        lines = [f"def setup_context(ctx, inputs, output):",
+                 f"    {''.join(f'{x}, ' for x in a)}= inputs", unpack, *setup,
+                 f"def forward(ctx, {', '.join(a)}):",
+                 f"    output = _run({''.join(f'{x}, ' for x in a)}eager=True)", unpack]
+        # eager: an unused (0,) output is the op's shared one, not allocated
+        # (autograd leaves a non-differentiable output that is not an input
+        # as it is), but a differentiable one gets its own tensor: autograd
+        # attaches its history to it
+        for r in sorted(self.grads_of):
+            lines.append(f"    if id(o{r}) in _empty_ids: o{r} = o{r}.clone()")
+        # no zero-filled gradients for the outputs that got none (argmax
+        # outputs, marked non-differentiable below): a (1024, 256, 7, 7)
+        # roi_pool argmax's zeros took 20 ms of a 270 ms forward+backward;
+        # gradients() skips a backward call whose output's gradient is None
+        lines += ["    ctx.set_materialize_grads(False)", *setup]
+        if self.non_differentiable:
+            lines.append(f"    ctx.mark_non_differentiable("
+                         f"{', '.join(o[r] for r in self.non_differentiable)})")
+        lines.append(f"    return ({', '.join(o)},)" if len(o) > 1 else "    return o0")
+        lines += ["def backward(ctx, *grads):",
+                  "    return _gradients(ctx, ctx.needs_input_grad, grads)"]
+        scope = {"_run": forward.run, "_empty_ids": forward.empty_ids,
+                 "_gradients": self.gradients,
+                 "__builtins__": builtins, "__name__": __name__}
+        exec(compile("\n".join(lines), f"<mmdispatch.torch autograd of {forward.signature.name}>",
+                     "exec"), scope)
+        function = type(f"{forward.name}_autograd", (torch.autograd.Function,),
+                        {"forward": staticmethod(scope["forward"]),
+                         "backward": staticmethod(scope["backward"]),
+                         "__module__": __name__, "source": "\n".join(lines)})
+        return scope["setup_context"], function.apply
 
     def backward_fn(self, ctx, *grads):
         return self.gradients(ctx, ctx.needs_input_grad, grads)
 
-    def gradients(self, ctx, needed, grads):
-        """The forward arguments' gradients: those `needed` says."""
-        result = [None] * len(self.forward.arg_names)
-        values = None
-        for call in self.calls:
-            grad = grads[call.grad_of]
-            if grad is None or not any(needed[wrt] for wrt in call.results):
-                continue
-            if values is None:
-                values = ctx.saved_tensors
-                inputs = dict(zip(self.saved_tensors, values))
-                inputs.update(zip(self.saved_scalars, ctx.scalars))
-                outputs = {i: value if kept is None else kept for i, value, kept in
-                           zip(self.saved_outputs, values[len(self.saved_tensors):], ctx.kept)}
+    def compile_gradients(self):
+        """gradients(ctx, needed, grads): the forward arguments' gradients,
+        those `needed` says, as Python code generated for this op (see
+        compile_autograd). Each backward call runs where the gradient of
+        the output it takes is not None and an argument it gives a
+        gradient to needs one; the backward op goes straight to its
+        implementation in eager code (DerivedOp.__call__ decides), through
+        torch.library when a graph of the backward is recorded
+        (create_graph=True), whose outputs refuse a second backward. A
+        gradient that is the backward op's shared (0,) output is copied:
+        hooks may write into it."""
+        forward = self.forward
+        names = {i: f"t{i}" for i in self.saved_tensors}
+        names.update({i: f"c{i}" for i in self.saved_scalars})
+        outputs = {i: f"u{i}" for i in self.saved_outputs}
+        result = [f"r{i}" if i in self.wrts else "None" for i in range(len(forward.arg_names))]
+        lines = ["def gradients(ctx, needed, grads):",
+                 *(f"    r{i} = None" for i in self.wrts)]
+        runs = []
+        for n, call in enumerate(self.calls):
+            wanted = " or ".join(f"needed[{wrt}]" for wrt in call.results)
+            lines.append(f"    g{n} = grads[{call.grad_of}]")
+            lines.append(f"    run{n} = g{n} is not None and ({wanted})")
+            runs.append(f"run{n}")
+        lines.append(f"    if {' or '.join(runs)}:")
+        saved = [names[i] for i in self.saved_tensors] + [outputs[i] for i in self.saved_outputs]
+        if saved:
+            lines.append(f"        {''.join(f'{x}, ' for x in saved)}= ctx.saved_tensors")
+        if self.saved_scalars:
+            lines.append(f"        {''.join(f'{names[i]}, ' for i in self.saved_scalars)}"
+                         f"= ctx.scalars")
+        for j, i in enumerate(self.saved_outputs):
+            lines.append(f"        if ctx.kept[{j}] is not None: {outputs[i]} = ctx.kept[{j}]")
+        # the whole builtins: torch.compile traces this code (and looks up
+        # __import__ in its globals' builtins)
+        scope = {"_grad_enabled": torch.is_grad_enabled, "__builtins__": builtins,
+                 "__name__": __name__}
+        for n, call in enumerate(self.calls):
             args = []
             for kind, i in call.sources:
                 if kind == "grad":
-                    args.append(grad.contiguous())
+                    args.append(f"g{n}.contiguous()")
                 elif kind == "wrt":
                     wrt, is_dtype = i
-                    args.append(ctx.wrt_specs[wrt][1 if is_dtype else 0])
+                    args.append(f"ctx.wrt_specs[{wrt}][{1 if is_dtype else 0}]")
                 else:
-                    args.append(inputs[i] if kind == "input" else outputs[i])
-            # the backward op straight to its implementation in eager code
-            # (DerivedOp.__call__ decides), through torch.library when a graph
-            # of the backward is recorded (create_graph=True), whose outputs
-            # refuse a second backward
-            returned = (call.backward.op if torch.is_grad_enabled() else call.backward)(*args)
-            returned = returned if isinstance(returned, tuple) else (returned,)
+                    args.append(names[i] if kind == "input" else outputs[i])
+            scope[f"_op{n}"], scope[f"_eager{n}"] = call.backward.op, call.backward
+            scope[f"_empty{n}"] = call.backward.empty_ids
+            lines += [f"    if run{n}:",
+                      f"        ret = (_op{n} if _grad_enabled() else _eager{n})({', '.join(args)})"]
+            if len(call.backward.returns) == 1:
+                lines.append("        ret = (ret,)")
             for wrt, position in call.results.items():
-                if needed[wrt]:
-                    gradient = returned[position]
-                    if call.backward.is_empty(call.backward.returns[position][0], gradient):
-                        gradient = gradient.clone()   # hooks may write into it
-                    result[wrt] = gradient * grad if call.times_grad_of else gradient
-        return tuple(result)
+                lines += [f"        if needed[{wrt}]:",
+                          f"            r{wrt} = ret[{position}]",
+                          f"            if id(r{wrt}) in _empty{n}: r{wrt} = r{wrt}.clone()"]
+                if call.times_grad_of:
+                    lines.append(f"            r{wrt} = r{wrt} * g{n}")
+        lines.append(f"    return ({''.join(f'{x}, ' for x in result)})")
+        exec(compile("\n".join(lines), f"<mmdispatch.torch gradients of {forward.signature.name}>",
+                     "exec"), scope)
+        gradients = scope["gradients"]
+        gradients.source = "\n".join(lines)
+        return gradients
 
 
 def _gradient_tables():
