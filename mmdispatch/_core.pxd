@@ -16,6 +16,7 @@ cdef extern from "mmdispatch/tensor.h" nogil:
         MMD_ERR_MEMORY
         MMD_ERR_DEFERRED
         MMD_CONTEXT_STRICT
+        MMD_CONTEXT_TF32
     ctypedef enum mmd_dtype:
         MMD_DTYPE_UNKNOWN
         MMD_BOOL
@@ -63,6 +64,7 @@ cdef extern from "mmdispatch/registry.h" nogil:
         MMD_STRICT_OFF
         MMD_STRICT_ON
     unsigned char *mmd_thread_strict()
+    unsigned char *mmd_thread_tf32()
     int *mmd_thread_hook_guard()
 
 cdef extern from "mmdispatch/boxed.h" nogil:

@@ -192,7 +192,7 @@ def _set_thread_selection(selection):
     previous = _thread_selection()
     cdef unsigned char *selected = mmd_thread_backends()
     cdef int i
-    global _any_backend_selected, _strict_possible
+    global _any_backend_selected, _flags_possible
     if selection is None:
         for i in range(MMD_MAX_DEVICE_TYPES):
             selected[i] = 0
@@ -208,7 +208,7 @@ def _set_thread_selection(selection):
             _any_backend_selected = True
     mmd_thread_strict()[0] = selection[MMD_MAX_DEVICE_TYPES]
     if selection[MMD_MAX_DEVICE_TYPES] == MMD_STRICT_ON:
-        _strict_possible = True
+        _flags_possible = True
     return previous
 
 
@@ -234,27 +234,80 @@ def use_backend(device, name):
         _selection_changed()
 
 
-# Strict mode's process default (MMDISPATCH_STRICT=1), and whether strict
-# mode may be on in some thread: until it may, dispatch does not read the
-# thread-local setting. Read and written with the GIL held.
+# Strict mode's process default (MMDISPATCH_STRICT=1), TF32's (the float32
+# matmul precision set), and whether either may be on in some thread: until
+# one may, dispatch does not read the thread-local settings. Read and
+# written with the GIL held.
 cdef bint _strict_default = os.environ.get("MMDISPATCH_STRICT", "").strip().lower() in (
     "1", "true", "yes", "on")
-cdef bint _strict_possible = _strict_default
+cdef bint _tf32_default = False
+cdef str _float32_precision = "highest"
+cdef bint _flags_possible = _strict_default
 
 
 cdef inline uint32_t _context_flags() noexcept:
     cdef unsigned char state
-    if not _strict_possible:
+    cdef uint32_t flags = 0
+    if not _flags_possible:
         return 0
     state = mmd_thread_strict()[0]
     if state == MMD_STRICT_ON or (state == MMD_STRICT_UNSET and _strict_default):
-        return MMD_CONTEXT_STRICT
-    return 0
+        flags = MMD_CONTEXT_STRICT
+    state = mmd_thread_tf32()[0]
+    if state == MMD_STRICT_ON or (state == MMD_STRICT_UNSET and _tf32_default):
+        flags |= MMD_CONTEXT_TF32
+    return flags
 
 
 def is_strict():
     """Whether calls in this thread run in strict mode (see strict())."""
-    return _context_flags() != 0
+    return (_context_flags() & MMD_CONTEXT_STRICT) != 0
+
+
+_FLOAT32_PRECISIONS = ("highest", "high", "medium")
+
+
+def set_float32_matmul_precision(precision):
+    """The precision of float32 matrix products in the kernels, for the
+    whole process, in torch.set_float32_matmul_precision's terms:
+    ``"highest"`` (the default) computes them in IEEE float32; ``"high"``
+    and ``"medium"`` let them run in TF32 (10 mantissa bits in the
+    operands, float32 sums) where the device has it: on CUDA devices of
+    compute capability 8.0 and later, deform_conv2d's products (through
+    cuBLAS; NVIDIA_TF32_OVERRIDE=0 still turns TF32 off). The CPU's
+    products are IEEE float32 always. mmdispatch.torch's calls follow
+    torch's own setting instead (torch.set_float32_matmul_precision,
+    torch.backends.cuda.matmul.allow_tf32 or .fp32_precision), as
+    torchvision's and MMCV's deform_conv2d do."""
+    global _float32_precision, _tf32_default, _flags_possible
+    if not isinstance(precision, str) or precision not in _FLOAT32_PRECISIONS:
+        raise ValueError(f"set_float32_matmul_precision: precision must be one of "
+                         f"{', '.join(map(repr, _FLOAT32_PRECISIONS))}, got {precision!r}")
+    _float32_precision = precision
+    _tf32_default = precision != "highest"
+    if _tf32_default:
+        _flags_possible = True
+
+
+def get_float32_matmul_precision():
+    """The process's float32 product precision (see
+    set_float32_matmul_precision): "highest", "high" or "medium"."""
+    return _float32_precision
+
+
+def _swap_thread_tf32(int value):
+    """Sets whether this thread's calls may run float32 products in TF32:
+    -1 as the process's setting says, 0 no, 1 yes (mmdispatch.torch, for
+    its calls, from torch's setting); returns the previous value."""
+    global _flags_possible
+    cdef unsigned char *state = mmd_thread_tf32()
+    previous = -1 if state[0] == MMD_STRICT_UNSET else int(state[0] == MMD_STRICT_ON)
+    if value < 0:
+        state[0] = MMD_STRICT_UNSET
+    else:
+        state[0] = MMD_STRICT_ON if value else MMD_STRICT_OFF
+        _flags_possible = True
+    return previous
 
 
 @contextlib.contextmanager
@@ -271,9 +324,9 @@ def strict(bint enabled=True):
     thread in the block, on CUDA in a thread of its own, take it too."""
     cdef unsigned char *state = mmd_thread_strict()
     cdef unsigned char previous = state[0]
-    global _strict_possible
+    global _flags_possible
     if enabled:
-        _strict_possible = True
+        _flags_possible = True
     state[0] = MMD_STRICT_ON if enabled else MMD_STRICT_OFF
     _selection_changed()
     try:

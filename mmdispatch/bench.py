@@ -752,6 +752,37 @@ def deterministic(fn):
     return run_deterministic
 
 
+def tf32_cases(cases, tv):
+    """The cases (name, ours, theirs, traffic) with float32 products
+    allowed in TF32 on both sides (mmdispatch.set_float32_matmul_precision
+    and torch.set_float32_matmul_precision "high", as a training script
+    that sets torch's puts torchvision's and mmdispatch.torch's products),
+    each restored to "highest" after the call."""
+    torch = tv[0] if tv is not None else None
+
+    def ours_tf32(fn):
+        def run():
+            mmdispatch.set_float32_matmul_precision("high")
+            try:
+                fn()
+            finally:
+                mmdispatch.set_float32_matmul_precision("highest")
+        return run
+
+    def theirs_tf32(fn):
+        def run():
+            torch.set_float32_matmul_precision("high")
+            try:
+                fn()
+            finally:
+                torch.set_float32_matmul_precision("highest")
+        return run
+
+    for name, ours, theirs, traffic in cases:
+        yield (f"{name}, TF32 products (float32 matmul precision 'high')", ours_tf32(ours),
+               theirs_tf32(theirs) if theirs is not None and torch is not None else None, traffic)
+
+
 def deterministic_name(name):
     """The name of row `name` run on the deterministic CUDA backend."""
     return f"{name}, deterministic backend"
@@ -1177,6 +1208,9 @@ def run_cuda(quick, repeat, tv):
                                 theirs_device, tv), repeat, "CUDA ")
     rows += timed_rows(deform_cases(DCN_QUICK if quick else DCN_STANDARD, cupy.asarray, sync,
                                     theirs_device, tv), repeat, "CUDA ")
+    rows += timed_rows(tf32_cases(deform_cases(DCN_QUICK if quick else DCN_STANDARD,
+                                               cupy.asarray, sync, theirs_device, tv), tv),
+                       repeat, "CUDA ")
     msda = MSDA_QUICK if quick else MSDA_STANDARD
     rows += timed_rows(msda_cases(msda, cupy.asarray, sync, theirs_device, tv), repeat, "CUDA ")
 

@@ -1026,3 +1026,24 @@ def test_shape_functions_give_the_shapes_and_dtypes_the_entry_point_allocates(in
     for a, shape in zip(op.allocations, shapes):
         dtype = np.dtype(a.dtype) if a.dtype else args[0].dtype
         assert seen[a.name] == (shape, dtype), a.text
+
+
+def test_float32_matmul_precision_takes_torchs_three_names_only():
+    """set_float32_matmul_precision takes torch's names (its effect on
+    products: tests/ops/test_deform_conv2d.py); strict mode is apart."""
+    for name in ("high", "medium", "highest"):
+        mmdispatch.set_float32_matmul_precision(name)
+        assert mmdispatch.get_float32_matmul_precision() == name
+    for bad in ("low", "HIGH", None, 1):
+        with pytest.raises(ValueError, match=re.escape(
+                "set_float32_matmul_precision: precision must be one of 'highest', 'high', "
+                "'medium', got " + repr(bad))):
+            mmdispatch.set_float32_matmul_precision(bad)
+    assert mmdispatch.get_float32_matmul_precision() == "highest"
+    mmdispatch.set_float32_matmul_precision("high")
+    try:
+        assert not mmdispatch.is_strict()
+        with mmdispatch.strict():
+            assert mmdispatch.is_strict()
+    finally:
+        mmdispatch.set_float32_matmul_precision("highest")

@@ -54,6 +54,12 @@ unsigned char *mmd_thread_backends(void);
 enum { MMD_STRICT_UNSET = 0, MMD_STRICT_OFF = 1, MMD_STRICT_ON = 2 };
 unsigned char *mmd_thread_strict(void);
 
+/* Thread-local float32 product precision (MMD_CONTEXT_TF32), in the same
+ * states: MMD_STRICT_UNSET follows the process's setting
+ * (mmdispatch.set_float32_matmul_precision), ON allows TF32, OFF does not
+ * (mmdispatch.torch sets it for its calls, from torch's setting). */
+unsigned char *mmd_thread_tf32(void);
+
 /* Thread-local exclusion guard of the dispatch hooks (mmdispatch.add_hook):
  * while it is above 0 (a hook or a fallback is running in this thread), the
  * thread's calls are not shown to hooks. */

@@ -82,6 +82,12 @@ typedef struct {
  * its data asynchronously checks it before writing anything and waits for
  * the device, so every error is raised by the call that caused it. */
 #define MMD_CONTEXT_STRICT 1u
+/* ctx->flags: the call's float32 matrix products may run in TF32 where the
+ * device has it (mmdispatch.set_float32_matmul_precision("high"), or
+ * torch's float32 matmul precision for mmdispatch.torch's calls): on CUDA,
+ * deform_conv2d's cuBLAS products, as torchvision's follow torch's setting.
+ * Other products are IEEE float32 whatever it says. */
+#define MMD_CONTEXT_TF32 2u
 
 /* Kernel status codes; the dispatcher turns them into Python exceptions in
  * one place (OpRegistry.raise_kernel_error in _core.pyx). */

@@ -42,6 +42,10 @@ GRADIENTS = {
         for name in ("input", "offset", "mask", "weight", "bias")
     },
 }
+# entry points whose CUDA kernels make float32 matrix products (cuBLAS),
+# which may run in TF32 (mmdispatch.set_float32_matmul_precision; the
+# PyTorch layer sets torch's setting for their calls)
+FLOAT32_PRODUCTS = ("deform_conv2d_forward_impl", "deform_conv2d_backward_impl")
 
 _LAYOUTS = (("input", 4, "(N, C_in, H, W)"), ("offset", 4, "(N, 2 * G * kh * kw, out_h, out_w)"),
             ("weight", 4, "(C_out, C_in // groups, kh, kw)"))

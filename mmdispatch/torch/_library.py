@@ -164,6 +164,8 @@ class DerivedOp:
         self.counted = any(length >= 0 for _, length in self.returns)
         self.first_input = self.arg_of[self.tensor_params[0]]
         self.tensor_args = tuple(self.arg_of[k] for k in self.tensor_params)
+        # whether its float32 products follow torch's matmul precision
+        self.products = sig.name in _FLOAT32_PRODUCTS
         self.empties = {}
         self.empty_ids = set()   # id() of every tensor in empties (they live as long as the op)
         self.gradient = None   # set by Gradient
@@ -286,7 +288,15 @@ class DerivedOp:
             lines.append(f"    if {first}.is_cuda and _capturing(): _refuse_capture()")
             scope.update(_capturing=torch.cuda.is_current_stream_capturing,
                          _refuse_capture=self.refuse_capture)
-        lines.append(f"    _entry({', '.join(call)})")
+        if self.products:   # torch's float32 matmul precision for the call's products
+            lines += ["    _previous = _swap_tf32(_torch_tf32())",
+                      "    try:",
+                      f"        _entry({', '.join(call)})",
+                      "    finally:",
+                      "        _swap_tf32(_previous)"]
+            scope.update(_swap_tf32=_core._swap_thread_tf32, _torch_tf32=_torch_tf32)
+        else:
+            lines.append(f"    _entry({', '.join(call)})")
         results = [f"o{k}[:int(o{length}[0])]" if length >= 0 else f"o{k}"
                    for k, length in self.returns]
         lines.append(f"    return {results[0] if len(results) == 1 else '(' + ', '.join(results) + ')'}")
@@ -353,7 +363,18 @@ class DerivedOp:
         backends and strict mode of the thread that started the backward
         pass (_published_selection); on CUDA arrays under
         torch.use_deterministic_algorithms(True), with the CUDA backend that
-        gives the same bits on every run."""
+        gives the same bits on every run; with torch's float32 matmul
+        precision for an op with float32 products."""
+        if self.products:
+            previous = _core._swap_thread_tf32(_torch_tf32())
+            try:
+                return self.call_selected(call, cuda)
+            finally:
+                _core._swap_thread_tf32(previous)
+        return self.call_selected(call, cuda)
+
+    def call_selected(self, call, cuda):
+        """call_entry_point's call, with the backends it takes."""
         handed_over = _handed_over()
         elsewhere = handed_over is not _OWN
         if elsewhere:
@@ -433,6 +454,38 @@ class DerivedOp:
                 shape[0] = sizes[length]
             results.append(torch.empty(shape, dtype=dtype, device=device))
         return results[0] if len(results) == 1 else tuple(results)
+
+
+# entry points whose float32 products follow torch's float32 matmul
+# precision (their modules' FLOAT32_PRODUCTS: deform_conv2d's cuBLAS
+# products, as torchvision's, whose at::addmm follows it)
+def _float32_product_ops():
+    return frozenset(name for module in _ops._MODULES
+                     for name in getattr(module, "FLOAT32_PRODUCTS", ()))
+
+
+_FLOAT32_PRODUCTS = _float32_product_ops()
+_fp32_precision = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def _torch_tf32():
+    """1 where torch's float32 matmul precision lets its CUDA products run
+    in TF32, else 0: torch.backends.cuda.matmul.fp32_precision, falling
+    back to torch.backends.cuda.fp32_precision and then
+    torch.backends.fp32_precision where "none" (torch 2.9 and later, whose
+    torch.set_float32_matmul_precision and matmul.allow_tf32 set the first;
+    read through the getter, which does not raise where a program mixed
+    the old and the new settings), or matmul.allow_tf32 (earlier torch)."""
+    if _fp32_precision is not None:
+        for backend, op in _PRECISION_CHAIN:
+            precision = _fp32_precision(backend, op)
+            if precision != "none":
+                return int(precision == "tf32")
+        return 0
+    return int(torch.backends.cuda.matmul.allow_tf32)
+
+
+_PRECISION_CHAIN = (("cuda", "matmul"), ("cuda", "all"), ("generic", "all"))
 
 
 # the autocast kernels (DerivedOp.autocast), in a library of their own

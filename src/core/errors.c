@@ -1,4 +1,5 @@
-/* Thread-local error message, backend selection, strict mode and hook guard,
+/* Thread-local error message, backend selection, strict mode, float32
+ * product precision and hook guard,
  * plus dtype metadata. */
 #include <stdarg.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 static _Thread_local char mmd_error_message[1024];
 static _Thread_local unsigned char mmd_backends[MMD_MAX_DEVICE_TYPES];
 static _Thread_local unsigned char mmd_strict;
+static _Thread_local unsigned char mmd_tf32;
 static _Thread_local int mmd_hook_guard;
 
 int mmd_error(int status, const char *fmt, ...) {
@@ -25,6 +27,8 @@ const char *mmd_last_error(void) { return mmd_error_message; }
 unsigned char *mmd_thread_backends(void) { return mmd_backends; }
 
 unsigned char *mmd_thread_strict(void) { return &mmd_strict; }
+
+unsigned char *mmd_thread_tf32(void) { return &mmd_tf32; }
 
 int *mmd_thread_hook_guard(void) { return &mmd_hook_guard; }
 

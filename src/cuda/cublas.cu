@@ -5,9 +5,12 @@
  * first product). Nothing is loaded, so a process without cuBLAS keeps
  * the kernels' own products and pays nothing. A handle per device, made
  * at its first product and used under that device's lock (a handle takes
- * one thread at a time); its products use cuBLAS's default math (float
- * products in float, no TF32, unless NVIDIA_TF32_OVERRIDE says so), as
- * torch's do by default. The CUDA emulator's build takes the emulator's
+ * one thread at a time); its float products use cuBLAS's default math
+ * (IEEE float32, as torch's products by default), or its TF32 tensor-op
+ * math where the call allows it (as torch's under its float32 matmul
+ * precision "high"; NVIDIA_TF32_OVERRIDE=0 still turns TF32 off), set on
+ * the handle when it changes (cublasSetMathMode, cuBLAS 11 and later;
+ * an older cuBLAS keeps IEEE float32). The CUDA emulator's build takes the emulator's
  * stand-in instead (switched on and off by the tests). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE   /* RTLD_DEFAULT */
@@ -32,6 +35,7 @@ namespace {
 typedef void *Handle;
 typedef int (*CreateFn)(Handle *);
 typedef int (*SetStreamFn)(Handle, cudaStream_t);
+typedef int (*SetMathModeFn)(Handle, int);
 template <typename T>
 using GemmFn = int (*)(Handle, int, int, int, int, int, const T *, const T *, int, const T *,
                        int, const T *, T *, int);
@@ -42,10 +46,13 @@ using BatchedFn = int (*)(Handle, int, int, int, int, int, const T *, const T *,
                           long long, const T *, int, long long, const T *, T *, int, long long,
                           int);
 enum { kOpN = 0, kOpT = 1, kStatusSuccess = 0 };
+/* cublasMath_t: CUBLAS_DEFAULT_MATH, CUBLAS_TF32_TENSOR_OP_MATH */
+enum { kDefaultMath = 0, kTf32Math = 3 };
 
 struct Api {
     CreateFn create = nullptr;
     SetStreamFn set_stream = nullptr;
+    SetMathModeFn set_math_mode = nullptr;   /* null: IEEE float32 products only */
     GemmFn<float> sgemm = nullptr;
     GemmFn<double> dgemm = nullptr;
     BatchedFn<float> sgemm_batched = nullptr;   /* null: products one at a time */
@@ -70,6 +77,7 @@ bool take_from(void *library, Api *api) {
     found.dgemm_batched = (BatchedFn<double>)dlsym(library, "cublasDgemmStridedBatched");
     if (!found.sgemm_batched || !found.dgemm_batched)
         found.sgemm_batched = nullptr, found.dgemm_batched = nullptr;
+    found.set_math_mode = (SetMathModeFn)dlsym(library, "cublasSetMathMode");
     *api = found;
     return true;
 }
@@ -77,20 +85,21 @@ bool take_from(void *library, Api *api) {
 #ifdef MMD_CUDA_EMULATOR
 extern "C" int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm,
                                         void **dgemm, void **sgemm_batched,
-                                        void **dgemm_batched);
+                                        void **dgemm_batched, void **set_math_mode);
 
 /* The emulator's stand-in, while the tests have it switched on (its
  * batched products null when they switch those off). */
 Api api() {
     Api a;
-    void *f[6];
-    if (mmd_emu_cublas_functions(&f[0], &f[1], &f[2], &f[3], &f[4], &f[5])) {
+    void *f[7];
+    if (mmd_emu_cublas_functions(&f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6])) {
         a.create = (CreateFn)f[0];
         a.set_stream = (SetStreamFn)f[1];
         a.sgemm = (GemmFn<float>)f[2];
         a.dgemm = (GemmFn<double>)f[3];
         a.sgemm_batched = (BatchedFn<float>)f[4];
         a.dgemm_batched = (BatchedFn<double>)f[5];
+        a.set_math_mode = (SetMathModeFn)f[6];
     }
     return a;
 }
@@ -115,11 +124,13 @@ Api api() {
 #endif
 
 /* Per device: its handle (made at its first product) and the lock that
- * gives it to one thread at a time; `failed` once making it failed. */
+ * gives it to one thread at a time; `failed` once making it failed;
+ * `math` the handle's math mode (cuBLAS's default on a new handle). */
 struct Device {
     std::mutex lock;
     Handle handle = nullptr;
     bool failed = false;
+    int math = kDefaultMath;
 };
 Device g_devices[kMaxDevices];
 
@@ -145,7 +156,7 @@ template <typename T>
 bool gemm_with(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
                const T *a, int64_t a_row, int64_t a_col, int64_t a_batch, const T *b,
                int64_t b_row, int64_t b_col, int64_t b_batch, T beta, T *c, int64_t ldc,
-               int64_t c_batch) {
+               int64_t c_batch, bool tf32) {
     if (batches <= 0 || m <= 0 || n <= 0 || k <= 0 || batches > INT_MAX) return false;
     const Api functions = api();
     const GemmFn<T> gemm = functions.gemm<T>();
@@ -175,6 +186,16 @@ bool gemm_with(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64
         d.failed = functions.create(&d.handle) != kStatusSuccess;
     }
     if (d.failed || functions.set_stream(d.handle, stream) != kStatusSuccess) return false;
+    /* the math mode this product takes: where it cannot be set, TF32 is not
+     * taken, and a handle that could not be set back to the default math
+     * computes nothing more (our own products, IEEE float32, instead) */
+    const int math = tf32 && sizeof(T) == 4 && functions.set_math_mode ? kTf32Math : kDefaultMath;
+    if (math != d.math) {
+        if (functions.set_math_mode(d.handle, math) == kStatusSuccess)
+            d.math = math;
+        else if (math == kDefaultMath)
+            return false;
+    }
     const T one = 1;
     if (batches == 1)
         return gemm(d.handle, op_b, op_a, (int)n, (int)m, (int)k, &one, b, (int)ldb, a,
@@ -189,17 +210,17 @@ bool gemm_with(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64
 bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
                  const float *a, int64_t a_row, int64_t a_col, int64_t a_batch, const float *b,
                  int64_t b_row, int64_t b_col, int64_t b_batch, float beta, float *c,
-                 int64_t ldc, int64_t c_batch) {
+                 int64_t ldc, int64_t c_batch, bool tf32) {
     return gemm_with(stream, batches, m, n, k, a, a_row, a_col, a_batch, b, b_row, b_col,
-                     b_batch, beta, c, ldc, c_batch);
+                     b_batch, beta, c, ldc, c_batch, tf32);
 }
 
 bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
                  const double *a, int64_t a_row, int64_t a_col, int64_t a_batch,
                  const double *b, int64_t b_row, int64_t b_col, int64_t b_batch, double beta,
-                 double *c, int64_t ldc, int64_t c_batch) {
+                 double *c, int64_t ldc, int64_t c_batch, bool tf32) {
     return gemm_with(stream, batches, m, n, k, a, a_row, a_col, a_batch, b, b_row, b_col,
-                     b_batch, beta, c, ldc, c_batch);
+                     b_batch, beta, c, ldc, c_batch, tf32);
 }
 
 }  // namespace mmd_cuda

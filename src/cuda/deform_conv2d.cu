@@ -389,6 +389,19 @@ __global__ void fill_rows_kernel(E *c, int64_t ldc, int64_t c_batch, int64_t bat
     }
 }
 
+/* The products gemm() may take: only our own (the deterministic backend:
+ * cuBLAS keeps its bits only while one stream is active), or the process's
+ * cuBLAS where it can, with float products in IEEE float32 or, where the
+ * call allows it (MMD_CONTEXT_TF32: mmdispatch.set_float32_matmul_precision,
+ * or torch's setting in mmdispatch.torch), in TF32 on devices that have it,
+ * as torch's own products (torchvision's deform_conv2d's) take it. */
+enum class Products { kOwn, kLibrary, kLibraryTf32 };
+
+Products products_for(bool deterministic, const mmd_context *ctx) {
+    if (deterministic) return Products::kOwn;
+    return tf32(ctx) ? Products::kLibraryTf32 : Products::kLibrary;
+}
+
 /* `batches` products (gemm_in's contract each; product j's operands and
  * result a_batch, b_batch and c_batch elements past product 0's, a stride
  * of 0 sharing one) in one call to the process's cuBLAS
@@ -399,7 +412,7 @@ __global__ void fill_rows_kernel(E *c, int64_t ldc, int64_t c_batch, int64_t bat
 template <typename Acc, typename EA, typename EB, typename EC>
 bool library_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
                   View<EA> a, int64_t a_batch, View<EB> b, int64_t b_batch, EC *c, int64_t ldc,
-                  int64_t c_batch, Acc beta, const EC *bias) {
+                  int64_t c_batch, Acc beta, const EC *bias, bool tf32) {
     if constexpr (std::is_same<EA, Acc>::value && std::is_same<EB, Acc>::value &&
                   std::is_same<EC, Acc>::value) {
         if (bias != nullptr && beta != 0) return false;
@@ -410,7 +423,7 @@ bool library_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, in
             beta = 1;
         }
         return cublas_gemm(stream, batches, m, n, k, a.data, a.row, a.col, a_batch, b.data,
-                           b.row, b.col, b_batch, beta, c, ldc, c_batch);
+                           b.row, b.col, b_batch, beta, c, ldc, c_batch, tf32);
     }
     return false;
 }
@@ -429,15 +442,16 @@ int own_gemm(cudaStream_t stream, int64_t m, int64_t n, int64_t k, View<EA> a, V
 
 /* `batches` products c_j = a_j x b_j + beta * c_j (+ bias per row), at
  * library_gemm's strides: in one call to the process's cuBLAS where
- * `library` allows it (not the deterministic backend: cuBLAS keeps its
- * bits only while one stream is active) and it can, else one at a time,
- * each through cuBLAS as above or the own tiles. */
+ * `products` allows it and it can, else one at a time, each through cuBLAS
+ * as above or the own tiles. */
 template <typename Acc, typename EA, typename EB, typename EC>
 int gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k, View<EA> a,
          int64_t a_batch, View<EB> b, int64_t b_batch, EC *c, int64_t ldc, int64_t c_batch,
-         Acc beta, const EC *bias, bool library) {
+         Acc beta, const EC *bias, Products products) {
+    const bool library = products != Products::kOwn;
+    const bool tf32 = products == Products::kLibraryTf32;
     if (library && library_gemm(stream, batches, m, n, k, a, a_batch, b, b_batch, c, ldc,
-                                c_batch, beta, bias))
+                                c_batch, beta, bias, tf32))
         return launch_status("deform_conv2d product (cuBLAS)");
     for (int64_t j = 0; j < batches; ++j) {
         const View<EA> aj{a.data + j * a_batch, a.row, a.col};
@@ -445,7 +459,8 @@ int gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k, 
         EC *cj = c + j * c_batch;
         const int s =
             batches > 1 && library &&
-                    library_gemm(stream, 1, m, n, k, aj, 0, bj, 0, cj, ldc, 0, beta, bias)
+                    library_gemm(stream, 1, m, n, k, aj, 0, bj, 0, cj, ldc, 0, beta, bias,
+                                 tf32)
                 ? launch_status("deform_conv2d product (cuBLAS)")
                 : own_gemm(stream, m, n, k, aj, bj, cj, ldc, beta, bias);
         if (s) return s;
@@ -633,7 +648,7 @@ __global__ void store_kernel(const A *from, T *to, int64_t total) {
 
 template <typename T>
 int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *mask,
-            const T *weight, const T *bias, T *output, bool deterministic,
+            const T *weight, const T *bias, T *output, Products products,
             cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
@@ -656,7 +671,7 @@ int forward(const mmd_dcn_shape &d, const T *input, const T *offset, const T *ma
             T *out = output + (span.n0 * d.out_channels + g * out_per_group) * pixels + span.p0;
             int s = gemm<A>(stream, span.images, out_per_group, count, k, w, 0, cols,
                             rows * count, out, pixels, d.out_channels * pixels, (A)0,
-                            bias ? bias + g * out_per_group : nullptr, !deterministic);
+                            bias ? bias + g * out_per_group : nullptr, products);
             if (s) return s;
         }
         return MMD_OK;
@@ -700,7 +715,7 @@ template <typename T> struct Grads {
 template <typename T>
 int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const T *offset,
              const T *mask, const T *weight, const Grads<T> &grads, bool deterministic,
-             cudaStream_t stream) {
+             Products products, cudaStream_t stream) {
     typedef typename Compute<T>::type A;
     const int64_t pixels = d.pixels(), rows = d.in_channels * d.taps();
     const int64_t out_per_group = d.out_channels / d.groups, k = rows / d.groups;
@@ -747,13 +762,13 @@ int backward(const mmd_dcn_shape &d, const T *grad_output, const T *input, const
                             View<T>{grad_g + j * d.out_channels * pixels, pixels, 1}, 0,
                             View<A>{cols + j * rows * count, 1, count}, 0,
                             grad_weight.data + g * out_per_group * k, k, 0, (A)1,
-                            (const A *)nullptr, !deterministic);
+                            (const A *)nullptr, products);
             /* the columns' gradient: weight^T x grad_output, per image (batched) */
             if (!s)
                 s = gemm<A>(stream, span.images, k, count, out_per_group,
                             View<T>{weight + g * out_per_group * k, 1, k}, 0,
                             View<T>{grad_g, pixels, 1}, d.out_channels * pixels, cols, count,
-                            rows * count, (A)0, (const A *)nullptr, !deterministic);
+                            rows * count, (A)0, (const A *)nullptr, products);
         }
         if (s) return s;
         const int64_t tiles = (span.images * d.offset_groups * d.taps() * count + 31) / 32;
@@ -791,7 +806,7 @@ int forward_cuda(const mmd_tensor *input, const mmd_tensor *offset, const mmd_te
             typedef decltype(tag) T;
             return forward<T>(d, data_of<T>(input), data_of<T>(offset), data_of<T>(mask),
                               data_of<T>(weight), data_of<T>(bias), (T *)output->data,
-                              deterministic, stream);
+                              products_for(deterministic, ctx), stream);
         });
     });
 }
@@ -837,7 +852,7 @@ int backward_cuda(const mmd_tensor *grad_output, const mmd_tensor *input,
                                  (T *)grad_bias->data};
             return backward<T>(d, data_of<T>(grad_output), data_of<T>(input), data_of<T>(offset),
                                data_of<T>(mask), data_of<T>(weight), grads, deterministic,
-                               stream);
+                               products_for(deterministic, ctx), stream);
         });
     });
 }

@@ -726,6 +726,73 @@ def test_emulated_cuda_products_over_many_tiles_and_part_tiles_equal_the_cpu(
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+def emulated_products(cuda_emulator, args, backend="default"):
+    """deform_conv2d's forward and backward of (x, offset, mask, weight,
+    bias, grad) on the emulated GPU with the cuBLAS stand-in: (output,
+    grads, products made, products made in TF32)."""
+    from cuda_emu import DeviceView
+    x, offset, mask, weight, bias, grad = args
+    geometry = (1, 1, 1, 1, 1, 1, 1, 1)
+    out = np.full(grad.shape, 7.0, x.dtype)
+    grads = [np.full_like(a, 7.0) for a in (x, offset, mask, weight, bias)]
+    with cuda_emulator.active(), mmdispatch.use_backend("cuda", backend), \
+            cuda_emulator.cublas():
+        before = cuda_emulator.counters()
+        view = [DeviceView(a) for a in args]
+        mmdispatch.deform_conv2d_forward_impl(*view[:5], DeviceView(out), *geometry)
+        mmdispatch.deform_conv2d_backward_impl(view[5], *view[:4], *map(DeviceView, grads),
+                                               *geometry)
+        assert cuda_emulator.synchronize() == (0, "")
+        after = cuda_emulator.counters()
+    return (out, grads, after["cublas_calls"] - before["cublas_calls"],
+            after["cublas_tf32_calls"] - before["cublas_tf32_calls"])
+
+
+@pytest.fixture
+def float32_matmul_precision():
+    """Restores the process's float32 matmul precision after the test."""
+    before = mmdispatch.get_float32_matmul_precision()
+    yield
+    mmdispatch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_emulated_float32_products_take_tf32_only_where_the_precision_allows_it(
+        cuda_emulator, float32_matmul_precision, dtype):
+    """mmdispatch.set_float32_matmul_precision("high") lets the default
+    CUDA backend's float32 products run in cuBLAS's TF32 math (the
+    stand-in then rounds their operands to TF32's 10 mantissa bits):
+    results within TF32's error of the IEEE ones, and not equal to them;
+    "highest" (the default) sets the math back. float64 products, and the
+    deterministic backend's own products, never take it."""
+    rng = np.random.default_rng(5)
+    x, offset, mask, weight, bias = random_case(rng, dtype, n=2, c_in=6, c_out=5, hw=(6, 7),
+                                                groups=1, offset_groups=1)
+    grad = rng.standard_normal((2, 5, 6, 7)).astype(dtype)
+    args = (x, offset, mask, weight, bias, grad)
+    assert mmdispatch.get_float32_matmul_precision() == "highest"
+    ieee_out, ieee_grads, calls, tf32_calls = emulated_products(cuda_emulator, args)
+    assert calls > 0 and tf32_calls == 0
+    mmdispatch.set_float32_matmul_precision("high")
+    assert mmdispatch.get_float32_matmul_precision() == "high"
+    out, grads, calls, tf32_calls = emulated_products(cuda_emulator, args)
+    assert tf32_calls == (calls if dtype == np.float32 else 0) and calls > 0
+    deterministic = emulated_products(cuda_emulator, args, "deterministic")
+    assert deterministic[2:] == (0, 0)
+    if dtype == np.float32:
+        assert not np.array_equal(out, ieee_out)
+        # TF32 keeps 11 significant bits: each operand within 2**-11 relative
+        np.testing.assert_allclose(out, ieee_out, rtol=0, atol=4e-3 * np.abs(ieee_out).max())
+        for got, want in zip(grads, ieee_grads):
+            np.testing.assert_allclose(got, want, rtol=0, atol=4e-3 * np.abs(want).max())
+    else:
+        np.testing.assert_array_equal(out, ieee_out)
+    mmdispatch.set_float32_matmul_precision("highest")
+    again = emulated_products(cuda_emulator, args)
+    assert again[3] == 0
+    np.testing.assert_array_equal(again[0], ieee_out)
+
+
 @pytest.mark.parametrize("lead", [0, 1, 2, 3])
 @pytest.mark.parametrize("hw", [(9, 4), (9, 5), (9, 6), (9, 7), (1, 3), (6, 2)])
 def test_emulated_float32_input_gradient_in_windows_of_four_cells_equals_the_cpus(

@@ -464,3 +464,96 @@ def test_jit_trace_records_the_ops_and_reruns_them_on_new_inputs():
         args = case(n)
         for ours, expected in zip(traced(*args), f(*args)):
             assert torch.equal(ours, expected)
+
+
+def tf32_probe_kernels():
+    """(seen, forward, backward, other): deform_conv2d kernels for the
+    "probe" backend, and roi_align's forward, that record whether their
+    call may run float32 products in TF32 (the thread's setting, read and
+    put back) and write zeros."""
+    seen = []
+
+    def state():
+        value = mmdispatch._core._swap_thread_tf32(-1)
+        mmdispatch._core._swap_thread_tf32(value)
+        return value
+
+    def forward(input, offset, mask, weight, bias, output, *geometry):
+        seen.append(("forward", state()))
+        output.zero_()
+
+    def backward(grad_output, input, offset, mask, weight, *outputs_and_geometry):
+        seen.append(("backward", state()))
+        for output in outputs_and_geometry[:5]:
+            output.zero_()
+
+    def other(input, rois, output, *rest):   # roi_align's forward: no products
+        seen.append(("roi_align", state()))
+        output.zero_()
+
+    return seen, forward, backward, other
+
+
+def test_deform_conv2d_calls_take_torchs_float32_matmul_precision_for_their_products():
+    """deform_conv2d's forward and backward calls run with torch's float32
+    matmul precision as the thread's setting for their products (TF32 on
+    CUDA, as torchvision's at::addmm takes it), whatever mmdispatch's own
+    setting; calls of ops without products, and the thread after a call,
+    keep the thread's own (-1: the process's setting)."""
+    from mmdispatch.torch import deform_conv2d, roi_align
+    seen, forward, backward, other = tf32_probe_kernels()
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    offset = torch.zeros(1, 18, 3, 3)
+    weight = torch.randn(3, 2, 3, 3)
+    try:
+        with mmdispatch.register_impl("deform_conv2d_forward_impl", "cpu", forward,
+                                      backend="probe"), \
+                mmdispatch.register_impl("deform_conv2d_backward_impl", "cpu", backward,
+                                         backend="probe"), \
+                mmdispatch.register_impl("roi_align_forward_impl", "cpu", other,
+                                         backend="probe"), \
+                mmdispatch.use_backend("cpu", "probe"):
+            for precision, expected in (("high", 1), ("highest", 0), ("medium", 1)):
+                torch.set_float32_matmul_precision(precision)
+                mmdispatch.set_float32_matmul_precision("highest" if expected else "high")
+                deform_conv2d(x, offset, weight).sum().backward()
+                # a strided input: the general implementation (run_general)
+                deform_conv2d(x.detach().transpose(2, 3), offset, weight)
+                assert seen == [("forward", expected), ("backward", expected),
+                                ("forward", expected)], precision
+                assert mmdispatch._core._swap_thread_tf32(-1) == -1
+                seen.clear()
+                roi_align(x, torch.tensor([[0, 0, 0, 3, 3.]]), 2)
+                assert seen == [("roi_align", -1)]
+                seen.clear()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        mmdispatch.set_float32_matmul_precision("highest")
+
+
+def test_torchs_float32_matmul_precision_is_read_from_each_of_its_settings(tmp_path):
+    """_torch_tf32 reads torch's matmul precision however a program set
+    it: set_float32_matmul_precision, matmul.allow_tf32, and (torch 2.9
+    and later) matmul.fp32_precision, or the cuda or generic
+    fp32_precision where matmul's is "none", mixed settings included
+    (where torch's own allow_tf32 getter raises); a fresh process each."""
+    import subprocess
+    import sys
+    cases = [("pass", 0), ("torch.set_float32_matmul_precision('high')", 1),
+             ("torch.backends.cuda.matmul.allow_tf32 = True", 1)]
+    if hasattr(torch._C, "_get_fp32_precision_getter"):
+        cases += [("torch.backends.cuda.matmul.fp32_precision = 'tf32'", 1),
+                  ("torch.backends.fp32_precision = 'tf32'", 1),
+                  ("torch.backends.fp32_precision = 'tf32'\n"
+                   "torch.backends.cuda.matmul.fp32_precision = 'ieee'", 0),
+                  ("torch.set_float32_matmul_precision('high')\n"
+                   "torch.backends.cuda.matmul.fp32_precision = 'ieee'", 0)]
+    code = ("import torch\n"
+            "from mmdispatch.torch._library import _torch_tf32\n"
+            "{}\n"
+            "print(_torch_tf32())\n")
+    for setting, expected in cases:
+        out = subprocess.run([sys.executable, "-c", code.format(setting)], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=120)
+        assert out.returncode == 0, (setting, out.stderr)
+        assert out.stdout.split() == [str(expected)], setting

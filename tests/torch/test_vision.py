@@ -304,6 +304,41 @@ def test_a_two_stage_head_trains_the_same_on_cuda(torch_cuda):
     assert torch.equal(ours[2], theirs[2])
 
 
+def test_cuda_deform_conv2d_takes_tf32_products_where_torch_lets_torchvisions(torch_cuda):
+    """Under torch.set_float32_matmul_precision("high") torchvision's
+    deform_conv2d products run in TF32 on devices of compute capability
+    8.0 and later, and ours do too (cuBLAS's TF32 math): both then differ
+    from the float64 result by TF32's error, far above float32's; under
+    "highest" ours are IEEE float32."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, 20, 20, generator=g)
+    offset = torch.randn(2, 18, 20, 20, generator=g)
+    weight = torch.randn(32, 64, 3, 3, generator=g) / 24
+    mask = torch.rand(2, 9, 20, 20, generator=g)
+    reference = mt.deform_conv2d(x.double().cuda(), offset.double().cuda(),
+                                 weight.double().cuda(), padding=(1, 1),
+                                 mask=mask.double().cuda())
+    scale = reference.abs().max()
+
+    def error(deform_conv2d, precision):
+        torch.set_float32_matmul_precision(precision)
+        try:
+            out = deform_conv2d(x.cuda(), offset.cuda(), weight.cuda(), padding=(1, 1),
+                                mask=mask.cuda())
+        finally:
+            torch.set_float32_matmul_precision("highest")
+        return float((out.double() - reference).abs().max() / scale)
+
+    ieee, ours, theirs = (error(mt.deform_conv2d, "highest"), error(mt.deform_conv2d, "high"),
+                          error(tv.deform_conv2d, "high"))
+    assert ieee < 1e-5
+    if torch.cuda.get_device_capability()[0] >= 8:
+        assert ours > 10 * ieee and theirs > 10 * ieee, (ieee, ours, theirs)
+        assert ours < 5e-3 and theirs < 5e-3, (ours, theirs)
+    else:
+        assert ours < 1e-5
+
+
 def test_cuda_backward_is_bit_for_bit_under_torchs_deterministic_mode(torch_cuda):
     x = feature_map().cuda().requires_grad_(True)
     rois = [random_boxes(300, 40, seed=30).cuda()]   # many rois over one small map

@@ -221,6 +221,8 @@ inline int raise_pending(int device, cudaStream_t stream, const char *raised_by)
 }
 
 inline bool strict(const mmd_context *ctx) { return (ctx->flags & MMD_CONTEXT_STRICT) != 0; }
+/* Whether the call's float32 products may take TF32 (MMD_CONTEXT_TF32). */
+inline bool tf32(const mmd_context *ctx) { return (ctx->flags & MMD_CONTEXT_TF32) != 0; }
 
 /* Records a call whose kernel may report bad items (mmd_deferred_begin)
  * and fills its sink. */

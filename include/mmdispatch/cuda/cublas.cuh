@@ -23,15 +23,18 @@ namespace mmd_cuda {
  * batches > 1). True when cuBLAS did it; false, having written nothing,
  * where the process has no cuBLAS (or none with batched products, for
  * batches > 1) or cuBLAS cannot take these operands (sizes past 32 bits,
- * a view with no unit stride): the caller then computes it itself. */
+ * a view with no unit stride): the caller then computes it itself. tf32:
+ * float products may take cuBLAS's TF32 tensor-op math (on devices with
+ * TF32, as torch's products do under its float32 matmul precision "high";
+ * else cuBLAS's default math, IEEE float32); double products ignore it. */
 bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
                  const float *a, int64_t a_row, int64_t a_col, int64_t a_batch, const float *b,
                  int64_t b_row, int64_t b_col, int64_t b_batch, float beta, float *c,
-                 int64_t ldc, int64_t c_batch);
+                 int64_t ldc, int64_t c_batch, bool tf32);
 bool cublas_gemm(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64_t k,
                  const double *a, int64_t a_row, int64_t a_col, int64_t a_batch,
                  const double *b, int64_t b_row, int64_t b_col, int64_t b_batch, double beta,
-                 double *c, int64_t ldc, int64_t c_batch);
+                 double *c, int64_t ldc, int64_t c_batch, bool tf32);
 
 }  // namespace mmd_cuda
 

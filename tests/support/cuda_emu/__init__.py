@@ -303,6 +303,7 @@ class Emulator:
                 ("mmd_emu_use_cublas", None, [ctypes.c_int]),
                 ("mmd_emu_limit_scratch", None, [ctypes.c_longlong]),
                 ("mmd_emu_cublas_calls", ctypes.c_longlong, []),
+                ("mmd_emu_cublas_tf32_calls", ctypes.c_longlong, []),
                 ("mmd_last_error", ctypes.c_char_p, []),
                 ("mmd_emu_clear_error", None, []),
                 ("mmd_cuda_synchronize", ctypes.c_int, [ctypes.c_int])]:
@@ -377,7 +378,8 @@ class Emulator:
         """launches, host waits, live device allocations, scratch-pool
         allocations that found no freed block to reuse (pool_maps), the
         freed bytes the pools keep (pool_kept_bytes), the products the
-        cuBLAS stand-in made (cublas_calls) and the calls a capture refused
+        cuBLAS stand-in made (cublas_calls; cublas_tf32_calls those of float
+        operands under TF32 math, rounded to TF32) and the calls a capture refused
         (capture_violations, see capturing())."""
         return {"launches": self.lib.mmd_emu_launches(),
                 "host_waits": self.lib.mmd_emu_host_waits(),
@@ -385,6 +387,7 @@ class Emulator:
                 "pool_maps": self.lib.mmd_emu_pool_maps(),
                 "pool_kept_bytes": self.lib.mmd_emu_pool_kept_bytes(),
                 "cublas_calls": self.lib.mmd_emu_cublas_calls(),
+                "cublas_tf32_calls": self.lib.mmd_emu_cublas_tf32_calls(),
                 "capture_violations": self.lib.mmd_emu_capture_violations()}
 
     @contextlib.contextmanager

@@ -2,8 +2,11 @@
  * threads of a block, the scheduler that runs them between synchronisation
  * points, the runtime API over host memory, and the list of kernels the
  * emulated CUDA files register, read by the tests through ctypes. */
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -665,10 +668,14 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t size, cudaMemcpyK
  * that refuse what cuBLAS refuses (leading dimensions below the rows of
  * what they describe, a batch count below 0) and read c only where beta
  * is not 0, as BLAS defines them; the strided batched ones, one product
- * per batch at its strides, unless the tests leave them out. */
+ * per batch at its strides, unless the tests leave them out. Under TF32
+ * math (cublasSetMathMode) float products round their operands to TF32's
+ * 10 mantissa bits (to nearest) first, and are counted. */
 namespace {
 int g_cublas_on = 0;   /* 0 off, 1 on, 2 on without the strided batched products */
 long long g_cublas_calls = 0;
+long long g_cublas_tf32_calls = 0;   /* float products under TF32 math */
+int g_cublas_math = 0;               /* the one handle's math mode */
 
 int emu_cublas_create(void **handle) {
     static int one_handle;
@@ -678,6 +685,22 @@ int emu_cublas_create(void **handle) {
 
 int emu_cublas_set_stream(void *, cudaStream_t) { return 0; }
 
+int emu_cublas_set_math_mode(void *, int mode) {
+    if (mode != 0 && mode != 3) return 7;   /* CUBLAS_STATUS_INVALID_VALUE: not a mode used */
+    g_cublas_math = mode;
+    return 0;
+}
+
+template <typename T> T emu_operand(T value) { return value; }
+template <> float emu_operand(float value) {
+    if (g_cublas_math != 3 || !isfinite(value)) return value;
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    bits = (bits + 0xfffu + ((bits >> 13) & 1u)) & ~0x1fffu;   /* to nearest, ties to even */
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
 template <typename T>
 void emu_product(int trans_a, int trans_b, int m, int n, int k, const T *alpha, const T *a,
                  int lda, const T *b, int ldb, const T *beta, T *c, int ldc) {
@@ -685,8 +708,8 @@ void emu_product(int trans_a, int trans_b, int m, int n, int k, const T *alpha, 
         for (int i = 0; i < m; ++i) {
             T sum = 0;
             for (int l = 0; l < k; ++l)
-                sum += (trans_a ? a[l + (size_t)i * lda] : a[i + (size_t)l * lda]) *
-                       (trans_b ? b[j + (size_t)l * ldb] : b[l + (size_t)j * ldb]);
+                sum += emu_operand(trans_a ? a[l + (size_t)i * lda] : a[i + (size_t)l * lda]) *
+                       emu_operand(trans_b ? b[j + (size_t)l * ldb] : b[l + (size_t)j * ldb]);
             T *out = c + i + (size_t)j * ldc;
             *out = *alpha * sum + (*beta == 0 ? (T)0 : *beta * *out);
         }
@@ -704,6 +727,7 @@ int emu_gemm(void *, int trans_a, int trans_b, int m, int n, int k, const T *alp
     if (emu_refuses(trans_a, trans_b, m, n, k, lda, ldb, ldc))
         return 7;   /* CUBLAS_STATUS_INVALID_VALUE */
     ++g_cublas_calls;
+    g_cublas_tf32_calls += sizeof(T) == 4 && g_cublas_math == 3;
     emu_product(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return 0;
 }
@@ -715,6 +739,7 @@ int emu_gemm_batched(void *, int trans_a, int trans_b, int m, int n, int k, cons
                      int batches) {
     if (batches < 0 || emu_refuses(trans_a, trans_b, m, n, k, lda, ldb, ldc)) return 7;
     ++g_cublas_calls;
+    g_cublas_tf32_calls += sizeof(T) == 4 && g_cublas_math == 3;
     for (int i = 0; i < batches; ++i)
         emu_product(trans_a, trans_b, m, n, k, alpha, a + i * stride_a, lda, b + i * stride_b, ldb,
                     beta, c + i * stride_c, ldc);
@@ -755,8 +780,9 @@ void mmd_emu_capture(int on) { g_capturing.store(on); }
 long long mmd_emu_capture_violations(void) { return g_capture_violations.load(); }
 long long mmd_emu_host_waits(void) { return g_host_waits; }
 int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, void **dgemm,
-                             void **sgemm_batched, void **dgemm_batched) {
+                             void **sgemm_batched, void **dgemm_batched, void **set_math_mode) {
     if (!g_cublas_on) return 0;
+    *set_math_mode = (void *)emu_cublas_set_math_mode;
     *create = (void *)emu_cublas_create;
     *set_stream = (void *)emu_cublas_set_stream;
     *sgemm = (void *)emu_gemm<float>;
@@ -769,6 +795,7 @@ int mmd_emu_cublas_functions(void **create, void **set_stream, void **sgemm, voi
 void mmd_emu_use_cublas(int on) { g_cublas_on = on; }
 void mmd_emu_limit_scratch(long long bytes) { g_scratch_limit = (size_t)bytes; }
 long long mmd_emu_cublas_calls(void) { return g_cublas_calls; }
+long long mmd_emu_cublas_tf32_calls(void) { return g_cublas_tf32_calls; }
 
 long long mmd_emu_pool_maps(void) {
     std::lock_guard<std::mutex> lock(g_memory_lock);
