@@ -190,7 +190,8 @@ class DerivedOp:
         as MMCV's do): torch.library's machinery, and even more its autograd
         wrapper (which rebuilds the argument list per argument), costs
         several times what a tiny call's work does (the bench's torch rows
-        measure it). Traced by torch.onnx.export,
+        measure it). Under torch's profiler the call is recorded by the
+        op's name, as a dispatched op. Traced by torch.onnx.export,
         the ONNX_EXPORTS form of the call."""
         needs_grad = _plain_eager(args, self.tensor_args)
         if needs_grad is None:
@@ -200,6 +201,19 @@ class DerivedOp:
                 # torch.jit.trace: torch.onnx.export may translate the graph later
                 _ON_JIT_TRACE[0]()
             return self.op(*args)
+        if _profiling():   # torch.profiler shows the call as it shows a dispatched op's
+            with _record_function(self.qualname):
+                return self.eager(args, needs_grad)
+        if needs_grad > 1:   # _AUTOCAST or _AUTOCAST_GRAD
+            return self.eager_autocast(args, needs_grad == _AUTOCAST_GRAD)
+        if needs_grad and self.gradient is not None:
+            return self.gradient.apply(*args)
+        return self.run(*args, eager=not needs_grad)
+
+    def eager(self, args, needs_grad):
+        """__call__'s eager call (_plain_eager's answer `needs_grad`)."""
+        if needs_grad > 1:
+            return self.eager_autocast(args, needs_grad == _AUTOCAST_GRAD)
         if needs_grad and self.gradient is not None:
             return self.gradient.apply(*args)
         return self.run(*args, eager=not needs_grad)
@@ -399,7 +413,36 @@ class DerivedOp:
         run in float32, so boxes keep their precision beside float16
         features, and the outputs that take the first array's dtype are
         cast back to it (an output whose dtype is an argument, to that
-        dtype). The casts are ordinary torch ops, so gradients flow."""
+        dtype). The casts are ordinary torch ops, so gradients flow. (The
+        kernel torch's dispatcher runs for AutocastCPU and AutocastCUDA;
+        eager calls on plain tensors do the same in eager_autocast.)"""
+        call, wanted = self.autocast_arguments(device_type, args)
+        with torch.autocast(device_type, enabled=False):
+            return self.autocast_results(self.op(*call), wanted)
+
+    def eager_autocast(self, args, needs_grad):
+        """An eager call on plain tensors while autocast is on: as the
+        autocast kernel (autocast) where it is on for the first tensor's
+        device type (the dispatch key torch would take), then the
+        implementation straight away, as __call__'s (torch.library's
+        dispatch through the autocast kernel cost about 40 us more a call
+        than torchvision's C++ autocast kernels, 2026-11-28); where it is
+        on for another device type only, the plain call. The casts keep
+        requires_grad, so needs_grad holds for the cast arguments."""
+        device_type = args[self.first_input].device.type
+        if device_type in _AUTOCAST_TYPES and _autocast_on(device_type):
+            call, wanted = self.autocast_arguments(device_type, args)
+        else:
+            call, wanted = args, None
+        if needs_grad and self.gradient is not None:
+            result = self.gradient.apply(*call)
+        else:
+            result = self.run(*call, eager=not needs_grad)
+        return result if wanted is None else self.autocast_results(result, wanted)
+
+    def autocast_arguments(self, device_type, args):
+        """(the call's arguments, {output parameter: dtype it is cast to})
+        under autocast (see autocast)."""
         first_dtype = args[self.first_input].dtype
         call = list(args)
         for i in self.tensor_args:
@@ -411,8 +454,10 @@ class DerivedOp:
         for k, i, _ in self.undeclared:
             if call[i + 1] in _LOW_PRECISION:
                 wanted[k], call[i + 1] = call[i + 1], torch.float32
-        with torch.autocast(device_type, enabled=False):
-            result = self.op(*call)
+        return call, wanted
+
+    def autocast_results(self, result, wanted):
+        """The outputs of a call under autocast, cast to `wanted`."""
         results = list(result) if isinstance(result, tuple) else [result]
         for r, (k, _) in enumerate(self.returns):
             if k in wanted and results[r].dtype != wanted[k]:
@@ -427,8 +472,9 @@ class DerivedOp:
         autograd metadata attached."""
         key = (param, dtype, device)
         value = self.empties.get(key)
-        if value is None:
-            value = self.empties[key] = torch.empty(_EMPTY_SHAPE, dtype=dtype, device=device)
+        if value is None:   # one tensor kept per key, whichever thread makes it first
+            value = self.empties.setdefault(
+                key, torch.empty(_EMPTY_SHAPE, dtype=dtype, device=device))
             self.empty_ids.add(id(value))
         return value
 
@@ -561,11 +607,33 @@ if _SELECTION_TLS:
     _core._set_selection_hook(_publish_selection)
     _publish_selection()   # a selection made before this import
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+# whether torch's profiler records (eager calls then record the op's name,
+# as torch's dispatcher does for a dispatched op: 0.1 us a call otherwise)
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+_record_function = torch.autograd.profiler.record_function
 # private torch functions (present in every torch we support); without them
 # every call goes through torch.library
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+# _plain_eager's answers for a call under autocast (DerivedOp.eager_autocast),
+# without and with a gradient needed: above True
+_AUTOCAST, _AUTOCAST_GRAD = 2, 3
+_AUTOCAST_TYPES = frozenset(device_type for device_type, _ in _AUTOCAST_KEYS)
+
+
+def _autocast_on(device_type):
+    """Whether autocast is on for `device_type` ("cpu" or "cuda")."""
+    return torch.is_autocast_enabled(device_type)
+
+
+try:
+    _autocast_on("cpu")
+except TypeError:   # a torch without is_autocast_enabled(device_type)
+    def _autocast_on(device_type):
+        return (torch.is_autocast_enabled() if device_type == "cuda"
+                else torch.is_autocast_cpu_enabled())
 _tracing = getattr(torch._C, "_get_tracing_state", None)
 _functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -613,31 +681,35 @@ def _plain_eager(args, tensor_args):
     torch.jit.trace, whose tracer records only what reaches the dispatcher:
     a call straight to the kernel would leave the traced graph returning
     the outputs' uninitialised memory; a tensor that is not a plain
-    torch.Tensor, such as a FakeTensor; a dispatch or torch-function mode
-    active; autocast on; or a torch.func transform (vmap, grad, jacrev)
-    active, whose wrapped tensors are of type torch.Tensor but hold no
+    torch.Tensor or nn.Parameter (a module's weight, as deform_conv2d's,
+    with no torch-function override), such as a FakeTensor; a dispatch or
+    torch-function mode active; or a torch.func transform (vmap, grad,
+    jacrev) active, whose wrapped tensors are of type torch.Tensor but hold no
     storage for the kernel to read), or a first array on the meta device
     (torch's dispatch runs the fake implementation, whose outputs are meta
     tensors; a meta tensor after a real first array goes to the kernel,
     which refuses it, where the fake implementation would return
     uninitialised memory on the real device); else whether a tensor
-    argument needs a gradient."""
+    argument needs a gradient, as _AUTOCAST_GRAD or _AUTOCAST (both above
+    True) where autocast is on for some device type."""
     if (_dispatch_modes is None or _function_modes is None or _autocast is None
             or _tracing is None or _functorch is None or _dynamo_tracing()
             or _tracing() is not None or _functorch()):
         return None
     first = args[tensor_args[0]]
-    if type(first) is not _Tensor or first.is_meta:   # meta: the fake implementation
-        return None
+    if (type(first) is not _Tensor and type(first) is not _Parameter) or first.is_meta:
+        return None   # meta: the fake implementation
     grad, needs_grad = torch.is_grad_enabled(), False
     for i in tensor_args:
         value = args[i]
         if value is not None:
-            if type(value) is not _Tensor:
+            if type(value) is not _Tensor and type(value) is not _Parameter:
                 return None
             needs_grad = needs_grad or (grad and value.requires_grad)
-    if _dispatch_modes() or _function_modes() or _autocast():
+    if _dispatch_modes() or _function_modes():
         return None
+    if _autocast():
+        return _AUTOCAST_GRAD if needs_grad else _AUTOCAST
     return needs_grad
 
 
@@ -824,6 +896,8 @@ class Gradient:
                          f"= ctx.scalars")
         for j, i in enumerate(self.saved_outputs):
             lines.append(f"        if ctx.kept[{j}] is not None: {outputs[i]} = ctx.kept[{j}]")
+        if not saved and not self.saved_scalars:   # a backward of nothing saved
+            lines.append("        pass")
         # the whole builtins: torch.compile traces this code (and looks up
         # __import__ in its globals' builtins)
         scope = {"_grad_enabled": torch.is_grad_enabled, "__builtins__": builtins,

@@ -557,3 +557,106 @@ def test_torchs_float32_matmul_precision_is_read_from_each_of_its_settings(tmp_p
                              text=True, cwd=tmp_path, timeout=120)
         assert out.returncode == 0, (setting, out.stderr)
         assert out.stdout.split() == [str(expected)], setting
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_eager_calls_under_autocast_cast_as_the_autocast_kernel_without_torch_library(
+        monkeypatch, mode):
+    """Under torch.autocast, a call on plain tensors takes the autocast
+    kernel's casts (bfloat16 features and float32 rois computed in float32,
+    the result in bfloat16) and then the implementation straight away: the
+    outputs and the gradient bit for bit those of torch.library's dispatch
+    through the registered autocast kernel, which it does not call. With
+    autocast on for another device type only, the call is the plain one."""
+    derived = DERIVED["roi_align_forward_impl"]
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    rois = torch.tensor([[0, 0.5, 0.5, 5, 6], [1, 1, 1, 6, 5], [0, 2, 1, 7, 7]])
+    args = (x, rois, 2, 2, 1.0, 2, mode, True)
+    runs = []
+    for call in (derived.op, derived):   # dispatched (the autocast kernel), then eager
+        leaf = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = call(leaf, *args[1:])
+        (grad,) = torch.autograd.grad(outputs[0].float().square().sum(), leaf)
+        runs.append((outputs, grad))
+        monkeypatch.setattr(derived, "op", None)   # the eager call must not dispatch
+    (dispatched, grad_dispatched), (eager, grad_eager) = runs
+    assert eager[0].dtype == torch.bfloat16 and eager[0].grad_fn is not None
+    for a, b in zip(dispatched, eager):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(grad_dispatched, grad_eager, rtol=0, atol=0)
+    # autocast on for another device type only (as if for CUDA, here for no
+    # type torch would dispatch these CPU tensors' autocast kernel on)
+    from mmdispatch.torch import _library
+    monkeypatch.setattr(_library, "_autocast_on", lambda device_type: False)
+    monkeypatch.setattr(derived, "autocast_arguments", None)   # no casts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = derived(*args)
+    for a, b in zip(plain, derived(*args)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_modules_parameters_take_the_eager_path_with_the_dispatched_gradients(monkeypatch):
+    """nn.Parameter arguments (deform_conv2d's weight and bias in a module)
+    are plain tensors to the eager path: the call does not go through
+    torch.library (whose autograd wrapper cost about 100 us more a call,
+    2026-11-28), and gives its outputs and gradients bit for bit."""
+    from mmdispatch.torch import DeformConv2d, _library
+    torch.manual_seed(4)
+    module = DeformConv2d(2, 3, 3, padding=1)
+    assert type(module.weight) is torch.nn.Parameter
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    offset = torch.randn(1, 18, 5, 5)
+    derived = DERIVED["deform_conv2d_forward_impl"]
+    runs = []
+    for eager in (False, True):
+        with monkeypatch.context() as patch:
+            if eager:   # the eager call must not dispatch
+                patch.setattr(derived, "op", None)
+            else:       # every call through torch.library
+                patch.setattr(_library, "_plain_eager", lambda args, tensor_args: None)
+            module.zero_grad()
+            x.grad = None
+            out = module(x, offset)
+            out.square().sum().backward()
+            runs.append((out, x.grad, module.weight.grad, module.bias.grad))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_eager_calls_show_in_torchs_profiler_by_the_ops_name():
+    """An eager call skips torch's dispatcher, which records an op's name
+    for torch.profiler: under the profiler it records the same name itself
+    (the forward, and the backward op autograd calls)."""
+    from mmdispatch.torch import roi_align
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    with torch.profiler.profile() as profile:
+        roi_align(x, torch.tensor([[0, 0, 0, 4, 4.]]), 2).sum().backward()
+    names = [event.name for event in profile.events()]
+    assert "mmdispatch::roi_align_forward" in names
+    assert "mmdispatch::roi_align_backward" in names
+    assert names.count("mmdispatch::roi_align_forward") == 1
+
+
+def test_an_ops_shared_empty_output_is_one_tensor_even_when_threads_make_it_at_once():
+    """Two threads that both find no shared (0,) output for a key make one
+    each; the op keeps the first stored and both get it, and only its id is
+    among those the autograd setup takes for the shared one (a dropped
+    tensor's id, reused by a later tensor, would make that tensor's argmax
+    skip save_for_backward and its in-place changes go unnoticed)."""
+    derived = DERIVED["roi_pool_forward_impl"]
+
+    class Raced(dict):   # as if another thread stored the key between get and store
+        def get(self, key, default=None):
+            return None
+
+    original, original_ids = derived.empties, derived.empty_ids
+    derived.empties, derived.empty_ids = Raced(), set()
+    try:
+        first = derived.empty(1, torch.int64, torch.device("cpu"))
+        second = derived.empty(1, torch.int64, torch.device("cpu"))
+        assert first is second
+        assert derived.empty_ids == {id(first)}
+    finally:
+        derived.empties, derived.empty_ids = original, original_ids

@@ -454,15 +454,18 @@ def test_nms_thresholds_export_with_eager_codes_decisions(exporter, tmp_path):
 def test_an_export_in_one_thread_leaves_other_threads_calls_as_they_are(tmp_path):
     """torch.onnx.export's flag (and torch.export's compiling flag) is the
     process's: eager calls of another thread meanwhile (a server's) run our
-    kernels as before. (Under autocast such a call goes through torch's
+    kernels as before, under autocast too (which once took torch's
     dispatch, where torch's own custom-op wrapper can meet the exporting
     thread's fx annotations: KeyError 'custom' from torch, for any
-    torch.library custom op.)"""
+    torch.library custom op)."""
     needs_exporter("dynamo")
     x, rois, boxes, scores, _ = detection_inputs(12, 2, 4, 30)
     idxs = torch.rand(30, generator=torch.Generator().manual_seed(3)).round()   # 0.0 and 1.0
     want_nms = mt.batched_nms(boxes, scores, idxs, 0.5)
     want_max = mmcv.roi_align(x, rois, 2, pool_mode="max")
+    half = x.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_amp = mt.roi_align(half, rois, 2)
     done, failures, calls = threading.Event(), [], [0]
 
     def export_in_a_thread():
@@ -478,6 +481,8 @@ def test_an_export_in_one_thread_leaves_other_threads_calls_as_they_are(tmp_path
         try:
             assert torch.equal(mt.batched_nms(boxes, scores, idxs, 0.5), want_nms)
             assert torch.equal(mmcv.roi_align(x, rois, 2, pool_mode="max"), want_max)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert torch.equal(mt.roi_align(half, rois, 2), want_amp)
             calls[0] += 1
         except Exception as exc:   # noqa: BLE001  (reported below)
             failures.append(repr(exc))
