@@ -304,9 +304,11 @@ def _swap_thread_tf32(int value):
     previous = -1 if state[0] == MMD_STRICT_UNSET else int(state[0] == MMD_STRICT_ON)
     if value < 0:
         state[0] = MMD_STRICT_UNSET
-    else:
-        state[0] = MMD_STRICT_ON if value else MMD_STRICT_OFF
+    elif value:
+        state[0] = MMD_STRICT_ON
         _flags_possible = True
+    else:   # off: as the default, unless the process's setting is on (flags then read)
+        state[0] = MMD_STRICT_OFF
     return previous
 
 

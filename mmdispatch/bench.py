@@ -757,25 +757,27 @@ def tf32_cases(cases, tv):
     allowed in TF32 on both sides (mmdispatch.set_float32_matmul_precision
     and torch.set_float32_matmul_precision "high", as a training script
     that sets torch's puts torchvision's and mmdispatch.torch's products),
-    each restored to "highest" after the call."""
+    each restored to what it was after the call."""
     torch = tv[0] if tv is not None else None
 
     def ours_tf32(fn):
         def run():
+            before = mmdispatch.get_float32_matmul_precision()
             mmdispatch.set_float32_matmul_precision("high")
             try:
                 fn()
             finally:
-                mmdispatch.set_float32_matmul_precision("highest")
+                mmdispatch.set_float32_matmul_precision(before)
         return run
 
     def theirs_tf32(fn):
         def run():
+            before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision("high")
             try:
                 fn()
             finally:
-                torch.set_float32_matmul_precision("highest")
+                torch.set_float32_matmul_precision(before)
         return run
 
     for name, ours, theirs, traffic in cases:

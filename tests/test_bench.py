@@ -247,7 +247,7 @@ def test_compare_from_the_command_line_runs_nothing_and_refuses_what_is_not_a_ru
 def test_tf32_cases_run_each_side_under_float32_matmul_precision_high_and_restore_it():
     """The CUDA deform_conv2d rows again with TF32 products on both sides:
     ours under mmdispatch's setting, torchvision's under torch's, each
-    "highest" again after its call."""
+    back to what it was after its call."""
     torch = pytest.importorskip("torch")
     seen = []
 
@@ -263,8 +263,12 @@ def test_tf32_cases_run_each_side_under_float32_matmul_precision_high_and_restor
         ("deform_conv2d forward (x), TF32 products (float32 matmul precision 'high')", None),
         ("alone, TF32 products (float32 matmul precision 'high')", 5)]
     assert cases[1][2] is None
-    cases[0][1]()
-    cases[0][2]()
+    mmdispatch.set_float32_matmul_precision("medium")
+    try:
+        cases[0][1]()
+        cases[0][2]()
+        assert mmdispatch.get_float32_matmul_precision() == "medium"
+    finally:
+        mmdispatch.set_float32_matmul_precision("highest")
     assert seen == [("ours", "high"), ("theirs", "high")]
-    assert mmdispatch.get_float32_matmul_precision() == "highest"
     assert torch.get_float32_matmul_precision() == "highest"

@@ -191,7 +191,7 @@ bool gemm_with(cudaStream_t stream, int64_t batches, int64_t m, int64_t n, int64
      * computes nothing more (our own products, IEEE float32, instead) */
     const int math = tf32 && sizeof(T) == 4 && functions.set_math_mode ? kTf32Math : kDefaultMath;
     if (math != d.math) {
-        if (functions.set_math_mode(d.handle, math) == kStatusSuccess)
+        if (functions.set_math_mode && functions.set_math_mode(d.handle, math) == kStatusSuccess)
             d.math = math;
         else if (math == kDefaultMath)
             return false;
