@@ -784,10 +784,8 @@ class Gradient:
         self.saved_tensors = sorted(saved_inputs & set(forward.tensor_args))
         self.saved_scalars = sorted(saved_inputs - set(forward.tensor_args))
         self.saved_outputs = sorted({i for kind, i in sources if kind == "output"})
-        self.saved_params = [forward.returns[i][0] for i in self.saved_outputs]
         self.non_differentiable = [r for r in range(len(forward.returns))
                                    if r not in self.grads_of]
-        self.differentiable = [(r, forward.returns[r][0]) for r in sorted(self.grads_of)]
         self.gradients = self.compile_gradients()
         self.setup_context, self.apply = self.compile_autograd()
         forward.op.register_autograd(self.backward_fn, setup_context=self.setup_context)
