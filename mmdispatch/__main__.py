@@ -32,6 +32,8 @@ def info():
     print("backends:", ", ".join(mmdispatch.backends()))
     print("CPU matrix products:", mmdispatch._core.gemm_provider(),
           f"(register tiles of our own: {mmdispatch._core.cpu_tiles()})")
+    print("float32 matmul precision (CUDA cuBLAS products; mmdispatch.torch follows torch's):",
+          mmdispatch.get_float32_matmul_precision())
     print("registry (active kernel per op and device/backend):")
     print(registry_matrix())
 

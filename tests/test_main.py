@@ -14,7 +14,9 @@ def test_info_prints_build_devices_and_registry(tmp_path):
     result = run("info", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     for expected in ("build:", "cuda:", "devices at run time:", "cpu: available",
-                     "roi_align_forward_impl", "C src/cpu/roi_align.cpp:roi_align_forward_cpu"):
+                     "roi_align_forward_impl", "C src/cpu/roi_align.cpp:roi_align_forward_cpu",
+                     "float32 matmul precision (CUDA cuBLAS products; mmdispatch.torch follows "
+                     "torch's): highest"):
         assert expected in result.stdout
 
 

@@ -423,22 +423,25 @@ class DerivedOp:
     def eager_autocast(self, args, needs_grad):
         """An eager call on plain tensors while autocast is on: as the
         autocast kernel (autocast) where it is on for the first tensor's
-        device type (the dispatch key torch would take), then the
-        implementation straight away, as __call__'s (torch.library's
-        dispatch through the autocast kernel cost about 40 us more a call
-        than torchvision's C++ autocast kernels, 2026-11-28); where it is
-        on for another device type only, the plain call. The casts keep
-        requires_grad, so needs_grad holds for the cast arguments."""
+        device type (the dispatch key torch would take): the casts, then
+        the implementation straight away, as __call__'s, with autocast off
+        for that device type meanwhile (a Python kernel's torch ops compute
+        as they would in the autocast kernel's `autocast(enabled=False)`
+        block); torch.library's dispatch through the autocast kernel cost
+        about 40 us more a call than torchvision's C++ autocast kernels
+        (2026-11-28). Where autocast is on for another device type only,
+        the plain call. The casts keep requires_grad, so needs_grad holds
+        for the cast arguments."""
         device_type = args[self.first_input].device.type
-        if device_type in _AUTOCAST_TYPES and _autocast_on(device_type):
-            call, wanted = self.autocast_arguments(device_type, args)
-        else:
-            call, wanted = args, None
-        if needs_grad and self.gradient is not None:
-            result = self.gradient.apply(*call)
-        else:
-            result = self.run(*call, eager=not needs_grad)
-        return result if wanted is None else self.autocast_results(result, wanted)
+        if device_type not in _AUTOCAST_TYPES or not _autocast_on(device_type):
+            return self.eager(args, needs_grad)
+        call, wanted = self.autocast_arguments(device_type, args)
+        _set_autocast(device_type, False)
+        try:
+            result = self.eager(call, needs_grad)
+        finally:
+            _set_autocast(device_type, True)
+        return self.autocast_results(result, wanted)
 
     def autocast_arguments(self, device_type, args):
         """(the call's arguments, {output parameter: dtype it is cast to})
@@ -473,8 +476,13 @@ class DerivedOp:
         key = (param, dtype, device)
         value = self.empties.get(key)
         if value is None:   # one tensor kept per key, whichever thread makes it first
-            value = self.empties.setdefault(
-                key, torch.empty(_EMPTY_SHAPE, dtype=dtype, device=device))
+            # not an inference tensor, though the first call runs in
+            # inference_mode: later calls outside it return it too (nms's
+            # keep of no boxes), and an inference tensor cannot be saved
+            # for backward (boxes[keep] with boxes that need a gradient)
+            with torch.inference_mode(False):
+                made = torch.empty(_EMPTY_SHAPE, dtype=dtype, device=device)
+            value = self.empties.setdefault(key, made)
             self.empty_ids.add(id(value))
         return value
 
@@ -628,12 +636,22 @@ def _autocast_on(device_type):
     return torch.is_autocast_enabled(device_type)
 
 
+def _set_autocast(device_type, enabled):
+    """Autocast on or off for `device_type` (its flag only, as the
+    autocast context manager sets it)."""
+    torch.set_autocast_enabled(device_type, enabled)
+
+
 try:
     _autocast_on("cpu")
 except TypeError:   # a torch without is_autocast_enabled(device_type)
     def _autocast_on(device_type):
         return (torch.is_autocast_enabled() if device_type == "cuda"
                 else torch.is_autocast_cpu_enabled())
+
+    def _set_autocast(device_type, enabled):
+        (torch.set_autocast_enabled if device_type == "cuda"
+         else torch.set_autocast_cpu_enabled)(enabled)
 _tracing = getattr(torch._C, "_get_tracing_state", None)
 _functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
 

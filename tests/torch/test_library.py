@@ -660,3 +660,44 @@ def test_an_ops_shared_empty_output_is_one_tensor_even_when_threads_make_it_at_o
         assert derived.empty_ids == {id(first)}
     finally:
         derived.empties, derived.empty_ids = original, original_ids
+
+
+def test_under_autocast_a_python_kernel_runs_with_autocast_off_as_in_the_autocast_kernel():
+    """The autocast kernel runs the op inside autocast(enabled=False); the
+    eager call under autocast does too, so a registered Python kernel's
+    torch ops compute in the dtypes they are given (not in 16 bits)."""
+    seen = []
+
+    def kernel(boxes1, boxes2, output, *rest):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        output.copy_(torch.mm(boxes1, boxes2.t()))
+
+    boxes = torch.tensor([[0.0, 0, 10, 10], [1, 2, 3, 400]])
+    with mmdispatch.register_impl("bbox_overlaps_impl", "cpu", kernel, backend="probe"), \
+            mmdispatch.use_backend("cpu", "probe"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = DERIVED["bbox_overlaps_impl"](boxes, boxes, 0, False, 0)
+            assert torch.is_autocast_enabled("cpu")
+    assert seen == [False]
+    torch.testing.assert_close(got, torch.mm(boxes, boxes.t()), rtol=0, atol=0)
+
+
+def test_an_ops_shared_empty_output_made_in_inference_mode_serves_later_calls_with_autograd():
+    """nms of no boxes returns (a view of) the op's shared (0,) tensor:
+    made first inside torch.inference_mode, it is still an ordinary
+    tensor, so a later call's keep indexes boxes that need a gradient."""
+    from mmdispatch.torch import nms
+    derived = DERIVED["nms_impl"]
+    original, original_ids = derived.empties, derived.empty_ids
+    derived.empties, derived.empty_ids = {}, set()
+    try:
+        none = torch.zeros(0, 4)
+        with torch.inference_mode():
+            nms(none, torch.zeros(0), 0.5)
+        keep = nms(none, torch.zeros(0), 0.5)
+        assert not keep.is_inference()
+        boxes = none.clone().requires_grad_(True)
+        boxes[keep].sum().backward()
+        assert boxes.grad.shape == (0, 4)
+    finally:
+        derived.empties, derived.empty_ids = original, original_ids
