@@ -760,29 +760,21 @@ def tf32_cases(cases, tv):
     each restored to what it was after the call."""
     torch = tv[0] if tv is not None else None
 
-    def ours_tf32(fn):
+    def at_high(fn, library):   # library: mmdispatch or torch, whose setting fn runs under
         def run():
-            before = mmdispatch.get_float32_matmul_precision()
-            mmdispatch.set_float32_matmul_precision("high")
+            before = library.get_float32_matmul_precision()
+            library.set_float32_matmul_precision("high")
             try:
                 fn()
             finally:
-                mmdispatch.set_float32_matmul_precision(before)
-        return run
-
-    def theirs_tf32(fn):
-        def run():
-            before = torch.get_float32_matmul_precision()
-            torch.set_float32_matmul_precision("high")
-            try:
-                fn()
-            finally:
-                torch.set_float32_matmul_precision(before)
+                library.set_float32_matmul_precision(before)
         return run
 
     for name, ours, theirs, traffic in cases:
-        yield (f"{name}, TF32 products (float32 matmul precision 'high')", ours_tf32(ours),
-               theirs_tf32(theirs) if theirs is not None and torch is not None else None, traffic)
+        yield (f"{name}, TF32 products (float32 matmul precision 'high')",
+               at_high(ours, mmdispatch),
+               at_high(theirs, torch) if theirs is not None and torch is not None else None,
+               traffic)
 
 
 def deterministic_name(name):

@@ -204,15 +204,11 @@ class DerivedOp:
         if _profiling():   # torch.profiler shows the call as it shows a dispatched op's
             with _record_function(self.qualname):
                 return self.eager(args, needs_grad)
-        if needs_grad > 1:   # _AUTOCAST or _AUTOCAST_GRAD
-            return self.eager_autocast(args, needs_grad == _AUTOCAST_GRAD)
-        if needs_grad and self.gradient is not None:
-            return self.gradient.apply(*args)
-        return self.run(*args, eager=not needs_grad)
+        return self.eager(args, needs_grad)
 
     def eager(self, args, needs_grad):
         """__call__'s eager call (_plain_eager's answer `needs_grad`)."""
-        if needs_grad > 1:
+        if needs_grad > 1:   # _AUTOCAST or _AUTOCAST_GRAD
             return self.eager_autocast(args, needs_grad == _AUTOCAST_GRAD)
         if needs_grad and self.gradient is not None:
             return self.gradient.apply(*args)

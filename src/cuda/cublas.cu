@@ -10,8 +10,8 @@
  * math where the call allows it (as torch's under its float32 matmul
  * precision "high"; NVIDIA_TF32_OVERRIDE=0 still turns TF32 off), set on
  * the handle when it changes (cublasSetMathMode, cuBLAS 11 and later;
- * an older cuBLAS keeps IEEE float32). The CUDA emulator's build takes the emulator's
- * stand-in instead (switched on and off by the tests). */
+ * an older cuBLAS keeps IEEE float32). The CUDA emulator's build takes
+ * the emulator's stand-in instead (switched on and off by the tests). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE   /* RTLD_DEFAULT */
 #endif
