@@ -76,9 +76,13 @@ from mmdispatch import _benchkit, _core, ops
 # Standard workload: an FPN P2 level of an 800x1216 image, 512 rois per image.
 STANDARD = dict(batch=2, channels=256, height=200, width=304, rois_per_image=512,
                 image=(800, 1216), spatial_scale=0.25, output=7, nms_boxes=20000,
-                rotated_boxes=2000, soft_nms_boxes=5000)
+                rotated_boxes=2000, soft_nms_boxes=5000, focal=(120_000, 80))
 QUICK = dict(STANDARD, channels=32, rois_per_image=128, nms_boxes=4000, rotated_boxes=500,
-             soft_nms_boxes=1000)
+             soft_nms_boxes=1000, focal=(8_000, 80))
+# focal: RetinaNet's classification loss (sigmoid_focal_loss, reduction
+# "sum") over (anchors, classes) logits, one-hot targets with a positive in
+# one anchor of 100: its P3-P7 anchors of a 640x960 image (about 120,000),
+# COCO's 80 classes.
 # R-FCN's position-sensitive head on ResNet-50 stage 3 (stride 16): 10 output
 # channels of 7x7 bins, 512 rois per image.
 PS_STANDARD = dict(batch=2, channels=490, height=50, width=76, rois_per_image=512,
@@ -555,6 +559,29 @@ def torch_cases(cfg, device, tv):
         return run
 
     yield f"nms {cfg['nms_boxes']} boxes, IoU 0.5", *pair(nms), traffic["nms"](len(boxes))
+    anchors, classes = cfg["focal"]
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(anchors, classes, generator=g) * 2 - 4).to(device)
+    labels = torch.zeros(anchors, classes)
+    positive = torch.arange(0, anchors, 100)
+    labels[positive, torch.randint(0, classes, (len(positive),), generator=g)] = 1
+    labels = labels.to(device)
+
+    def focal(lib, backward):
+        def run():
+            x = logits.detach().requires_grad_(backward)
+            with torch.set_grad_enabled(backward):
+                loss = lib.sigmoid_focal_loss(x, labels, 0.25, 2, "sum")
+            if backward:
+                loss.backward()
+            sync()
+        return run
+
+    elements = anchors * classes * logits.element_size()   # bytes of one such array
+    name = f"sigmoid_focal_loss ({anchors}, {classes}), sum"
+    yield f"{name}, forward", *pair(lambda lib: focal(lib, False)), 2 * elements
+    yield (f"{name}, forward+backward (autograd)", *pair(lambda lib: focal(lib, True)),
+           5 * elements)
 
 
 def torch_call_costs(device, tv, number=2000):

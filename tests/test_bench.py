@@ -35,6 +35,22 @@ def test_device_cases_run_roi_align_and_nms_and_wait_for_the_device_each_call():
         assert traffic > 0
 
 
+def test_torch_cases_time_mmdispatch_torch_beside_torchvision_the_focal_loss_included():
+    torch = pytest.importorskip("torch")
+    tv = bench.torchvision_ops()
+    if tv is None:
+        pytest.skip("torchvision is not installed")
+    cases = list(bench.torch_cases(dict(TINY, focal=(300, 5)), "cpu", tv))
+    names = [name for name, _, _, _ in cases]
+    assert names[-2:] == ["sigmoid_focal_loss (300, 5), sum, forward",
+                          "sigmoid_focal_loss (300, 5), sum, forward+backward (autograd)"]
+    assert [c[3] for c in cases[-2:]] == [2 * 300 * 5 * 4, 5 * 300 * 5 * 4]
+    for _, ours, theirs, _ in cases:
+        ours()
+        theirs()
+    assert torch.is_grad_enabled()
+
+
 def test_msda_cases_compare_the_op_with_a_grid_sample_fallback_that_computes_the_same():
     torch = pytest.importorskip("torch")
     tiny = dict(bench.MSDA_STANDARD, batch=1, heads=2, dims=4, points=2,

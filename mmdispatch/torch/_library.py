@@ -751,13 +751,17 @@ class _BackwardCall:
 
     def resolve(self, forward):
         """Where each backward argument comes from: ("grad"), ("wrt", (forward
-        argument, dtype?)), ("input", index) or ("output", index)."""
+        argument, dtype?)), ("needed", forward argument) for a bool
+        `with_<result>` (whether that gradient is wanted), ("input", index)
+        or ("output", index)."""
         by_result = {self.backward.output_names[r]: wrt for wrt, r in self.results.items()}
         self.sources = []
         for name in self.backward.arg_names:
             base = name.rsplit("_", 1)[0]
             if name == "grad_output" and self.grad_output:
                 self.sources.append(("grad", 0))
+            elif name.startswith("with_") and name[5:] in by_result:
+                self.sources.append(("needed", by_result[name[5:]]))
             elif base in by_result and name in (f"{base}_shape", f"{base}_dtype"):
                 self.sources.append(("wrt", (by_result[base], name.endswith("_dtype"))))
             elif name in forward.arg_names:
@@ -919,6 +923,8 @@ class Gradient:
             for kind, i in call.sources:
                 if kind == "grad":
                     args.append(f"g{n}.contiguous()")
+                elif kind == "needed":
+                    args.append(f"needed[{i}]")
                 elif kind == "wrt":
                     wrt, is_dtype = i
                     args.append(f"ctx.wrt_specs[{wrt}][{1 if is_dtype else 0}]")

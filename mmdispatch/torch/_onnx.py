@@ -2,8 +2,9 @@
 of torch.onnx.export's exporters, to the ONNX operators a model on
 torchvision.ops exports to (RoiAlign, MaxRoiPool, NonMaxSuppression,
 DeformConv; box_iou as elementwise operators), ps_roi_align as RoiAlign
-and a Gather, and MMCV's deformable attention as MMCV's grid_sample
-fallback exports (GridSample).
+and a Gather, MMCV's deformable attention as MMCV's grid_sample
+fallback exports (GridSample), and torchvision's sigmoid_focal_loss as its
+elementwise ops.
 
 DerivedOp.__call__ hands a call that torch.onnx.export traces to
 ONNX_EXPORTS (torch.onnx is imported only by then):
@@ -369,6 +370,16 @@ def _multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locat
     return output.view(n, heads * depth, queries).transpose(1, 2).contiguous()
 
 
+def _binary_focal_loss(input, target, gamma, alpha):
+    """binary_focal_loss in torch's elementwise ops (torchvision's
+    sigmoid_focal_loss, unreduced), which export as ONNX's."""
+    p = torch.sigmoid(input)
+    cross_entropy = torch.nn.functional.binary_cross_entropy_with_logits(input, target,
+                                                                         reduction="none")
+    loss = cross_entropy * (p * (1 - target) + (1 - p) * target) ** gamma
+    return loss if alpha < 0 else (alpha * target + (1 - alpha) * (1 - target)) * loss
+
+
 def _ps_roi_align(input, rois, height, width, spatial_scale, sampling_ratio):
     """ps_roi_align as our roi_align (aligned, avg: the same sampling) of
     every channel, which exports as RoiAlign, then each bin's own channel
@@ -389,6 +400,7 @@ _TORCH_FORMS = {
     "ps_roi_align_forward_impl": _ps_roi_align,
     "bbox_overlaps_impl": _bbox_overlaps,
     "multi_scale_deformable_attn_forward_impl": _multi_scale_deformable_attn,
+    "binary_focal_loss_forward_impl": _binary_focal_loss,
 }
 
 

@@ -395,6 +395,15 @@ def plausible(r, op_name, names, types=None):
             return out
         makers["rois"] = rotated_rois
 
+    if op_name.startswith("binary_focal_loss"):
+        # elements of any shape, target and gradients alike
+        shape = r.choice([(n, c), (n, c, h), (m,)])
+        for name in ("input", "target", "grad_output"):
+            makers[name] = lambda: fill(r, shape, dtype)
+        for name in ("output", "grad_input", "grad_target"):
+            makers[name] = lambda: np.zeros(shape, dtype)
+        makers["alpha"] = lambda: r.choice([0.25, -1.0, 1.0])
+
     if op_name.startswith("multi_scale_deformable_attn"):
         # levels of up to 3 x 3 cells, consistent unless the mutation breaks them
         shapes = np.array([[r.int(0, 3), r.int(0, 3)] for _ in range(r.int(0, 3))],

@@ -115,6 +115,25 @@ def test_a_model_on_our_ops_exports_to_torchvisions_onnx_operators_and_runs_in_o
                 np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-5)
 
 
+class FocalLoss(torch.nn.Module):
+    def forward(self, logits, targets):
+        return (mt.sigmoid_focal_loss(logits, targets, 0.25, 2, "sum"),
+                mt.sigmoid_focal_loss(logits, targets, -1, 1.5))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_sigmoid_focal_loss_exports_as_elementwise_operators_and_gives_the_eager_values(
+        exporter, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(6, 4, generator=g) * 3, torch.rand(6, 4, generator=g))
+    session = export(FocalLoss(), args, tmp_path / "f.onnx", exporter, ["logits", "targets"],
+                     {"logits": [0], "targets": [0]})
+    assert not [op for op in operators(tmp_path / "f.onnx") if op[0] not in ("", "ai.onnx")]
+    for inputs in (args, (torch.randn(9, 4, generator=g) * 3, torch.rand(9, 4, generator=g))):
+        for got, want in zip(run(session, inputs), FocalLoss()(*inputs)):
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_deform_conv2d_exports_to_deform_conv_with_and_without_mask_and_bias(exporter, tmp_path):
     g = torch.Generator().manual_seed(3)
