@@ -29,6 +29,7 @@ import torch
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
 from mmdispatch.torch._library import _ON_JIT_TRACE, DERIVED, ONNX_EXPORTS, torch_name
+from mmdispatch.torch._vision import focal_loss_composite
 
 _AVG = _POOL_MODES["avg"]
 _TORCHVISION_BINS = CONVENTIONS["torchvision"]
@@ -370,16 +371,6 @@ def _multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locat
     return output.view(n, heads * depth, queries).transpose(1, 2).contiguous()
 
 
-def _binary_focal_loss(input, target, gamma, alpha):
-    """binary_focal_loss in torch's elementwise ops (torchvision's
-    sigmoid_focal_loss, unreduced), which export as ONNX's."""
-    p = torch.sigmoid(input)
-    cross_entropy = torch.nn.functional.binary_cross_entropy_with_logits(input, target,
-                                                                         reduction="none")
-    loss = cross_entropy * (p * (1 - target) + (1 - p) * target) ** gamma
-    return loss if alpha < 0 else (alpha * target + (1 - alpha) * (1 - target)) * loss
-
-
 def _ps_roi_align(input, rois, height, width, spatial_scale, sampling_ratio):
     """ps_roi_align as our roi_align (aligned, avg: the same sampling) of
     every channel, which exports as RoiAlign, then each bin's own channel
@@ -400,7 +391,7 @@ _TORCH_FORMS = {
     "ps_roi_align_forward_impl": _ps_roi_align,
     "bbox_overlaps_impl": _bbox_overlaps,
     "multi_scale_deformable_attn_forward_impl": _multi_scale_deformable_attn,
-    "binary_focal_loss_forward_impl": _binary_focal_loss,
+    "binary_focal_loss_forward_impl": focal_loss_composite,
 }
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from mmdispatch.ops._arrays import pair
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
-from mmdispatch.torch._library import DERIVED, _onnx_tracing
+from mmdispatch.torch._library import DERIVED, _functorch, _onnx_tracing
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _ROI_POOL = DERIVED["roi_pool_forward_impl"]
@@ -283,17 +283,58 @@ def box_iou(boxes1, boxes2, fmt="xyxy"):
     return _OVERLAPS(boxes1.contiguous(), boxes2.contiguous(), 0, False, 0)
 
 
+def focal_loss_composite(inputs, targets, gamma, alpha):
+    """binary_focal_loss, unreduced, in torch's elementwise ops (as
+    torchvision's sigmoid_focal_loss composes it, 1 - p_t without its
+    cancellation): every derivative of every order, and what the ONNX
+    exporters translate."""
+    p = torch.sigmoid(inputs)
+    cross_entropy = nn.functional.binary_cross_entropy_with_logits(inputs, targets,
+                                                                   reduction="none")
+    remaining = p * (1 - targets) + torch.sigmoid(-inputs) * targets
+    if 0 < gamma < 1:
+        # pow's slope at 0 is infinite for such gamma, and times the 0 of a
+        # saturated logit's gradient it gave NaN (as torchvision's does):
+        # 0 ** gamma there is a constant, its gradient 0
+        some = remaining != 0
+        modulating = torch.where(some, torch.where(some, remaining, 1) ** gamma,
+                                 remaining.new_zeros(()))
+    else:
+        modulating = remaining ** gamma
+    loss = cross_entropy * modulating
+    return loss if alpha < 0 else (alpha * targets + (1 - alpha) * (1 - targets)) * loss
+
+
+def _forward_ad_level():
+    return getattr(torch.autograd.forward_ad, "_current_level", -1)
+
+
+def _composite_focal_loss(gamma, alpha):
+    """Whether sigmoid_focal_loss takes focal_loss_composite: with a tensor
+    gamma or alpha (which may need a gradient), or in eager code inside a
+    torch.func transform or forward-mode AD, where torch would drop the
+    fused op's tangent without an error (it has a backward only)."""
+    if isinstance(gamma, torch.Tensor) or isinstance(alpha, torch.Tensor):
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return bool(_functorch is not None and _functorch()) or _forward_ad_level() >= 0
+
+
 def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
     """torchvision.ops.sigmoid_focal_loss: inputs are logits of any shape,
-    targets the same shape of (soft) binary labels; alpha = -1 disables the class weighting; reduction "none",
-    "mean" or "sum". With p = sigmoid(x) and p_t = p for positives, 1 - p
-    for negatives, the loss is alpha_t * (1 - p_t) ** gamma *
-    cross_entropy, the cross entropy taken from the logits (stable for
-    large values). One fused kernel forward and one backward
-    (binary_focal_loss), where torchvision's composes about ten elementwise
-    ops; the result's dtype is torchvision's (float32 under autocast, as
-    its cross entropy there). Where 1 - p_t is 0 (a saturated logit on its
-    target's side) the gradient is 0 (torchvision's is NaN for gamma < 1).
+    targets the same shape of (soft) binary labels; alpha = -1 disables the
+    class weighting; reduction "none", "mean" or "sum". With p = sigmoid(x)
+    and p_t = p for positives, 1 - p for negatives, the loss is
+    alpha_t * (1 - p_t) ** gamma * cross_entropy, the cross entropy taken
+    from the logits (stable for large values). One fused kernel forward and
+    one backward (binary_focal_loss), where torchvision's composes 15
+    elementwise ops; the result's dtype is torchvision's (float32 under
+    autocast, as its cross entropy there). Where 1 - p_t is 0 (a saturated
+    logit on its target's side) the gradient is 0 (torchvision's is NaN for
+    gamma < 1). Forward-mode AD, torch.func transforms and tensor gamma or
+    alpha take the same formula in torch's ops (focal_loss_composite); a
+    second backward through the fused op's gradient is refused.
     (MMCV's variant, with class index targets: mmdispatch.torch.mmcv.)"""
     op = "sigmoid_focal_loss"
     if reduction not in ("none", "mean", "sum"):
@@ -308,12 +349,16 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
         inputs.dtype, targets.dtype)
     if not dtype.is_floating_point:
         raise TypeError(f"{op}: inputs must hold floating-point logits, got {inputs.dtype}")
-    if dtype in _SIXTEEN_BITS and autocast_on(inputs):
-        dtype = torch.float32
     if inputs.shape != targets.shape:   # torchvision's cross entropy refuses them too
         raise ValueError(f"{op}: targets must have the inputs' shape {tuple(inputs.shape)}, "
                          f"got {tuple(targets.shape)}")
-    loss = _BINARY_FOCAL_LOSS(inputs.to(dtype), targets.to(dtype), float(gamma), float(alpha))
+    if _composite_focal_loss(gamma, alpha):
+        loss = focal_loss_composite(inputs, targets.to(dtype), gamma, alpha)
+    else:
+        if dtype in _SIXTEEN_BITS and autocast_on(inputs):
+            dtype = torch.float32
+        loss = _BINARY_FOCAL_LOSS(inputs.to(dtype), targets.to(dtype), float(gamma),
+                                  float(alpha))
     if reduction == "mean":
         return loss.mean()
     if reduction == "sum":

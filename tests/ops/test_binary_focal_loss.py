@@ -55,8 +55,8 @@ def _derivative(f, v, low=None, high=None):
 
 
 def ref_forward_backward(x, t, gamma, alpha):
-    """(loss, d loss / d x, d loss / d t) as float64 arrays of x's shape;
-    targets in [0, 1], logits within +-600 (exp() of the decimal context)."""
+    """(loss, d loss / d x, d loss / d t) as float64 arrays of x's shape,
+    for targets in [0, 1]."""
     x, t = np.asarray(x, np.float64), np.asarray(t, np.float64)
     loss, d_x, d_t = (np.zeros(x.shape) for _ in range(3))
     with localcontext() as ctx:
@@ -154,16 +154,36 @@ def test_large_logits_stay_finite_and_match_the_reference(dtype, gamma, alpha):
     assert_close(grad_x, d_x, dtype, factor=8)
 
 
-@pytest.mark.parametrize("gamma", [0.25, 0.5, 0.9, 1.0, 2.0])
+@pytest.mark.parametrize("gamma", [0.01, 0.1, 0.25, 0.5, 0.9, 1.0, 2.0])
 def test_saturated_logit_on_its_targets_side_has_a_zero_or_tiny_gradient(gamma):
-    """1 - p_t rounds to 0 there: pow's slope is infinite for gamma < 1 (and
-    torchvision's gradient NaN); ours is that of the exact value, below
-    1e-40, never NaN."""
-    x = np.array([100.0, -100.0, 1e4, -1e4], np.float32)
-    t = np.array([1.0, 0.0, 1.0, 0.0], np.float32)
-    grad_x, grad_t = binary_focal_loss_backward(x, t, np.ones_like(x), gamma)
-    assert np.isfinite(grad_x).all() and np.isfinite(grad_t).all()
-    assert (np.abs(grad_x) < 1e-40).all()
+    """1 - p_t rounds to 0 there, or is subnormal (a logit of about 88 to
+    104 in float32, 708 to 745 in float64), where r^(gamma - 1) overflows
+    for small gamma: pow's slope is infinite (and torchvision's gradient
+    NaN); ours is the exact value's rounding (below 1e-39), never inf or
+    NaN."""
+    for dtype, values in ((np.float32, [100.0, 1e4, 90.0, 95.0, 103.0]),
+                          (np.float64, [720.0, 740.0, 1e4])):
+        x = np.array(values + [-v for v in values], dtype)
+        t = np.array([1.0] * len(values) + [0.0] * len(values), dtype)
+        grad_x, grad_t = binary_focal_loss_backward(x, t, np.ones_like(x), gamma)
+        assert np.isfinite(grad_x).all() and np.isfinite(grad_t).all()
+        assert (np.abs(grad_x) < 1e-39).all()
+        finite = np.abs(x) < 1000   # (1e4: the finiteness checks above)
+        _, d_x, _ = ref_forward_backward(x[finite], t[finite], gamma, 0.25)
+        assert_close(grad_x[finite], d_x, dtype, factor=8)
+
+
+def test_infinite_logits_give_the_limits_where_they_are_finite():
+    """A hard target at an infinite logit: its loss and gradients are the
+    limits (0 on the target's side, where 0 * inf would give NaN; the
+    cross entropy's slope of 1 away from it)."""
+    x = np.array([-np.inf, np.inf, np.inf, -np.inf])
+    t = np.array([0.0, 1.0, 0.0, 1.0])
+    for gamma in (0.0, 1.0, 2.0):
+        loss = binary_focal_loss(x, t, gamma, 0.25)
+        np.testing.assert_array_equal(loss, [0, 0, np.inf, np.inf])
+        grad_x, _ = binary_focal_loss_backward(x, t, np.ones(4), gamma, 0.25)
+        np.testing.assert_array_equal(grad_x, [0, 0, 0.75, -0.25])
 
 
 def test_reductions_none_sum_and_mean_are_torchvisions(rng):

@@ -140,6 +140,38 @@ def test_sigmoid_focal_loss_gives_both_gradients_promotes_and_broadcasts_as_torc
         mt.sigmoid_focal_loss(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
 
 
+def test_sigmoid_focal_loss_has_every_derivative_torch_func_and_forward_ad_take():
+    """The fused op has a backward only: forward-mode AD, torch.func's
+    transforms and tensor gamma/alpha take the composite formula, with
+    torchvision's values; a second backward through the fused op's
+    gradient is refused with a clear error, never a wrong answer."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, generator=g, dtype=torch.float64) * 3
+    t = torch.rand(5, generator=g, dtype=torch.float64)
+    v = torch.randn(5, generator=g, dtype=torch.float64)
+    for f in (lambda lib, x: lib.sigmoid_focal_loss(x, t, 0.25, 2),
+              lambda lib, x: lib.sigmoid_focal_loss(x, t, -1, 1.5, "sum")):
+        ours, theirs = (torch.func.jvp(lambda x: f(lib, x), (x,), (v,))[1] for lib in (mt, tv))
+        torch.testing.assert_close(ours, theirs)
+        with fwAD.dual_level():
+            ours = fwAD.unpack_dual(f(mt, fwAD.make_dual(x, v))).tangent
+        torch.testing.assert_close(ours, theirs)
+    hessians = [torch.func.hessian(lambda x: lib.sigmoid_focal_loss(x, t, 0.25, 2, "sum"))(x)
+                for lib in (mt, tv)]
+    torch.testing.assert_close(*hessians)
+    gamma = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    ours, theirs = (torch.autograd.grad(lib.sigmoid_focal_loss(x, t, 0.25, gamma, "sum"), gamma)
+                    for lib in (mt, tv))
+    torch.testing.assert_close(ours, theirs)
+    xr = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(mt.sigmoid_focal_loss(xr, t, reduction="sum"), xr,
+                                  create_graph=True)
+    with pytest.raises(RuntimeError, match="binary_focal_loss_backward"):
+        torch.autograd.grad(grad.sum(), xr)
+
+
 def test_sigmoid_focal_loss_compiles_without_a_graph_break():
     g = torch.Generator().manual_seed(6)
     inputs = torch.randn(6, 3, generator=g).requires_grad_(True)

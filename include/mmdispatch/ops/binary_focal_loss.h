@@ -11,7 +11,9 @@
  *          or 1 where alpha is -1 (no class weighting)
  * ce is taken as (1 - t) * softplus(x) + t * softplus(-x) and r as above,
  * sums of terms of one sign for t in [0, 1]: no cancellation where the
- * textbook forms subtract numbers close to 1 (torchvision's 1 - p_t).
+ * textbook forms subtract numbers close to 1 (torchvision's 1 - p_t). The
+ * loss and d loss / d x are exact to rounding for logits of any size;
+ * d loss / d t sums terms of both signs, which may cancel.
  * Gradients, with r' = d r^gamma / d r:
  *   d loss / d x = a_t * ((p - t) * r^gamma + ce * r' * p * q * (1 - 2t))
  *   (p - t taken as p * (1 - t) - q * t, exact for hard targets)
@@ -46,7 +48,9 @@ inline int mmd_binary_focal_loss_check(const mmd_tensor *input, const mmd_tensor
 }
 
 /* A gradient output: like input where it is `wanted` (with_grad_input,
- * with_grad_target); otherwise neither checked nor written. */
+ * with_grad_target); otherwise neither its shape nor its dtype is checked
+ * and it is not written (the dispatcher's checks of every output, such as
+ * writable and not overlapping an input, still apply). */
 inline int mmd_binary_focal_loss_check_grad(const mmd_tensor *grad, const char *name,
                                             const mmd_tensor *input, int wanted) {
     return wanted ? mmd_binary_focal_loss_check_like(grad, name, input) : MMD_OK;
@@ -76,8 +80,11 @@ template <typename T> struct mmd_binary_focal_terms {
         const int positive = x >= 0;
         p = positive ? big : e * big;
         q = positive ? e * big : big;
-        /* softplus(x) = max(x, 0) + tail, softplus(-x) = max(-x, 0) + tail */
-        ce = ((T)1 - t) * ((positive ? x : (T)0) + tail) + t * ((positive ? (T)0 : -x) + tail);
+        /* softplus(x) = max(x, 0) + tail, softplus(-x) = max(-x, 0) + tail;
+         * a hard target's other term is left out (at an infinite logit it
+         * is 0 * inf) */
+        ce = (t != 1 ? ((T)1 - t) * ((positive ? x : (T)0) + tail) : (T)0) +
+             (t != 0 ? t * ((positive ? (T)0 : -x) + tail) : (T)0);
         r = p * ((T)1 - t) + q * t;
     }
 };
@@ -88,25 +95,30 @@ template <typename T> MMD_HOSTDEV inline T mmd_binary_focal_loss(T x, T t, T gam
     return mmd_binary_focal_weight(t, alpha) * f.ce * mmd_focal_power(f.r, gamma);
 }
 
-/* d loss / d x (*d_x) and d loss / d t (*d_t) of one element. r' at r = 0
- * (a saturated logit on its target's side: then p * q = 0 too) is taken as
- * 0 but for gamma = 1 (1): its one-sided limit for gamma > 1, and for
- * gamma < 1 the limit of the products it enters, where torchvision's pow
- * gives inf * 0 = NaN. */
+/* d loss / d x (*d_x) and d loss / d t (*d_t) of one element. ce * r' is
+ * taken as gamma * r^gamma * (ce / r), finite where r is subnormal and
+ * r^(gamma - 1) would overflow (ce is about r there); at r = 0 (a logit
+ * saturated on its target's side: then p * q = 0 too) as 0, but ce for
+ * gamma = 1: r' is 0 there for gamma > 1 and its products' limit is 0 for
+ * gamma < 1, where torchvision's pow gives inf * 0 = NaN; and as 0 for
+ * gamma = 0 whatever ce is. */
 template <typename T>
 MMD_HOSTDEV inline void mmd_binary_focal_loss_grad(T x, T t, T gamma, T alpha, T *d_x, T *d_t) {
     const mmd_binary_focal_terms<T> f(x, t);
     const T m = mmd_focal_power(f.r, gamma);
-    const T slope = gamma == 0 ? (T)0
-                    : f.r != 0 ? gamma * mmd_focal_power(f.r, gamma - (T)1)
-                               : (gamma == 1 ? (T)1 : (T)0);
+    const T ce_slope = gamma == 0 ? (T)0
+                       : f.r != 0 ? gamma * m * (f.ce / f.r)
+                                  : (gamma == 1 ? f.ce : (T)0);
     const T a = mmd_binary_focal_weight(t, alpha);
     /* p - t as p (1 - t) - q t: exact where t is 0 or 1 (p - 1 of a p
      * close to 1 would keep a few digits of q) */
+    /* p q = 0 (an infinite logit, or one past 745): that term's limit is 0
+     * whatever ce_slope, which may be inf there */
+    const T pq = f.p * f.q;
     *d_x = a * ((f.p * ((T)1 - t) - f.q * t) * m +
-                f.ce * slope * f.p * f.q * ((T)1 - (T)2 * t));
+                (pq != 0 ? ce_slope * pq * ((T)1 - (T)2 * t) : (T)0));
     *d_t = (alpha < 0 ? (T)0 : ((T)2 * alpha - (T)1) * f.ce * m) +
-           a * (-x * m + f.ce * slope * (f.q - f.p));
+           a * (-x * m + ce_slope * (f.q - f.p));
 }
 
 #endif
