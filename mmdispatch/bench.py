@@ -588,7 +588,8 @@ def torch_call_costs(device, tv, number=2000):
     """{name: (ours, torchvision's or None)}: seconds per call of a tiny
     roi_align through mmdispatch.torch, without and with autograd, and
     (with torchvision) through torchvision.ops.roi_align with our kernel
-    behind its op."""
+    behind its op; of a tiny sigmoid_focal_loss, and its forward+backward
+    (many launches a call in torchvision's, one or two in ours)."""
     import torch
 
     import mmdispatch.torch as mt
@@ -604,6 +605,21 @@ def torch_call_costs(device, tv, number=2000):
                          ("roi_align call, tiny input, autograd recorded", grad_x)):
         costs[name] = (median_call(call(mt, tensor), 5, number),
                        median_call(call(tv[1].ops, tensor), 5, number) if tv is not None
+                       else None)
+    logits = torch.randn(8, 4, device=device)
+    labels = (torch.rand(8, 4, device=device) > 0.7).float()
+    grad_logits = logits.clone().requires_grad_(True)
+
+    def focal(lib, backward):
+        if backward:
+            return lambda: lib.sigmoid_focal_loss(grad_logits, labels, 0.25, 2, "sum").backward()
+        return lambda: lib.sigmoid_focal_loss(logits, labels, 0.25, 2, "sum")
+
+    for name, backward in (("sigmoid_focal_loss call, tiny input (8, 4), sum", False),
+                           ("sigmoid_focal_loss forward+backward, tiny input (8, 4), sum",
+                            True)):
+        costs[name] = (median_call(focal(mt, backward), 5, number),
+                       median_call(focal(tv[1].ops, backward), 5, number) if tv is not None
                        else None)
     if tv is not None:   # torchvision's own function, its op served by our kernel
         with mt.replace_torchvision_kernels(device):

@@ -51,6 +51,18 @@ def test_torch_cases_time_mmdispatch_torch_beside_torchvision_the_focal_loss_inc
     assert torch.is_grad_enabled()
 
 
+def test_torch_call_costs_time_tiny_calls_of_both_libraries():
+    pytest.importorskip("torch")
+    tv = bench.torchvision_ops()
+    if tv is None:
+        pytest.skip("torchvision is not installed")
+    costs = bench.torch_call_costs("cpu", tv, number=3)
+    assert {"roi_align call, tiny input", "roi_align call, tiny input, autograd recorded",
+            "sigmoid_focal_loss call, tiny input (8, 4), sum",
+            "sigmoid_focal_loss forward+backward, tiny input (8, 4), sum"} <= set(costs)
+    assert all(ours > 0 and theirs > 0 for ours, theirs in costs.values())
+
+
 def test_msda_cases_compare_the_op_with_a_grid_sample_fallback_that_computes_the_same():
     torch = pytest.importorskip("torch")
     tiny = dict(bench.MSDA_STANDARD, batch=1, heads=2, dims=4, points=2,

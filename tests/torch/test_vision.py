@@ -172,6 +172,33 @@ def test_sigmoid_focal_loss_has_every_derivative_torch_func_and_forward_ad_take(
         torch.autograd.grad(grad.sum(), xr)
 
 
+def test_retinanets_classification_loss_on_our_focal_loss_is_torchvisions(monkeypatch):
+    """torchvision's RetinaNet head computes its loss with the
+    sigmoid_focal_loss its module imported: swapping that one name for
+    ours gives the same loss and gradients (ignored and background anchors,
+    two images)."""
+    from torchvision.models.detection import retinanet
+
+    torch.manual_seed(0)
+    head = retinanet.RetinaNetClassificationHead(8, num_anchors=3, num_classes=5)
+    features = [torch.randn(2, 8, 6, 5), torch.randn(2, 8, 3, 3)]
+    targets = [{"labels": torch.tensor([1, 4])}, {"labels": torch.tensor([2])}]
+    anchors = 3 * (30 + 9)
+    matched = [torch.randint(-2, 2, (anchors,)), torch.randint(-2, 1, (anchors,))]
+
+    def loss_and_grads():
+        logits = head(features)
+        loss = head.compute_loss(targets, {"cls_logits": logits}, matched)
+        return loss, torch.autograd.grad(loss, list(head.parameters()))
+
+    theirs = loss_and_grads()
+    monkeypatch.setattr(retinanet, "sigmoid_focal_loss", mt.sigmoid_focal_loss)
+    ours = loss_and_grads()
+    torch.testing.assert_close(ours[0], theirs[0])
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b)
+
+
 def test_sigmoid_focal_loss_compiles_without_a_graph_break():
     g = torch.Generator().manual_seed(6)
     inputs = torch.randn(6, 3, generator=g).requires_grad_(True)
