@@ -199,6 +199,29 @@ def test_retinanets_classification_loss_on_our_focal_loss_is_torchvisions(monkey
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_sigmoid_focal_loss_matches_torchvisions_with_both_gradients(torch_cuda, dtype):
+    """On CUDA tensors, torch's stream and allocator: torchvision's values
+    and gradients (16-bit: ours computes in float32, so compared with
+    torchvision's float32 result), under autocast too."""
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(300, 20, generator=g) * 4).cuda()
+    t = (torch.rand(300, 20, generator=g) > 0.9).float().cuda()
+    xs, ts = x.to(dtype).requires_grad_(True), t.to(dtype).requires_grad_(True)
+    ours = mt.sigmoid_focal_loss(xs, ts, 0.25, 2, "sum")
+    assert ours.dtype == dtype and ours.device == xs.device
+    x32, t32 = xs.detach().float().requires_grad_(True), ts.detach().float().requires_grad_(True)
+    theirs = tv.sigmoid_focal_loss(x32, t32, 0.25, 2, "sum")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ours.float(), theirs, **tol)
+    for a, b in zip(torch.autograd.grad(ours, (xs, ts)), torch.autograd.grad(theirs, (x32, t32))):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, **tol)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert mt.sigmoid_focal_loss(x.half(), t.half()).dtype == \
+            tv.sigmoid_focal_loss(x.half(), t.half()).dtype
+
+
 def test_sigmoid_focal_loss_compiles_without_a_graph_break():
     g = torch.Generator().manual_seed(6)
     inputs = torch.randn(6, 3, generator=g).requires_grad_(True)
