@@ -57,8 +57,7 @@ def binary_focal_loss(input, target, gamma=2.0, alpha=0.25, reduction="none"):
     reduction = reduction_of(op, reduction)
     alpha = _alpha(op, alpha)
     try:
-        loss = _core.binary_focal_loss_forward_impl(input, target, None,
-                                                    gamma, alpha)
+        loss = _core.binary_focal_loss_forward_impl(input, target, None, gamma, alpha)
     except (TypeError, ValueError) as exc:
         explain(op, exc, _arrays(input, target))
     if reduction == "none":

@@ -779,8 +779,10 @@ class Gradient:
     backward op's `grad_output` is the gradient of the forward output the
     rule names, or the result is scaled by that gradient ("times_grad_of");
     every other backward argument is the forward's argument or output of
-    the same name, or the shape/dtype of `wrt` (`<result>_shape`,
-    `<result>_dtype`). Rules naming the same backward op share one call of
+    the same name, the shape/dtype of `wrt` (`<result>_shape`,
+    `<result>_dtype`), or whether `wrt` needs a gradient (a bool
+    `with_<result>`: the backward then computes only the gradients asked
+    for). Rules naming the same backward op share one call of
     it, made only when one of their arguments needs a gradient."""
 
     def __init__(self, forward, rules, derived):
