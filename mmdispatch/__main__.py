@@ -113,6 +113,9 @@ def run_ops(feature, rois, scores, logits, targets, cupy=None):
         # the background class (16) is an ignored row for the softmax loss
         "softmax_focal_loss": to_host(ops.softmax_focal_loss(
             logits, xp.where(targets == 16, -1, targets), reduction="none")),
+        # torchvision's form: one-hot targets (background rows all 0)
+        "binary_focal_loss": to_host(ops.binary_focal_loss(
+            logits, (targets[:, None] == xp.arange(logits.shape[1])).astype(logits.dtype))),
         "deform_conv2d": to_host(ops.deform_conv2d(feature, offset, weight, None, 1, 1, 1, mask)),
         "multi_scale_deformable_attn": to_host(ops.multi_scale_deformable_attn(
             *attention_inputs(feature, xp))),
@@ -165,6 +168,14 @@ def demo():
     cpu = run_ops(feature, rois, scores, logits, targets)
     print(f"cpu    every op on {rois.shape[0]} rois / boxes: nms kept {cpu['nms'].size}, "
           f"focal loss sum {cpu['sigmoid_focal_loss'].sum():.4f}")
+    # two kernels, one loss: torchvision's form of one-hot targets is MMCV's
+    # of their class indices
+    one_hot = cpu["binary_focal_loss"] - cpu["sigmoid_focal_loss"]
+    diff = float(np.max(np.abs(one_hot) / np.maximum(np.abs(cpu["sigmoid_focal_loss"]), 1)))
+    good = diff <= 1e-5
+    ok &= good
+    print(f"cpu    binary_focal_loss of one-hot targets vs sigmoid_focal_loss of their "
+          f"indices, max relative diff = {diff:.2e} {'ok' if good else 'FAIL'}")
 
     cuda = next((d for d in mmdispatch.devices() if d["device"] == "cuda"), None)
     cupy = None

@@ -186,6 +186,22 @@ def test_infinite_logits_give_the_limits_where_they_are_finite():
         np.testing.assert_array_equal(grad_x, [0, 0, 0.75, -0.25])
 
 
+@pytest.mark.parametrize("gamma, alpha", [(2.0, 0.25), (0.5, 0.75), (0.0, 1.0)])
+def test_one_hot_targets_give_mmcvs_sigmoid_focal_loss_of_their_indices(gamma, alpha, rng):
+    """Another kernel, the same loss: MMCV's sigmoid_focal_loss of class
+    indices (C = background) is this one of their one-hot rows, and its
+    input gradient too."""
+    x = rng.standard_normal((20, 6)) * 6
+    labels = rng.integers(0, 7, 20)
+    one_hot = (labels[:, None] == np.arange(6)).astype(np.float64)
+    np.testing.assert_allclose(binary_focal_loss(x, one_hot, gamma, alpha),
+                               mmdispatch.ops.sigmoid_focal_loss_forward(x, labels, gamma, alpha),
+                               rtol=1e-13, atol=1e-300)
+    grad_x, _ = binary_focal_loss_backward(x, one_hot, np.ones_like(x), gamma, alpha)
+    np.testing.assert_allclose(grad_x, mmdispatch.ops.sigmoid_focal_loss_backward(
+        x, labels, gamma, alpha), rtol=1e-12, atol=1e-300)
+
+
 def test_reductions_none_sum_and_mean_are_torchvisions(rng):
     x = rng.standard_normal((4, 3, 2)) * 3
     t = rng.uniform(0, 1, (4, 3, 2))
