@@ -48,8 +48,7 @@ int binary_focal_loss_forward_cpu(const mmd_tensor *input, const mmd_tensor *tar
                                   const mmd_tensor *output, double gamma, double alpha,
                                   const mmd_context *ctx) {
     (void)ctx;
-    int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, MMD_FLOAT32_64);
-    if (!s) s = mmd_binary_focal_loss_check_like(output, "output", input);
+    int s = mmd_binary_focal_loss_forward_check(input, target, output, gamma, alpha, MMD_FLOAT32_64);
     if (s) return s;
     if (input->dtype == MMD_FLOAT32)
         forward<float>(input, target, output, (float)gamma, (float)alpha);
@@ -64,11 +63,9 @@ int binary_focal_loss_backward_cpu(const mmd_tensor *input, const mmd_tensor *ta
                                    int with_grad_input, int with_grad_target,
                                    const mmd_context *ctx) {
     (void)ctx;
-    int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, MMD_FLOAT32_64);
-    if (!s) s = mmd_binary_focal_loss_check_like(grad_output, "grad_output", input);
-    if (!s) s = mmd_binary_focal_loss_check_grad(grad_input, "grad_input", input, with_grad_input);
-    if (!s)
-        s = mmd_binary_focal_loss_check_grad(grad_target, "grad_target", input, with_grad_target);
+    int s = mmd_binary_focal_loss_backward_check(input, target, grad_output, grad_input,
+                                                 grad_target, gamma, alpha, with_grad_input,
+                                                 with_grad_target, MMD_FLOAT32_64);
     if (s || !(with_grad_input || with_grad_target)) return s;
     auto run = [&](auto zero) {
         typedef decltype(zero) T;

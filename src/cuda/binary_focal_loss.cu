@@ -43,8 +43,7 @@ __global__ void backward_kernel(const T *input, const T *target, const T *grad_o
 int binary_focal_loss_forward_cuda(const mmd_tensor *input, const mmd_tensor *target,
                                    const mmd_tensor *output, double gamma, double alpha,
                                    const mmd_context *ctx) {
-    int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, MMD_FLOAT16_BF16_32_64);
-    if (!s) s = mmd_binary_focal_loss_check_like(output, "output", input);
+    int s = mmd_binary_focal_loss_forward_check(input, target, output, gamma, alpha, MMD_FLOAT16_BF16_32_64);
     const int64_t total = mmd_numel(input);
     if (s || total == 0) return s;
     return on_device(ctx, [&](cudaStream_t stream) {
@@ -64,11 +63,9 @@ int binary_focal_loss_backward_cuda(const mmd_tensor *input, const mmd_tensor *t
                                     const mmd_tensor *grad_target, double gamma, double alpha,
                                     int with_grad_input, int with_grad_target,
                                     const mmd_context *ctx) {
-    int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, MMD_FLOAT16_BF16_32_64);
-    if (!s) s = mmd_binary_focal_loss_check_like(grad_output, "grad_output", input);
-    if (!s) s = mmd_binary_focal_loss_check_grad(grad_input, "grad_input", input, with_grad_input);
-    if (!s)
-        s = mmd_binary_focal_loss_check_grad(grad_target, "grad_target", input, with_grad_target);
+    int s = mmd_binary_focal_loss_backward_check(input, target, grad_output, grad_input,
+                                                 grad_target, gamma, alpha, with_grad_input,
+                                                 with_grad_target, MMD_FLOAT16_BF16_32_64);
     const int64_t total = mmd_numel(input);
     if (s || total == 0 || !(with_grad_input || with_grad_target)) return s;
     return on_device(ctx, [&](cudaStream_t stream) {

@@ -56,6 +56,31 @@ inline int mmd_binary_focal_loss_check_grad(const mmd_tensor *grad, const char *
     return wanted ? mmd_binary_focal_loss_check_like(grad, name, input) : MMD_OK;
 }
 
+/* Every argument of the forward entry point. */
+inline int mmd_binary_focal_loss_forward_check(const mmd_tensor *input, const mmd_tensor *target,
+                                               const mmd_tensor *output, double gamma,
+                                               double alpha, unsigned float_mask) {
+    int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, float_mask);
+    if (!s) s = mmd_binary_focal_loss_check_like(output, "output", input);
+    return s;
+}
+
+/* Every argument of the backward entry point. */
+inline int mmd_binary_focal_loss_backward_check(const mmd_tensor *input,
+                                                const mmd_tensor *target,
+                                                const mmd_tensor *grad_output,
+                                                const mmd_tensor *grad_input,
+                                                const mmd_tensor *grad_target, double gamma,
+                                                double alpha, int with_grad_input,
+                                                int with_grad_target, unsigned float_mask) {
+    int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, float_mask);
+    if (!s) s = mmd_binary_focal_loss_check_like(grad_output, "grad_output", input);
+    if (!s) s = mmd_binary_focal_loss_check_grad(grad_input, "grad_input", input, with_grad_input);
+    if (!s)
+        s = mmd_binary_focal_loss_check_grad(grad_target, "grad_target", input, with_grad_target);
+    return s;
+}
+
 /* a_t: the class weight of a target (1 where alpha is -1). */
 template <typename T> MMD_HOSTDEV inline T mmd_binary_focal_weight(T t, T alpha) {
     return alpha < 0 ? (T)1 : alpha * t + ((T)1 - alpha) * ((T)1 - t);
@@ -111,9 +136,9 @@ MMD_HOSTDEV inline void mmd_binary_focal_loss_grad(T x, T t, T gamma, T alpha, T
                                   : (gamma == 1 ? f.ce : (T)0);
     const T a = mmd_binary_focal_weight(t, alpha);
     /* p - t as p (1 - t) - q t: exact where t is 0 or 1 (p - 1 of a p
-     * close to 1 would keep a few digits of q) */
-    /* p q = 0 (an infinite logit, or one past 745): that term's limit is 0
-     * whatever ce_slope, which may be inf there */
+     * close to 1 would keep a few digits of q); where p q = 0 (an infinite
+     * logit, or one past 745) the second term's limit is 0 whatever
+     * ce_slope, which may be inf there */
     const T pq = f.p * f.q;
     *d_x = a * ((f.p * ((T)1 - t) - f.q * t) * m +
                 (pq != 0 ? ce_slope * pq * ((T)1 - (T)2 * t) : (T)0));
