@@ -205,8 +205,11 @@ class BuildExt(build_ext):
 
         def compile_with_std(obj, src, ext, cc_args, extra_postargs, pp_opts):
             if ext == ".cpp":
+                # -Wno-psabi: GCC warns that 32-byte vectors (src/cpu/vec_math.h)
+                # pass differently without AVX; they pass only between inline
+                # functions of one file, never through a call of another's
                 extra_postargs = [*extra_postargs, "-std=c++17", "-fno-exceptions",
-                                  "-fno-rtti"]
+                                  "-fno-rtti", "-Wno-psabi"]
             compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts)
 
         self.compiler._compile = compile_with_std

@@ -207,6 +207,21 @@ def test_confident_predictions_have_tiny_or_linear_loss(dtype):
     np.testing.assert_allclose(loss[1], [2500.0, 7500.0], rtol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_infinite_logits_give_the_limits_of_loss_and_gradient(dtype):
+    """On the wrong side of its target an infinite logit's loss is inf and
+    its gradient the cross entropy's slope, -alpha (target column) or
+    1 - alpha, where q^gamma * (q + gamma * p * softplus(-x)) is 0 * inf;
+    on the right side both are 0."""
+    x = np.array([[-np.inf, np.inf], [np.inf, -np.inf]], dtype)
+    target = np.array([0, 0])
+    for gamma in (0.0, 0.5, 2.0):
+        np.testing.assert_array_equal(sigmoid_focal_loss_forward(x, target, gamma, 0.25),
+                                      [[np.inf, np.inf], [0, 0]])
+        np.testing.assert_array_equal(sigmoid_focal_loss_backward(x, target, gamma, 0.25),
+                                      [[-0.25, 0.75], [0, 0]])
+
+
 @pytest.mark.parametrize("param", ["gamma", "alpha"])
 def test_float32_never_returns_nan_or_inf_for_a_gamma_or_alpha_that_passed_validation(param):
     """gamma / alpha = 1e39 are finite doubles (they pass the finiteness check)
@@ -288,6 +303,26 @@ def test_strided_inputs_give_the_same_results_as_contiguous_ones(dtype, rng):
                                       fn(*contiguous[:2], 2.0, 0.25, contiguous[2]))
     np.testing.assert_array_equal(sigmoid_focal_loss(x.T.copy().T, target.astype(np.int32)),
                                   sigmoid_focal_loss(*contiguous[:2]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("classes", [3, 8, 13, 80])
+def test_an_elements_value_does_not_depend_on_its_column_or_the_rows_length(dtype, classes,
+                                                                            rng):
+    """The CPU kernel takes a row's columns 8 float32 or 4 float64 at a
+    time (the last run padded), through its own exp and log1p inside
+    |x| <= 80 or 700 and the C library's outside: each element of (N, C) has
+    the bits it has alone, as the one column of an (N * C, 1) input whose
+    target is 0 where its column was the target and background elsewhere."""
+    rows = 12
+    x = (rng.standard_normal((rows, classes)) * 30).astype(dtype)
+    x.flat[::11] = np.nan
+    x.flat[3::17] = 1e4 if dtype == np.float32 else 1e3
+    target = np.arange(rows) % (classes + 1)   # every column, and background
+    alone = (np.arange(classes)[None, :] != target[:, None]).astype(np.int64).ravel()
+    for fn in (sigmoid_focal_loss_forward, sigmoid_focal_loss_backward):
+        np.testing.assert_array_equal(fn(x, target, 1.5, 0.25).ravel(),
+                                      fn(x.reshape(-1, 1), alone, 1.5, 0.25).ravel())
 
 
 def test_dlpack_only_and_other_integer_targets_are_accepted(rng, dlpack_only):

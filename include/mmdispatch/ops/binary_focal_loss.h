@@ -81,69 +81,122 @@ inline int mmd_binary_focal_loss_backward_check(const mmd_tensor *input,
     return s;
 }
 
-/* a_t: the class weight of a target (1 where alpha is -1). */
-template <typename T> MMD_HOSTDEV inline T mmd_binary_focal_weight(T t, T alpha) {
-    return alpha < 0 ? (T)1 : alpha * t + ((T)1 - alpha) * ((T)1 - t);
+/* The formulas below are written once over a math policy M: M::value is a
+ * scalar (M::scalar, float or double: mmd_scalar_math, for CUDA and the
+ * CPU's scalar elements) or a vector of them (the CPU's, src/cpu/
+ * vec_math.h), whose comparisons give M::where's first argument. M has
+ * `magnitude` (fabs), `exponential` (exp), `log_one_plus` (log1p) and
+ * `power` (pow: r^gamma). */
+template <typename T> struct mmd_scalar_math {
+    typedef T value;
+    typedef T scalar;
+    static MMD_HOSTDEV T where(bool c, T a, T b) { return c ? a : b; }
+    static MMD_HOSTDEV T magnitude(T v) { return fabs(v); }
+    static MMD_HOSTDEV T exponential(T v) { return exp(v); }
+    static MMD_HOSTDEV T log_one_plus(T v) { return log1p(v); }
+    static MMD_HOSTDEV T power(T v, T e) { return pow(v, e); }
+};
+
+/* a_t: the class weight of a target (1 where alpha is -1), and its slope
+ * d a_t / d t. */
+template <typename M>
+MMD_HOSTDEV inline typename M::value mmd_binary_focal_weight(typename M::value t,
+                                                             typename M::scalar alpha) {
+    typedef typename M::scalar T;
+    return alpha < 0 ? typename M::value() + (T)1
+                     : alpha * t + ((T)1 - alpha) * ((T)1 - t);
+}
+template <typename T> MMD_HOSTDEV inline T mmd_binary_focal_weight_slope(T alpha) {
+    return alpha < 0 ? (T)0 : (T)2 * alpha - (T)1;
 }
 
 /* r^gamma: the common gammas without pow (as exact, and several times
  * cheaper on a GPU; glibc's pow rounds r * r correctly too). */
-template <typename T> MMD_HOSTDEV inline T mmd_focal_power(T r, T gamma) {
+template <typename M>
+MMD_HOSTDEV inline typename M::value mmd_focal_power(typename M::value r,
+                                                     typename M::scalar gamma) {
     if (gamma == 2) return r * r;
     if (gamma == 1) return r;
-    if (gamma == 0) return (T)1;
-    return pow(r, gamma);
+    if (gamma == 0) return typename M::value() + (typename M::scalar)1;
+    return M::power(r, gamma);
 }
 
 /* What an element's loss and gradients share: p = sigmoid(x),
  * q = sigmoid(-x), the cross entropy and r = 1 - p_t, from one exp and one
- * log1p (mmd_sigmoid's and mmd_softplus's values). */
-template <typename T> struct mmd_binary_focal_terms {
-    T p, q, ce, r;
-    MMD_HOSTDEV mmd_binary_focal_terms(T x, T t) {
-        const T e = exp(-fabs(x)), tail = log1p(e), big = (T)1 / ((T)1 + e);
-        const int positive = x >= 0;
-        p = positive ? big : e * big;
-        q = positive ? e * big : big;
+ * log1p. */
+template <typename M> struct mmd_binary_focal_terms {
+    typedef typename M::value V;
+    typedef typename M::scalar T;
+    V p, q, ce, r;
+    MMD_HOSTDEV mmd_binary_focal_terms(V x, V t) {
+        const V e = M::exponential(-M::magnitude(x)), tail = M::log_one_plus(e);
+        const V big = (T)1 / ((T)1 + e);
+        const auto positive = x >= (T)0;
+        p = M::where(positive, big, e * big);
+        q = M::where(positive, e * big, big);
         /* softplus(x) = max(x, 0) + tail, softplus(-x) = max(-x, 0) + tail;
          * a hard target's other term is left out (at an infinite logit it
          * is 0 * inf) */
-        ce = (t != 1 ? ((T)1 - t) * ((positive ? x : (T)0) + tail) : (T)0) +
-             (t != 0 ? t * ((positive ? (T)0 : -x) + tail) : (T)0);
+        ce = M::where(t != (T)1, ((T)1 - t) * (M::where(positive, x, V()) + tail), V()) +
+             M::where(t != (T)0, t * (M::where(positive, V(), -x) + tail), V());
         r = p * ((T)1 - t) + q * t;
     }
 };
 
-/* The loss of one element. */
-template <typename T> MMD_HOSTDEV inline T mmd_binary_focal_loss(T x, T t, T gamma, T alpha) {
-    const mmd_binary_focal_terms<T> f(x, t);
-    return mmd_binary_focal_weight(t, alpha) * f.ce * mmd_focal_power(f.r, gamma);
+/* The loss of elements whose class weights are a (a_t, of the target; or
+ * MMCV's alpha or 1 - alpha). */
+template <typename M>
+MMD_HOSTDEV inline typename M::value mmd_binary_focal_loss_of(typename M::value x,
+                                                              typename M::value t,
+                                                              typename M::scalar gamma,
+                                                              typename M::value a) {
+    const mmd_binary_focal_terms<M> f(x, t);
+    return a * f.ce * mmd_focal_power<M>(f.r, gamma);
 }
 
-/* d loss / d x (*d_x) and d loss / d t (*d_t) of one element. ce * r' is
- * taken as gamma * r^gamma * (ce / r), finite where r is subnormal and
+/* d loss / d x (*d_x) and d loss / d t (*d_t) of elements whose class
+ * weights are a, of slope a_slope in t (a term left out where it is 0: at
+ * an infinite logit ce is infinite). ce * r' is taken as
+ * gamma * r^gamma * (ce / r), finite where r is subnormal and
  * r^(gamma - 1) would overflow (ce is about r there); at r = 0 (a logit
  * saturated on its target's side: then p * q = 0 too) as 0, but ce for
  * gamma = 1: r' is 0 there for gamma > 1 and its products' limit is 0 for
  * gamma < 1, where torchvision's pow gives inf * 0 = NaN; and as 0 for
  * gamma = 0 whatever ce is. */
-template <typename T>
-MMD_HOSTDEV inline void mmd_binary_focal_loss_grad(T x, T t, T gamma, T alpha, T *d_x, T *d_t) {
-    const mmd_binary_focal_terms<T> f(x, t);
-    const T m = mmd_focal_power(f.r, gamma);
-    const T ce_slope = gamma == 0 ? (T)0
-                       : f.r != 0 ? gamma * m * (f.ce / f.r)
-                                  : (gamma == 1 ? f.ce : (T)0);
-    const T a = mmd_binary_focal_weight(t, alpha);
+template <typename M>
+MMD_HOSTDEV inline void mmd_binary_focal_loss_grad_of(typename M::value x, typename M::value t,
+                                                      typename M::scalar gamma,
+                                                      typename M::value a,
+                                                      typename M::scalar a_slope,
+                                                      typename M::value *d_x,
+                                                      typename M::value *d_t) {
+    typedef typename M::value V;
+    typedef typename M::scalar T;
+    const mmd_binary_focal_terms<M> f(x, t);
+    const V m = mmd_focal_power<M>(f.r, gamma);
+    const V ce_slope = gamma == 0 ? V()
+                                  : M::where(f.r != (T)0, gamma * m * (f.ce / f.r),
+                                             gamma == 1 ? f.ce : V());
     /* p - t as p (1 - t) - q t: exact where t is 0 or 1 (p - 1 of a p
      * close to 1 would keep a few digits of q); where p q = 0 (an infinite
      * logit, or one past 745) the second term's limit is 0 whatever
      * ce_slope, which may be inf there */
-    const T pq = f.p * f.q;
+    const V pq = f.p * f.q;
     *d_x = a * ((f.p * ((T)1 - t) - f.q * t) * m +
-                (pq != 0 ? ce_slope * pq * ((T)1 - (T)2 * t) : (T)0));
-    *d_t = (alpha < 0 ? (T)0 : ((T)2 * alpha - (T)1) * f.ce * m) +
-           a * (-x * m + ce_slope * (f.q - f.p));
+                M::where(pq != (T)0, ce_slope * pq * ((T)1 - (T)2 * t), V()));
+    *d_t = (a_slope == 0 ? V() : a_slope * f.ce * m) + a * (-x * m + ce_slope * (f.q - f.p));
+}
+
+/* The same, of one element. */
+template <typename T> MMD_HOSTDEV inline T mmd_binary_focal_loss(T x, T t, T gamma, T alpha) {
+    typedef mmd_scalar_math<T> M;
+    return mmd_binary_focal_loss_of<M>(x, t, gamma, mmd_binary_focal_weight<M>(t, alpha));
+}
+template <typename T>
+MMD_HOSTDEV inline void mmd_binary_focal_loss_grad(T x, T t, T gamma, T alpha, T *d_x, T *d_t) {
+    typedef mmd_scalar_math<T> M;
+    mmd_binary_focal_loss_grad_of<M>(x, t, gamma, mmd_binary_focal_weight<M>(t, alpha),
+                                     mmd_binary_focal_weight_slope(alpha), d_x, d_t);
 }
 
 #endif

@@ -9,13 +9,15 @@
  * times weight[target] when a (C,) weight is given (MMCV's CUDA kernel),
  * and times 1 for background rows, whose target has no weight entry.
  * -log(p) and -log(1 - p) are computed as softplus(-x) and softplus(x), so
- * large |x| neither takes log(0) nor overflows. T, the compute type, is
- * float or double; the overloads of exp, log1p, fabs and pow take T. */
+ * large |x| neither takes log(0) nor overflows (binary_focal_loss.h's
+ * formulas, whose target here is 1 in the target's column and 0
+ * elsewhere). */
 #ifndef MMDISPATCH_OPS_SIGMOID_FOCAL_LOSS_H
 #define MMDISPATCH_OPS_SIGMOID_FOCAL_LOSS_H
 
 #include <math.h>
 
+#include "mmdispatch/ops/binary_focal_loss.h"
 #include "mmdispatch/ops/focal_loss.h"
 
 /* Shape/dtype/scalar checks; `output` is the loss (forward) or grad_input
@@ -39,32 +41,25 @@ inline int mmd_sigmoid_focal_loss_target_error(int64_t row, int64_t value, int64
                      (long long)num_classes);
 }
 
-/* log(1 + exp(z)) without overflow. */
-template <typename T> MMD_HOSTDEV inline T mmd_softplus(T z) {
-    return (z > 0 ? z : (T)0) + log1p(exp(-fabs(z)));
-}
-
-/* 1 / (1 + exp(-z)) without overflow. */
-template <typename T> MMD_HOSTDEV inline T mmd_sigmoid(T z) {
-    if (z >= 0) return (T)1 / ((T)1 + exp(-z));
-    const T e = exp(z);
-    return e / ((T)1 + e);
-}
-
-/* Loss of one element; `positive` says whether its column is the target. */
+/* Loss of one element; `positive` says whether its column is the target:
+ * binary_focal_loss's of a one-hot target (the same definition, and one
+ * exp and one log1p an element), with MMCV's class weight. */
 template <typename T> MMD_HOSTDEV inline T mmd_focal_loss(T x, int positive, T gamma, T alpha) {
-    if (positive) return alpha * pow(mmd_sigmoid(-x), gamma) * mmd_softplus(-x);
-    return ((T)1 - alpha) * pow(mmd_sigmoid(x), gamma) * mmd_softplus(x);
+    return mmd_binary_focal_loss_of<mmd_scalar_math<T>>(x, (T)positive, gamma,
+                                                        positive ? alpha : (T)1 - alpha);
 }
 
 /* d loss / d x of one element, with q = 1 - p = sigmoid(-x):
  *   positive: -alpha * q^gamma * (q + gamma * p * softplus(-x))
- *   negative: (1 - alpha) * p^gamma * (p + gamma * q * softplus(x)) */
+ *   negative: (1 - alpha) * p^gamma * (p + gamma * q * softplus(x))
+ * (binary_focal_loss's of a one-hot target). */
 template <typename T>
 MMD_HOSTDEV inline T mmd_focal_loss_grad(T x, int positive, T gamma, T alpha) {
-    const T p = mmd_sigmoid(x), q = mmd_sigmoid(-x);
-    if (positive) return -alpha * pow(q, gamma) * (q + gamma * p * mmd_softplus(-x));
-    return ((T)1 - alpha) * pow(p, gamma) * (p + gamma * q * mmd_softplus(x));
+    T d_x, d_t;
+    mmd_binary_focal_loss_grad_of<mmd_scalar_math<T>>(x, (T)positive, gamma,
+                                                      positive ? alpha : (T)1 - alpha, (T)0,
+                                                      &d_x, &d_t);
+    return d_x;
 }
 
 #endif
