@@ -26,11 +26,12 @@ ENTRY_POINTS = ("binary_focal_loss_forward_impl", "binary_focal_loss_backward_im
 
 # The gradients of input and target for the PyTorch layer: the outputs of one
 # binary_focal_loss_backward_impl call, made with with_grad_input /
-# with_grad_target set where each is needed.
+# with_grad_target set where each is needed; a gradient of the loss that is
+# one value broadcast (a sum's or a mean's) goes to it as that value.
 GRADIENTS = {
     "binary_focal_loss_forward_impl": {
         name: {"backward": "binary_focal_loss_backward_impl", "grad_output": "output",
-               "result": f"grad_{name}"}
+               "result": f"grad_{name}", "broadcast_grad": True}
         for name in ("input", "target")
     },
 }
@@ -71,7 +72,8 @@ def binary_focal_loss(input, target, gamma=2.0, alpha=0.25, reduction="none"):
 
 def binary_focal_loss_backward(input, target, grad_output, gamma=2.0, alpha=0.25):
     """(grad_input, grad_target): the gradients of sum(loss * grad_output)
-    (grad_output of the input's shape) with respect to input and target."""
+    with respect to input and target; grad_output of the input's shape, or
+    a 0-d array, the same gradient for every element (that of a "sum": 1)."""
     op = "binary_focal_loss_backward"
     alpha = _alpha(op, alpha)
     try:

@@ -727,6 +727,15 @@ def _plain_eager(args, tensor_args):
     return needs_grad
 
 
+def _one_value(grad):
+    """A gradient that is one value broadcast (every stride 0, as torch's
+    backward of a sum or a mean hands it over) as that value, 0-d, for a
+    backward op that takes it so ("broadcast_grad"); any other, contiguous."""
+    if grad.dim() and grad.numel() and not any(grad.stride()):
+        return grad.as_strided((), ())
+    return grad.contiguous()
+
+
 class _BackwardCall:
     """One call of a backward op, giving the gradients of one or more
     forward arguments: its arguments come from the forward's (see
@@ -736,6 +745,7 @@ class _BackwardCall:
         self.backward = backward
         self.grad_output = rule.get("grad_output")
         self.times_grad_of = rule.get("times_grad_of")
+        self.broadcast_grad = rule.get("broadcast_grad", False)
         self.grad_of = forward.output_names.index(self.grad_output or self.times_grad_of)
         self.results = {}   # forward argument index -> position among the backward's returns
 
@@ -782,8 +792,10 @@ class Gradient:
     the same name, the shape/dtype of `wrt` (`<result>_shape`,
     `<result>_dtype`), or whether `wrt` needs a gradient (a bool
     `with_<result>`: the backward then computes only the gradients asked
-    for). Rules naming the same backward op share one call of
-    it, made only when one of their arguments needs a gradient."""
+    for). "broadcast_grad": the backward op takes a 0-d grad_output as the
+    gradient of every element, and gets one where torch broadcast it.
+    Rules naming the same backward op share one call of it, made only when
+    one of their arguments needs a gradient."""
 
     def __init__(self, forward, rules, derived):
         self.forward = forward
@@ -918,13 +930,14 @@ class Gradient:
             lines.append("        pass")
         # the whole builtins: torch.compile traces this code (and looks up
         # __import__ in its globals' builtins)
-        scope = {"_grad_enabled": torch.is_grad_enabled, "__builtins__": builtins,
-                 "__name__": __name__}
+        scope = {"_grad_enabled": torch.is_grad_enabled, "_one_value": _one_value,
+                 "__builtins__": builtins, "__name__": __name__}
         for n, call in enumerate(self.calls):
             args = []
             for kind, i in call.sources:
                 if kind == "grad":
-                    args.append(f"g{n}.contiguous()")
+                    args.append(f"_one_value(g{n})" if call.broadcast_grad
+                                else f"g{n}.contiguous()")
                 elif kind == "needed":
                     args.append(f"needed[{i}]")
                 elif kind == "wrt":

@@ -363,6 +363,11 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
             targets = targets.to(dtype)
         loss = _BINARY_FOCAL_LOSS(inputs, targets, float(gamma), float(alpha))
     if reduction == "mean":
+        # in float32 and float64 the sum over the count is mean()'s bits,
+        # and its backward hands the fused backward one value (mean()'s
+        # writes it over the loss's shape; in 16 bits mean() rounds once)
+        if loss.dtype in (torch.float32, torch.float64):
+            return loss.sum() / loss.numel()
         return loss.mean()
     if reduction == "sum":
         return loss.sum()

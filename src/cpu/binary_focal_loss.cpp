@@ -30,11 +30,12 @@ MMD_X86_CLONES void forward_range(const T *x, const T *t, T *out, int64_t begin,
 }
 
 /* grad_input and grad_target, each where it is not null, of elements
- * [begin, end): the element's gradients times grad_output's. */
+ * [begin, end): the element's gradients times grad_output's (g[0] for
+ * every element where `broadcast`). */
 template <typename T>
-MMD_X86_CLONES void backward_range(const T *x, const T *t, const T *g, T *grad_input,
-                                   T *grad_target, int64_t begin, int64_t end, T gamma,
-                                   T alpha) {
+MMD_X86_CLONES void backward_range(const T *x, const T *t, const T *g, bool broadcast,
+                                   T *grad_input, T *grad_target, int64_t begin, int64_t end,
+                                   T gamma, T alpha) {
     typedef VecMath<T> M;
     typedef typename M::value V;
     mmd_vec_elements<M>(
@@ -44,15 +45,16 @@ MMD_X86_CLONES void backward_range(const T *x, const T *t, const T *g, T *grad_i
             V d_x, d_t;
             mmd_binary_focal_loss_grad_of<M>(xv, tv, gamma, mmd_binary_focal_weight<M>(tv, alpha),
                                              mmd_binary_focal_weight_slope(alpha), &d_x, &d_t);
-            const V gv = M::load(g + i, count);
+            const V gv = broadcast ? V() + g[0] : M::load(g + i, count);
             if (grad_input) M::store(grad_input + i, count, gv * d_x);
             if (grad_target) M::store(grad_target + i, count, gv * d_t);
         },
         [&](int64_t i) {
             T d_x, d_t;
             mmd_binary_focal_loss_grad(x[i], t[i], gamma, alpha, &d_x, &d_t);
-            if (grad_input) grad_input[i] = g[i] * d_x;
-            if (grad_target) grad_target[i] = g[i] * d_t;
+            const T gi = g[broadcast ? 0 : i];
+            if (grad_input) grad_input[i] = gi * d_x;
+            if (grad_target) grad_target[i] = gi * d_t;
         });
 }
 
@@ -75,10 +77,11 @@ void backward(const mmd_tensor *input, const mmd_tensor *target, const mmd_tenso
     const int64_t total = mmd_numel(input);
     const T *x = (const T *)input->data, *t = (const T *)target->data;
     const T *g = (const T *)grad_output->data;
+    const bool broadcast = mmd_binary_focal_loss_broadcast(grad_output, input);
     mmd_parallel_for(total, mmd_even_chunk(total), total >= kParallelFrom,
                      [&](int64_t begin, int64_t end) {
-                         backward_range(x, t, g, grad_input, grad_target, begin, end, gamma,
-                                        alpha);
+                         backward_range(x, t, g, broadcast, grad_input, grad_target, begin, end,
+                                        gamma, alpha);
                          return (int)MMD_OK;
                      });
 }

@@ -23,10 +23,11 @@ __global__ void forward_kernel(const T *input, const T *target, T *output, int64
     }
 }
 
-/* grad_input and grad_target, each where it is not null. */
+/* grad_input and grad_target, each where it is not null; grad_output's
+ * element i * grad_step (0: one gradient for every element). */
 template <typename T>
 __global__ void backward_kernel(const T *input, const T *target, const T *grad_output,
-                                T *grad_input, T *grad_target, int64_t total,
+                                int64_t grad_step, T *grad_input, T *grad_target, int64_t total,
                                 typename Compute<T>::type gamma,
                                 typename Compute<T>::type alpha) {
     typedef typename Compute<T>::type A;
@@ -34,7 +35,7 @@ __global__ void backward_kernel(const T *input, const T *target, const T *grad_o
         A d_x, d_t;
         mmd_binary_focal_loss_grad(to_compute(input[i]), to_compute(target[i]), gamma, alpha,
                                    &d_x, &d_t);
-        const A g = to_compute(grad_output[i]);
+        const A g = to_compute(grad_output[i * grad_step]);
         if (grad_input) grad_input[i] = from_compute<T>(g * d_x);
         if (grad_target) grad_target[i] = from_compute<T>(g * d_t);
     }
@@ -74,6 +75,7 @@ int binary_focal_loss_backward_cuda(const mmd_tensor *input, const mmd_tensor *t
             typedef typename Compute<T>::type A;
             backward_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
                 (const T *)input->data, (const T *)target->data, (const T *)grad_output->data,
+                mmd_binary_focal_loss_broadcast(grad_output, input) ? 0 : 1,
                 with_grad_input ? (T *)grad_input->data : nullptr,
                 with_grad_target ? (T *)grad_target->data : nullptr, total, (A)gamma, (A)alpha);
             return launch_status("binary_focal_loss launch");

@@ -325,6 +325,34 @@ def test_backward_matches_finite_differences(gamma, alpha, rng, numeric_gradient
         lambda v: (binary_focal_loss(x, v, gamma, alpha) * g).sum(), t), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_gradient_for_every_element_gives_what_its_full_array_gives(dtype, rng):
+    """A 0-d grad_output (a "sum"'s or "mean"'s gradient, which
+    mmdispatch.torch hands over so instead of an array of it) is the
+    gradient of every element: the same bits as an array of that value, on
+    the vector path, its padded end and past its domain."""
+    x = (rng.standard_normal((37, 11)) * 30).astype(dtype)
+    x[0, :3] = [np.inf, np.nan, 1e4]
+    t = rng.uniform(0, 1, x.shape).astype(dtype)
+    for value in (1.0, -0.37, 0.0):
+        one = np.array(value, dtype)
+        for got, want in zip(binary_focal_loss_backward(x, t, one, 1.5, 0.25),
+                             binary_focal_loss_backward(x, t, np.full(x.shape, one), 1.5, 0.25)):
+            assert got.shape == x.shape
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_gradient_of_one_element_but_not_0_d_or_of_another_dtype_is_refused():
+    x = np.zeros((2, 3))
+    for bad, error, message in (
+            (np.ones(1), ValueError, "grad_output must have shape (2, 3), got (1,)"),
+            (np.ones((1, 1)), ValueError, "grad_output must have shape (2, 3), got (1, 1)"),
+            (np.array(1.0, np.float32), TypeError,
+             "grad_output has dtype float32 but input has dtype float64")):
+        with pytest.raises(error, match=re.escape(f"{BACKWARD}: {message}")):
+            binary_focal_loss_backward(x, x, bad)
+
+
 @pytest.mark.parametrize("with_grad_input, with_grad_target", [(True, False), (False, True),
                                                                (False, False)])
 def test_backward_computes_only_the_gradients_asked_for(with_grad_input, with_grad_target, rng):
@@ -527,7 +555,9 @@ def focal_case(backward):
         alpha = draw(st.sampled_from([0.25, 0.5, 1.0, 0.0, -1.0]))
         args = dict(input=guarded(x), target=guarded(t), gamma=gamma, alpha=alpha)
         if backward:
-            g = draw(float_arrays(shape, dtype, -2, 2, specials=False))
+            # one gradient for every element (0-d, a sum's) or one each
+            g = draw(float_arrays(() if draw(st.booleans()) else shape, dtype, -2, 2,
+                                  specials=False))
             wanted = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
             args.update(grad_output=guarded(g), with_grad_input=wanted[0],
                         with_grad_target=wanted[1],
@@ -598,7 +628,8 @@ def torch_backward_calls(torch, device):
     grad = torch.randn(4, 5, dtype=torch.float64, device=device)
     return [(logits, target, grad, 2.0, 0.25, True, True),
             (logits, target, grad, 1.0, -1.0, True, False),
-            (logits, target, grad, 0.0, 0.5, False, True)]
+            (logits, target, grad, 0.0, 0.5, False, True),
+            (logits, target, grad.sum(), 2.0, 0.25, True, True)]   # one gradient for all
 
 
 class TestProperties(OpProperties):

@@ -222,6 +222,38 @@ def test_cuda_sigmoid_focal_loss_matches_torchvisions_with_both_gradients(torch_
             tv.sigmoid_focal_loss(x.half(), t.half()).dtype
 
 
+def test_sigmoid_focal_loss_of_a_sum_or_mean_hands_its_backward_one_gradient_value():
+    """torch's backward of a "sum" or "mean" broadcasts one value over the
+    loss's shape; the fused backward takes that value (0-d) instead of a
+    full array of it, which torch would have had to write: the gradients of
+    "none" given the full array, bit for bit. Any other gradient (here
+    "none"'s, and a strided one) reaches it with the loss's shape."""
+    import mmdispatch
+
+    g = torch.Generator().manual_seed(8)
+    inputs = (torch.randn(50, 9, generator=g) * 6).requires_grad_(True)
+    targets = torch.rand(50, 9, generator=g).requires_grad_(True)
+    shapes = []
+
+    def record(event, call):
+        if event == "begin" and call.op == "binary_focal_loss_backward_impl":
+            shapes.append(call.shapes[2])
+
+    for reduction, full in (("sum", torch.ones(50, 9)), ("mean", torch.ones(50, 9) / 450)):
+        with mmdispatch.trace(record):
+            got = torch.autograd.grad(mt.sigmoid_focal_loss(inputs, targets, 0.25, 2, reduction),
+                                      (inputs, targets))
+        want = torch.autograd.grad(mt.sigmoid_focal_loss(inputs, targets, 0.25, 2, "none"),
+                                   (inputs, targets), full)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    with mmdispatch.trace(record):
+        torch.autograd.grad(mt.sigmoid_focal_loss(inputs, targets), inputs, torch.ones(50, 9))
+        torch.autograd.grad(mt.sigmoid_focal_loss(inputs, targets), inputs,
+                            torch.ones(9, 50).t())
+    assert shapes == [(), (), (50, 9), (50, 9)]
+
+
 def test_sigmoid_focal_loss_compiles_without_a_graph_break():
     g = torch.Generator().manual_seed(6)
     inputs = torch.randn(6, 3, generator=g).requires_grad_(True)

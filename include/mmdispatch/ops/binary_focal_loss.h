@@ -56,6 +56,13 @@ inline int mmd_binary_focal_loss_check_grad(const mmd_tensor *grad, const char *
     return wanted ? mmd_binary_focal_loss_check_like(grad, name, input) : MMD_OK;
 }
 
+/* Whether grad_output is one value, the gradient of every element (0-d,
+ * where input is not: a sum's or a mean's), rather than input's shape. */
+inline int mmd_binary_focal_loss_broadcast(const mmd_tensor *grad_output,
+                                           const mmd_tensor *input) {
+    return grad_output->ndim == 0 && input->ndim != 0;
+}
+
 /* Every argument of the forward entry point. */
 inline int mmd_binary_focal_loss_forward_check(const mmd_tensor *input, const mmd_tensor *target,
                                                const mmd_tensor *output, double gamma,
@@ -74,7 +81,10 @@ inline int mmd_binary_focal_loss_backward_check(const mmd_tensor *input,
                                                 double alpha, int with_grad_input,
                                                 int with_grad_target, unsigned float_mask) {
     int s = mmd_binary_focal_loss_check(input, target, gamma, alpha, float_mask);
-    if (!s) s = mmd_binary_focal_loss_check_like(grad_output, "grad_output", input);
+    if (!s)
+        s = mmd_binary_focal_loss_broadcast(grad_output, input)
+                ? mmd_check_same_dtype(grad_output, "grad_output", input, "input")
+                : mmd_binary_focal_loss_check_like(grad_output, "grad_output", input);
     if (!s) s = mmd_binary_focal_loss_check_grad(grad_input, "grad_input", input, with_grad_input);
     if (!s)
         s = mmd_binary_focal_loss_check_grad(grad_target, "grad_target", input, with_grad_target);

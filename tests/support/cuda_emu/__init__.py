@@ -441,7 +441,7 @@ class DeviceView:
     __cuda_array_interface__ (the emulated kernels read host memory)."""
 
     def __init__(self, array):
-        self.array = np.ascontiguousarray(array) if array.ndim == 0 else array
+        self.array = array
         self.shape = self.array.shape
         self.dtype = self.array.dtype
 
