@@ -895,6 +895,55 @@ def ps_cases(cfg, to_device, sync, theirs_device=None, tv=None):
         yield f"{name} R-FCN head forward+backward", forward_backward, theirs_fb, None
 
 
+def mmcv_focal_cases(cfg, to_device, sync, theirs_device=None, tv=None):
+    """(name, ours, theirs, bytes) for MMCV's sigmoid_focal_loss (class
+    indices, C for background: what mmdet's RetinaNet head calls) on the
+    focal workload, forward and forward+backward (its backward gives
+    d sum(loss) / d input), beside torchvision's sigmoid_focal_loss of the
+    same targets one-hot (the same loss), forward and forward+backward of
+    its sum through autograd."""
+    anchors, classes = cfg["focal"]
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((anchors, classes)) * 2 - 4).astype(np.float32)
+    labels = np.full(anchors, classes, np.int64)
+    labels[::100] = rng.integers(0, classes, len(labels[::100]))
+    d_logits, d_labels = to_device(logits), to_device(labels)
+
+    def forward():
+        ops.sigmoid_focal_loss_forward(d_logits, d_labels, 2.0, 0.25)
+        sync()
+
+    def forward_backward():
+        ops.sigmoid_focal_loss_forward(d_logits, d_labels, 2.0, 0.25)
+        ops.sigmoid_focal_loss_backward(d_logits, d_labels, 2.0, 0.25)
+        sync()
+
+    theirs_fwd = theirs_fb = None
+    if tv is not None and theirs_device is not None:
+        torch, torchvision = tv
+        t_logits = torch.from_numpy(logits).to(theirs_device)
+        t_one_hot = torch.from_numpy(labels[:, None] == np.arange(classes)).float().to(
+            theirs_device)
+
+        def theirs_sync():
+            if theirs_device != "cpu":
+                torch.cuda.synchronize()
+
+        def theirs_fwd():
+            with torch.no_grad():
+                torchvision.ops.sigmoid_focal_loss(t_logits, t_one_hot, 0.25, 2, "none")
+            theirs_sync()
+
+        def theirs_fb():
+            x = t_logits.detach().requires_grad_(True)
+            torchvision.ops.sigmoid_focal_loss(x, t_one_hot, 0.25, 2, "sum").backward()
+            theirs_sync()
+    elements = logits.nbytes   # the logits read, a loss or gradient of their size written
+    name = f"MMCV sigmoid_focal_loss ({anchors}, {classes}) (vs torchvision's, one-hot)"
+    yield f"{name} forward", forward, theirs_fwd, 2 * elements + labels.nbytes
+    yield f"{name} forward+backward", forward_backward, theirs_fb, 4 * elements + labels.nbytes
+
+
 def deform_cases(cfg, to_device, sync, theirs_device=None, tv=None):
     """(name, ours, theirs, None) for a deformable convolution with a mask
     (stride 1, padding 1): forward, and forward+backward with respect to
@@ -1251,6 +1300,8 @@ def run_cuda(quick, repeat, tv):
     msda = MSDA_QUICK if quick else MSDA_STANDARD
     rows += timed_rows(msda_cases(msda, cupy.asarray, sync, theirs_device, tv), repeat, "CUDA ")
 
+    rows += timed_rows(mmcv_focal_cases(cfg, cupy.asarray, sync, theirs_device, tv), repeat,
+                       "CUDA ")
     rows += timed_rows(rotated_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
     rows += timed_rows(soft_nms_cases(cfg, cupy.asarray, sync), repeat, "CUDA ")
     rows += timed_rows([(deterministic_name(name), deterministic(fn), None, traffic)
@@ -1349,6 +1400,8 @@ def run_cpu(cfg, quick, repeat, tv, rows):
                                     lambda: None, "cpu" if tv is not None else None, tv), repeat)
     rows += timed_rows(msda_cases(MSDA_QUICK if quick else MSDA_STANDARD, np.asarray,
                                   lambda: None, "cpu" if tv is not None else None, tv), repeat)
+    rows += timed_rows(mmcv_focal_cases(cfg, np.asarray, lambda: None,
+                                        "cpu" if tv is not None else None, tv), repeat)
     rows += timed_rows(rotated_cases(cfg), repeat)
     rows += timed_rows(soft_nms_cases(cfg), repeat)
     for name, fn, theirs_fn in call_cost_cases(tv):

@@ -51,6 +51,23 @@ def test_torch_cases_time_mmdispatch_torch_beside_torchvision_the_focal_loss_inc
     assert torch.is_grad_enabled()
 
 
+def test_mmcv_focal_cases_time_class_index_targets_beside_torchvisions_one_hot_loss():
+    torch = pytest.importorskip("torch")
+    tv = bench.torchvision_ops()
+    if tv is None:
+        pytest.skip("torchvision is not installed")
+    waits = []
+    cases = list(bench.mmcv_focal_cases(dict(TINY, focal=(300, 5)), np.asarray,
+                                        lambda: waits.append(1), "cpu", tv))
+    name = "MMCV sigmoid_focal_loss (300, 5) (vs torchvision's, one-hot)"
+    assert [c[0] for c in cases] == [f"{name} forward", f"{name} forward+backward"]
+    assert [c[3] for c in cases] == [2 * 300 * 5 * 4 + 300 * 8, 4 * 300 * 5 * 4 + 300 * 8]
+    for _, ours, theirs, _ in cases:
+        ours()
+        theirs()
+    assert len(waits) == 2 and torch.is_grad_enabled()
+
+
 def test_torch_call_costs_time_tiny_calls_of_both_libraries():
     pytest.importorskip("torch")
     tv = bench.torchvision_ops()
