@@ -363,9 +363,11 @@ def sigmoid_focal_loss(inputs, targets, alpha=0.25, gamma=2, reduction="none"):
             targets = targets.to(dtype)
         loss = _BINARY_FOCAL_LOSS(inputs, targets, float(gamma), float(alpha))
     if reduction == "mean":
-        # in float32 and float64 the sum over the count is mean()'s bits,
-        # and its backward hands the fused backward one value (mean()'s
-        # writes it over the loss's shape; in 16 bits mean() rounds once)
+        # the sum over the count: its backward hands the fused backward one
+        # value, where mean()'s writes it over the loss's shape. In float32
+        # and float64 it is mean()'s bits on the CPU (within an ulp of them
+        # on CUDA, whose mean() multiplies by 1 / count); in 16 bits mean()
+        # rounds once, so it stays
         if loss.dtype in (torch.float32, torch.float64):
             return loss.sum() / loss.numel()
         return loss.mean()

@@ -8,12 +8,14 @@
  * formulas give them, e^(-|x|) and log1p of it for |x| <= kSafe: there
  * they are within 1.2 ulp of the exact value (series of exp to r^7 or r^13
  * and of atanh to s^9 or s^21, whose remainders stay far below an ulp;
- * measured against long double over 2 * 10^7 arguments each). Elements
- * whose x lies outside (larger, infinite or NaN), where exp's result nears
- * the subnormals, take the scalar formula with the C library's exp and
- * log1p instead. Only
- * IEEE operations, no FMA: each clone of MMD_X86_CLONES gives the same
- * bits, and an element's value does not depend on where it lies. */
+ * measured against long double over 2 * 10^7 arguments each:
+ * tools/vec_math_accuracy.py). Elements whose x lies outside (larger,
+ * infinite or NaN), where exp's result nears the subnormals, take the
+ * scalar formula with the C library's exp and log1p instead. Only IEEE
+ * operations, and no FMA in any clone of MMD_X86_CLONES: each gives the
+ * same bits (a build whose compiler may fuse multiply-adds, such as
+ * -march=native or arm64, gives others), and an element's value does not
+ * depend on where it lies. */
 #ifndef MMDISPATCH_CPU_VEC_MATH_H
 #define MMDISPATCH_CPU_VEC_MATH_H
 
