@@ -145,6 +145,12 @@ def nms_workload(n, seed=0):
     return boxes, rng.random(n).astype(np.float32)
 
 
+def torch_waiter(torch, device):
+    """A function that waits for torch's queued work on torch device
+    `device` (on the CPU there is none)."""
+    return (lambda: None) if device == "cpu" else torch.cuda.synchronize
+
+
 def median_time(fn, repeat):
     """Median seconds of `repeat` runs after a warm-up run; a function with
     a `single_run` attribute (a reference too slow to repeat) is timed
@@ -409,9 +415,7 @@ def device_cases(cfg, to_device, sync, theirs_device=None, tv=None):
         t_feature = torch.from_numpy(feature).to(theirs_device)
         t_rois = torch.from_numpy(rois).to(theirs_device)
 
-        def theirs_sync():
-            if theirs_device != "cpu":
-                torch.cuda.synchronize()
+        theirs_sync = torch_waiter(torch, theirs_device)
 
     for sr in (2, 0):
         def forward(sr=sr):
@@ -489,9 +493,7 @@ def torch_cases(cfg, device, tv):
 
     import mmdispatch.torch as mt
 
-    def sync():
-        if device != "cpu":
-            torch.cuda.synchronize()
+    sync = torch_waiter(torch, device)
 
     feature, rois = roi_workload(cfg)
     t_feature = torch.from_numpy(feature).to(device)
@@ -879,9 +881,7 @@ def ps_cases(cfg, to_device, sync, theirs_device=None, tv=None):
 
         theirs_fwd = theirs_fb = None
         if torch is not None:
-            def theirs_sync():
-                if theirs_device != "cpu":
-                    torch.cuda.synchronize()
+            theirs_sync = torch_waiter(torch, theirs_device)
 
             def theirs_fwd(theirs_op=theirs_op):
                 with torch.no_grad():
@@ -925,9 +925,7 @@ def mmcv_focal_cases(cfg, to_device, sync, theirs_device=None, tv=None):
         t_one_hot = torch.from_numpy(labels[:, None] == np.arange(classes)).float().to(
             theirs_device)
 
-        def theirs_sync():
-            if theirs_device != "cpu":
-                torch.cuda.synchronize()
+        theirs_sync = torch_waiter(torch, theirs_device)
 
         def theirs_fwd():
             with torch.no_grad():
@@ -974,9 +972,7 @@ def deform_cases(cfg, to_device, sync, theirs_device=None, tv=None):
         torch, torchvision = tv
         t = [torch.from_numpy(a).to(theirs_device) for a in host]
 
-        def theirs_sync():
-            if theirs_device != "cpu":
-                torch.cuda.synchronize()
+        theirs_sync = torch_waiter(torch, theirs_device)
 
         def theirs_fwd():
             with torch.no_grad():
@@ -1059,9 +1055,7 @@ def msda_cases(cfg, to_device, sync, theirs_device=None, tv=None):
         t = [torch.from_numpy(a).to(theirs_device) for a in host]
         levels = [tuple(map(int, hw)) for hw in shapes]
 
-        def theirs_sync():
-            if theirs_device != "cpu":
-                torch.cuda.synchronize()
+        theirs_sync = torch_waiter(torch, theirs_device)
 
         def theirs_fwd():
             with torch.no_grad():
