@@ -14,7 +14,7 @@ from torch import nn
 from mmdispatch.ops._arrays import pair
 from mmdispatch.ops.roi_align import _POOL_MODES
 from mmdispatch.ops.roi_pool import CONVENTIONS
-from mmdispatch.torch._library import DERIVED, _functorch, _onnx_tracing
+from mmdispatch.torch._library import DERIVED, _functorch, _onnx_tracing, _plain_eager
 
 _ROI_ALIGN = DERIVED["roi_align_forward_impl"]
 _ROI_POOL = DERIVED["roi_pool_forward_impl"]
@@ -552,6 +552,39 @@ def _level_scale(op, feature, original_size):
     return scale
 
 
+class _LevelRows(torch.autograd.Function):
+    """MultiScaleRoIAlign's result in eager code: each level's pooled rows
+    put in place (index_copy_) in an uninitialised (K, C, h, w) tensor (0
+    where some rows belong to no level); backward hands each level the rows
+    of the gradient at its indices. torch's own index_copy_ into zeros, as
+    torchvision's pooler, fills the result with zeros first and copies the
+    whole gradient once per level after the first in backward (index_fill
+    of what the earlier levels' copies wrote): four passes over the
+    (K, C, h, w) gradient of FPN's four levels, a fifth of the standard
+    workload's CPU forward+backward (torch.profiler). Under tracing,
+    torch.compile or a torch.func transform the pooler takes torch's ops
+    instead (torch.jit.trace records no autograd.Function's inside)."""
+
+    @staticmethod
+    def forward(ctx, shape, dtype, indices, *pooled):
+        ctx.indices = indices
+        ctx.dtypes = [rows.dtype for rows in pooled]
+        covered = sum(int(index.numel()) for index in indices)
+        first = pooled[0]
+        result = (first.new_empty if covered == shape[0] else first.new_zeros)(shape,
+                                                                               dtype=dtype)
+        for index, rows in zip(indices, pooled):
+            result.index_copy_(0, index, rows.to(dtype))
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        needs = ctx.needs_input_grad[3:]
+        return (None, None, None,
+                *(grad.index_select(0, index).to(dtype) if need else None
+                  for index, dtype, need in zip(ctx.indices, ctx.dtypes, needs)))
+
+
 class _MultiScaleRoIAlign:
     """torchvision.ops.MultiScaleRoIAlign, the pooler of torchvision's
     Faster, Mask and Keypoint R-CNN, on our roi_align: each box is pooled
@@ -629,18 +662,23 @@ class _MultiScaleRoIAlign:
         if len(features) == 1:
             return roi_align(features[0], rois, (h, w), self.scales[0], self.sampling_ratio)
         levels = self.map_levels([rois[:, 1:]])
-        first = features[0]
-        result = first.new_zeros((rois.shape[0], first.shape[1], h, w))
         # every level pooled, those without boxes too (so every map gets a
         # gradient, as torchvision's); a level past the last map (or a NaN
         # box's) is never pooled: its rows stay 0. One selection per level,
         # as torchvision's, so torch.jit.trace and torch.compile(fullgraph)
         # take it as they take torchvision's
+        indices, pooled = [], []
         for level, (feature, scale) in enumerate(zip(features, self.scales)):
             index = torch.where(levels == level)[0]
-            pooled = roi_align(feature, rois[index], (h, w), scale, self.sampling_ratio)
-            result.index_copy_(0, index, pooled.to(result.dtype))
-        return result
+            indices.append(index)
+            pooled.append(roi_align(feature, rois[index], (h, w), scale, self.sampling_ratio))
+        shape, dtype = (rois.shape[0], features[0].shape[1], h, w), features[0].dtype
+        if _plain_eager(pooled, range(len(pooled))) is None:   # traced, compiled, transformed
+            result = pooled[0].new_zeros(shape, dtype=dtype)
+            for index, rows in zip(indices, pooled):
+                result.index_copy_(0, index, rows.to(dtype))
+            return result
+        return _LevelRows.apply(shape, dtype, indices, *pooled)
 
     def __prepare_scriptable__(self):
         """torch.jit.script takes torchvision's pooler in its place (our

@@ -1,6 +1,7 @@
 """mmdispatch.torch as a drop-in for torchvision.ops: the same results and
 gradients as torchvision's own ops, a small two-stage detector head trained
 either way, gradcheck, torch.compile, and bad input."""
+import math
 import re
 
 import numpy as np
@@ -940,6 +941,50 @@ def test_multiscale_roi_align_gives_every_map_a_gradient_even_without_boxes():
         for ours, theirs in zip(*results):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         assert not results[0][3].any()
+
+
+def test_multiscale_roi_align_eager_result_and_gradients_are_those_of_torchs_index_copy():
+    """In eager code the levels' rows go into an uninitialised result and
+    backward hands each level its rows of the gradient (_LevelRows): the
+    same bits as index_copy_ into zeros (the pooler's path under tracing
+    and torch.compile), for every map and for maps that need no gradient;
+    rows of a level past the last map are 0 even where the result's memory
+    held NaN before."""
+    from mmdispatch.torch import _vision
+    x = fpn_features()
+    boxes = [boxes_of_every_level(40, seed=50), boxes_of_every_level(25, seed=51)]
+    shapes = [(128, 160)] * 2
+
+    def index_copy_result(pooler, maps):
+        rois = _vision.rois_of("test", boxes, maps["0"])
+        levels = pooler.map_levels([rois[:, 1:]])
+        result = maps["0"].new_zeros((len(rois), 8, 5, 5))
+        for level, (name, scale) in enumerate(zip(pooler.featmap_names, pooler.scales)):
+            index = torch.where(levels == level)[0]
+            result.index_copy_(0, index, mt.roi_align(maps[name], rois[index], 5, scale, 2))
+        return result
+
+    for names, grad_names in ((["0", "1", "2", "3"], ["0", "1", "2", "3"]),
+                              (["0", "1", "2", "3"], ["1", "3"]), (["0", "2"], ["0", "2"])):
+        pooler = mt.MultiScaleRoIAlign(names, 5, 2)
+        runs = []
+        for path in ("eager", "index_copy"):
+            maps = {k: v.clone().requires_grad_(k in grad_names) for k, v in x.items()}
+            if path == "eager":
+                torch.full((65, 8, 5, 5), math.nan)   # memory the result may take next
+                out = pooler(maps, boxes, shapes)
+                assert type(out.grad_fn).__name__ == "_LevelRowsBackward"
+            else:
+                out = index_copy_result(pooler, maps)
+            weight = torch.linspace(-1, 1, out.numel()).view(out.shape)
+            grads = torch.autograd.grad((out * weight).sum(), [maps[k] for k in grad_names])
+            runs.append((out, grads))
+        (out, grads), (expected, expected_grads) = runs
+        assert torch.equal(out, expected)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+        if names == ["0", "2"]:   # levels 2 to 4 on two maps: the boxes of level 4 get zeros
+            past = pooler.map_levels(boxes) == 2
+            assert past.any() and not out[past].any()
 
 
 @needs_data_dependent_tracing
