@@ -940,6 +940,57 @@ def mmcv_focal_cases(cfg, to_device, sync, theirs_device=None, tv=None):
     name = f"MMCV sigmoid_focal_loss ({anchors}, {classes}) (vs torchvision's, one-hot)"
     yield f"{name} forward", forward, theirs_fwd, 2 * elements + labels.nbytes
     yield f"{name} forward+backward", forward_backward, theirs_fb, 4 * elements + labels.nbytes
+    yield from softmax_focal_cases(cfg, to_device, sync, theirs_device, tv)
+
+
+def softmax_focal_cases(cfg, to_device, sync, theirs_device=None, tv=None):
+    """(name, ours, theirs, bytes) for MMCV's softmax_focal_loss over the
+    focal workload's anchors and its classes plus a background class,
+    forward and forward+backward (a gradient of ones per row), beside the
+    same loss in torch's ops (log_softmax, the target's column, the focal
+    term; its sum through autograd): torchvision has no softmax focal
+    loss, and MMCV's has no CPU kernel."""
+    anchors, classes = cfg["focal"]
+    classes += 1
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((anchors, classes)) * 2).astype(np.float32)
+    labels = rng.integers(0, classes, anchors)
+    ones = np.ones(anchors, np.float32)
+    d_logits, d_labels, d_ones = to_device(logits), to_device(labels), to_device(ones)
+
+    def forward():
+        ops.softmax_focal_loss_forward(d_logits, d_labels, 2.0, 0.25)
+        sync()
+
+    def forward_backward():
+        ops.softmax_focal_loss_forward(d_logits, d_labels, 2.0, 0.25)
+        ops.softmax_focal_loss_backward(d_logits, d_labels, d_ones, 2.0, 0.25)
+        sync()
+
+    theirs_fwd = theirs_fb = None
+    if tv is not None and theirs_device is not None:
+        torch = tv[0]
+        t_logits = torch.from_numpy(logits).to(theirs_device)
+        t_labels = torch.from_numpy(labels).to(theirs_device)[:, None]
+        theirs_sync = torch_waiter(torch, theirs_device)
+
+        def loss(x):
+            log_p = torch.log_softmax(x, 1).gather(1, t_labels)[:, 0]
+            return -0.25 * (1 - log_p.exp()) ** 2 * log_p
+
+        def theirs_fwd():
+            with torch.no_grad():
+                loss(t_logits)
+            theirs_sync()
+
+        def theirs_fb():
+            x = t_logits.detach().requires_grad_(True)
+            loss(x).sum().backward()
+            theirs_sync()
+    name = f"MMCV softmax_focal_loss ({anchors}, {classes}) (vs torch's log_softmax form)"
+    rows = labels.nbytes + ones.nbytes   # the logits read; a loss per row or a gradient written
+    yield f"{name} forward", forward, theirs_fwd, logits.nbytes + rows
+    yield f"{name} forward+backward", forward_backward, theirs_fb, 3 * logits.nbytes + 2 * rows
 
 
 def deform_cases(cfg, to_device, sync, theirs_device=None, tv=None):

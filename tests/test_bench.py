@@ -60,12 +60,16 @@ def test_mmcv_focal_cases_time_class_index_targets_beside_torchvisions_one_hot_l
     cases = list(bench.mmcv_focal_cases(dict(TINY, focal=(300, 5)), np.asarray,
                                         lambda: waits.append(1), "cpu", tv))
     name = "MMCV sigmoid_focal_loss (300, 5) (vs torchvision's, one-hot)"
-    assert [c[0] for c in cases] == [f"{name} forward", f"{name} forward+backward"]
-    assert [c[3] for c in cases] == [2 * 300 * 5 * 4 + 300 * 8, 4 * 300 * 5 * 4 + 300 * 8]
+    softmax = "MMCV softmax_focal_loss (300, 6) (vs torch's log_softmax form)"
+    assert [c[0] for c in cases] == [f"{name} forward", f"{name} forward+backward",
+                                     f"{softmax} forward", f"{softmax} forward+backward"]
+    rows = 300 * (8 + 4)
+    assert [c[3] for c in cases] == [2 * 300 * 5 * 4 + 300 * 8, 4 * 300 * 5 * 4 + 300 * 8,
+                                     300 * 6 * 4 + rows, 3 * 300 * 6 * 4 + 2 * rows]
     for _, ours, theirs, _ in cases:
         ours()
         theirs()
-    assert len(waits) == 2 and torch.is_grad_enabled()
+    assert len(waits) == 4 and torch.is_grad_enabled()
 
 
 def test_torch_call_costs_time_tiny_calls_of_both_libraries():

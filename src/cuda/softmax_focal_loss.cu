@@ -1,5 +1,5 @@
-/* softmax_focal_loss on CUDA: one thread per row (its softmax, then its
- * loss or gradient), the math shared with the CPU kernels
+/* softmax_focal_loss on CUDA: a group of a warp's lanes per row (its
+ * softmax, then its loss or gradient), the math shared with the CPU kernels
  * (mmdispatch/ops/softmax_focal_loss.h); float16 and bfloat16 compute in
  * float32. Launches on ctx->stream, on ctx->device_id. A target >= C is
  * never used to index: by default its row is NaN and the first such row is
@@ -27,39 +27,87 @@ int format_error(const mmd_deferred_call *call, int64_t row, int) {
                      (long long)row, (long long)call->args[0]);
 }
 
+/* Lanes of a warp per row: the fewest (a power of 2, at most 32) that
+ * give each at most 4 of the row's elements. */
+inline int lanes_per_row(int64_t classes) {
+    int lanes = 1;
+    while (lanes < 32 && lanes * 4 < classes) lanes *= 2;
+    return lanes;
+}
+
+/* The sum (Max false) or the maximum of `value` over the `width` lanes of
+ * a row's group (`mask` their bits), in every one of them: a butterfly,
+ * whose every lane adds the same pairs, so each gets the same bits. */
+template <bool Max, typename A>
+__device__ inline A group_reduce(A value, int width, unsigned mask) {
+    for (int offset = width / 2; offset > 0; offset /= 2) {
+        const A other = __shfl_xor_sync(mask, value, offset, width);
+        value = Max ? (other > value ? other : value) : value + other;
+    }
+    return value;
+}
+
 /* The loss of each row (grad_output null) into `result` (N,), or the
- * gradient of sum(loss * grad_output) into `result` (N, C). */
+ * gradient of sum(loss * grad_output) into `result` (N, C): `width` lanes
+ * (lanes_per_row) per row, lane j taking its elements j, j + width, ...
+ * (the group's loads coalesced), its maximum and sum reduced over the
+ * group. */
 template <typename T>
 __global__ void focal_loss_kernel(const T *input, const int64_t *target, const T *weight,
                                   const T *grad_output, T *result, int64_t rows,
-                                  int64_t classes, typename Compute<T>::type gamma,
+                                  int64_t classes, int width, typename Compute<T>::type gamma,
                                   typename Compute<T>::type alpha, ErrorSink sink) {
     typedef typename Compute<T>::type A;
-    MMD_GRID_STRIDE_LOOP(i, rows) {
+    const int lane = threadIdx.x % width;
+    const unsigned mask = width == 32 ? 0xffffffffu
+                                      : ((1u << width) - 1) << (threadIdx.x % 32 - lane);
+    const int64_t groups = (int64_t)blockDim.x * gridDim.x / width;
+    for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / width; i < rows;
+         i += groups) {
         const T *x = input + i * classes;
         const int64_t label = target[i];
         const bool bad = label >= classes;
-        if (bad) sink.report(i, kBadTarget);
+        if (bad && lane == 0) sink.report(i, kBadTarget);
         if (bad || label < 0) {   /* bad: NaN; ignored: 0 */
             const T fill = from_compute<T>(bad ? (A)NAN : (A)0);
-            if (grad_output == nullptr)
-                result[i] = fill;
-            else
-                for (int64_t c = 0; c < classes; ++c) result[i * classes + c] = fill;
+            if (grad_output == nullptr) {
+                if (lane == 0) result[i] = fill;
+            } else {
+                for (int64_t c = lane; c < classes; c += width) result[i * classes + c] = fill;
+            }
             continue;
         }
-        const mmd_softmax_row<A, T> row(x, classes);
-        const A log_p = row.log_p(to_compute(x[label]));
+        A max = -INFINITY;   /* NaN never the maximum */
+        for (int64_t c = lane; c < classes; c += width) {
+            const A v = to_compute(x[c]);
+            max = v > max ? v : max;
+        }
+        max = group_reduce<true>(max, width, mask);
+        A rest = 0, ties = 0;
+        for (int64_t c = lane; c < classes; c += width) {
+            const A y = to_compute(x[c]) - max;
+            if (y == 0)
+                ties += 1;
+            else
+                rest += exp(y);
+        }
+        const A others = mmd_softmax_others(group_reduce<false>(rest, width, mask),
+                                            group_reduce<false>(ties, width, mask));
+        const A log_sum = log1p(others);
+        const A log_p = (to_compute(x[label]) - max) - log_sum;
         const A scale = weight ? to_compute(weight[label]) : (A)1;
         if (grad_output == nullptr) {
-            result[i] = from_compute<T>(scale * mmd_softmax_focal_loss(log_p, gamma, alpha));
+            if (lane == 0)
+                result[i] = from_compute<T>(scale * mmd_softmax_focal_loss(log_p, gamma, alpha));
             continue;
         }
         const A factor = to_compute(grad_output[i]) * scale *
                          mmd_softmax_focal_loss_factor(log_p, gamma, alpha);
-        for (int64_t c = 0; c < classes; ++c)
+        const A per_term = -(factor / ((A)1 + others));
+        for (int64_t c = lane; c < classes; c += width)
             result[i * classes + c] = from_compute<T>(
-                factor * ((c == label ? (A)1 : (A)0) - exp(row.log_p(to_compute(x[c])))));
+                c == label ? mmd_softmax_focal_loss_target_grad(factor, log_p)
+                           : per_term * exp(to_compute(x[c]) - max));
     }
 }
 
@@ -87,10 +135,11 @@ int focal_loss_run(const mmd_tensor *input, const mmd_tensor *target, const mmd_
         return by_dtype(input->dtype, [&](auto tag) {
             typedef decltype(tag) T;
             typedef typename Compute<T>::type A;
-            focal_loss_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(
+            const int width = lanes_per_row(classes);
+            focal_loss_kernel<T><<<blocks_for(rows * width), kThreads, 0, stream>>>(
                 (const T *)input->data, t, weight ? (const T *)weight->data : nullptr,
                 grad_output ? (const T *)grad_output->data : nullptr, (T *)result->data, rows,
-                classes, (A)gamma, (A)alpha, sink);
+                classes, width, (A)gamma, (A)alpha, sink);
             return launch_status("softmax_focal_loss launch");
         });
     });
@@ -117,7 +166,7 @@ MMD_REGISTRATIONS(cuda, softmax_focal_loss) {
                              softmax_focal_loss_forward_cuda);
     MMD_REGISTER_DEVICE_IMPL(softmax_focal_loss_backward_impl, CUDA, DEFAULT,
                              softmax_focal_loss_backward_cuda);
-    /* one thread per row, no atomics: deterministic as it is */
+    /* no atomics, and reductions in a fixed order: deterministic as it is */
     MMD_REGISTER_DEVICE_IMPL(softmax_focal_loss_forward_impl, CUDA, DETERMINISTIC,
                              softmax_focal_loss_forward_cuda);
     MMD_REGISTER_DEVICE_IMPL(softmax_focal_loss_backward_impl, CUDA, DETERMINISTIC,

@@ -121,6 +121,57 @@ def test_large_logits_give_the_exact_log_softmax_not_a_clamped_one(dtype):
     np.testing.assert_allclose(grad[0], [0.25, -0.25], rtol=1e-6)
 
 
+def decimal_loss_and_grad(row, target, gamma, alpha):
+    """A row's loss and gradient (gamma an integer) from the definition,
+    in 50-digit decimal arithmetic from the row's exact values."""
+    import decimal
+    with decimal.localcontext() as ctx:
+        ctx.prec = 50
+        xs = [decimal.Decimal(float(v)) for v in row]
+        top = max(xs)
+        total = sum((v - top).exp() for v in xs)
+        probs = [(v - top).exp() / total for v in xs]
+        p, log_p = probs[target], xs[target] - top - total.ln()
+        q, a = 1 - p, decimal.Decimal(alpha)
+        loss = -a * q ** gamma * log_p
+        # d loss / d p, times d p / d x_c = p (delta - p_c)
+        d_p = -a * (q ** gamma / p - gamma * q ** (gamma - 1) * log_p)
+        grad = [d_p * p * ((1 if c == target else 0) - probs[c]) for c in range(len(xs))]
+        return float(loss), [float(g) for g in grad]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_confident_rows_keep_their_small_loss_and_gradient_to_a_few_ulps(dtype):
+    """Rows whose target leads the others by 2 to 25 (float32) or 60
+    (float64), some with the others tied at the maximum, against a 50-digit
+    reference: the log-softmax of a sum near 1 is taken as log1p of the
+    terms but one at the maximum, so the loss (about -log p, tiny) keeps its
+    digits; log of the rounded sum gave 0 or a loss off by its whole value.
+    The bound is a few ulps times what rounding x_c - max costs (about
+    |x_c - max| ulps of e^(x_c - max))."""
+    rng = np.random.default_rng(7)
+    n, c = 60, 9
+    x = rng.standard_normal((n, c)) * rng.choice([0.5, 3.0, 10.0], (n, 1))
+    target = rng.integers(0, c, n)
+    margin = rng.uniform(2, 25 if dtype == np.float32 else 60, n)
+    for i in range(n):
+        x[i, target[i]] = x[i].max() + margin[i]
+        if i % 4 == 0:   # a tie at the maximum, next to the target
+            x[i, (target[i] + 1) % c] = x[i, target[i]]
+    x = x.astype(dtype)
+    eps, tiny = np.finfo(dtype).eps, np.finfo(dtype).tiny
+    loss = softmax_focal_loss_forward(x, target, 2.0, 0.25)
+    grad = softmax_focal_loss_backward(x, target, np.ones(n, dtype), 2.0, 0.25)
+    for i in range(n):
+        ref_loss, ref_grad = decimal_loss_and_grad(x[i], int(target[i]), 2, 0.25)
+        span = float(x[i].max()) - float(x[i].min())
+        bound = 8 * eps * (4 + span)
+        assert abs(loss[i] - ref_loss) <= bound * abs(ref_loss), (i, loss[i], ref_loss)
+        for col in range(c):
+            assert abs(grad[i, col] - ref_grad[col]) <= bound * max(abs(ref_grad[col]), tiny), \
+                (i, col, grad[i, col], ref_grad[col])
+
+
 @pytest.mark.parametrize("gamma", [0.0, 0.3, 1.0])
 def test_a_certain_row_has_zero_loss_and_a_finite_gradient(gamma):
     # p = 1 exactly in float64: (1 - p)**(gamma - 1) alone would be inf
@@ -230,6 +281,53 @@ def test_cuda_matches_cpu(cupy, dtype):
                                                      cupy.asarray(grad_output), 2.0, 0.25,
                                                      gpu_w)),
             softmax_focal_loss_backward(x, target, grad_output, 2.0, 0.25, w), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_cuda_rows_of_any_width_match_the_cpu_with_the_same_bits_each_run(
+        cuda_emulator, dtype):
+    """The CUDA kernel gives a row 1 to 32 lanes of a warp (a power of 2,
+    at most 4 elements each), its maximum and sums reduced over them: rows
+    of 1 to 200 classes, with ties at the maximum, ignored rows, a row
+    spanning more than the vector exp's range and rows of NaN or infinity,
+    against the CPU kernel (NaN where it is NaN); two runs give the same
+    bits. Run by the emulator."""
+    from cuda_emu import DeviceView
+    rng = np.random.default_rng(8)
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-15)
+    for classes in (1, 2, 3, 5, 8, 9, 33, 81, 200):
+        x = rng.standard_normal((11, classes)) * 4
+        x[1] = x[1].max()   # all tied
+        x[2, :: 3] = 30.0   # ties, spread more than 80 below
+        x[2, 1 :: 3] = -90.0
+        x[3, -1] = np.nan
+        x[4, 0] = np.inf
+        x[5, :] = -np.inf
+        x = x.astype(dtype)
+        target = rng.integers(0, classes, 11)
+        target[6] = -1
+        weight = rng.random(classes).astype(dtype)
+        grad_output = rng.standard_normal(11).astype(dtype)
+        loss = softmax_focal_loss_forward(x, target, 2.0, 0.25, weight)
+        grad = softmax_focal_loss_backward(x, target, grad_output, 2.0, 0.25, weight)
+        runs = []
+        with cuda_emulator.active():
+            for _ in range(2):
+                out, grad_input = np.full_like(loss, 7.0), np.full_like(grad, 7.0)
+                mmdispatch.softmax_focal_loss_forward_impl(
+                    DeviceView(x), DeviceView(target), DeviceView(weight), DeviceView(out),
+                    2.0, 0.25)
+                mmdispatch.softmax_focal_loss_backward_impl(
+                    DeviceView(x), DeviceView(target), DeviceView(weight),
+                    DeviceView(grad_output), DeviceView(grad_input), 2.0, 0.25)
+                cuda_emulator.synchronize()
+                runs.append((out, grad_input))
+        (out, grad_input), (again, grad_again) = runs
+        assert out.tobytes() == again.tobytes() and grad_input.tobytes() == grad_again.tobytes()
+        np.testing.assert_allclose(out, loss, **tol)
+        np.testing.assert_allclose(grad_input, grad, **tol)
+        assert out[6] == 0 and not grad_input[6].any()
+        assert np.isnan(out[3:6]).all() and np.isnan(grad_input[3:6]).all()
 
 
 def test_cuda_bad_target_raises_in_strict_mode_and_writes_nothing(cupy):
