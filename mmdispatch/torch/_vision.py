@@ -556,12 +556,13 @@ class _LevelRows(torch.autograd.Function):
     """MultiScaleRoIAlign's result in eager code: each level's pooled rows
     put in place (index_copy_) in an uninitialised (K, C, h, w) tensor (0
     where some rows belong to no level); backward hands each level the rows
-    of the gradient at its indices. torch's own index_copy_ into zeros, as
-    torchvision's pooler, fills the result with zeros first and copies the
-    whole gradient once per level after the first in backward (index_fill
-    of what the earlier levels' copies wrote): four passes over the
-    (K, C, h, w) gradient of FPN's four levels, a fifth of the standard
-    workload's CPU forward+backward (torch.profiler). Under tracing,
+    of the gradient at its indices. torch's own index_copy_ into zeros (or
+    torchvision's pooler's index_put_, `result[index] = ...`) fills the
+    result with zeros first and copies the whole gradient once per level
+    after the first in backward (an index_fill of what the earlier levels
+    wrote): four passes over the (K, C, h, w) gradient of FPN's four
+    levels, a fifth of the standard workload's CPU forward+backward
+    (torch.profiler). Under tracing,
     torch.compile or a torch.func transform the pooler takes torch's ops
     instead (torch.jit.trace records no autograd.Function's inside)."""
 

@@ -172,6 +172,18 @@ def test_confident_rows_keep_their_small_loss_and_gradient_to_a_few_ulps(dtype):
                 (i, col, grad[i, col], ref_grad[col])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_target_logit_of_minus_infinity_gives_an_infinite_loss_and_the_gradients_limit(dtype):
+    """p = 0: the loss is -alpha * log(0) = inf, and the gradient's limit is
+    finite (p log(p) / q -> 0): -alpha at the target, alpha * p_c at the
+    others, where the textbook factor gives 0 * inf = NaN."""
+    x = np.array([[-np.inf, 0.0, np.log(3.0)]], dtype)
+    target = np.array([0])
+    assert softmax_focal_loss_forward(x, target, 2.0, 0.25)[0] == np.inf
+    grad = softmax_focal_loss_backward(x, target, np.ones(1, dtype), 2.0, 0.25)
+    np.testing.assert_allclose(grad[0], [-0.25, 0.25 * 0.25, 0.25 * 0.75], rtol=1e-6)
+
+
 @pytest.mark.parametrize("gamma", [0.0, 0.3, 1.0])
 def test_a_certain_row_has_zero_loss_and_a_finite_gradient(gamma):
     # p = 1 exactly in float64: (1 - p)**(gamma - 1) alone would be inf
@@ -295,8 +307,11 @@ def test_emulated_cuda_rows_of_any_width_match_the_cpu_with_the_same_bits_each_r
     from cuda_emu import DeviceView
     rng = np.random.default_rng(8)
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-15)
-    for classes in (1, 2, 3, 5, 8, 9, 33, 81, 200):
-        x = rng.standard_normal((11, classes)) * 4
+    # 11 rows, and rows enough that every group of the emulator's small
+    # grid takes several and some leave the loop before others of their warp
+    for classes, rows in [(c, 11) for c in (1, 2, 3, 5, 8, 9, 33, 81, 200)] + [
+            (c, 2 * 768 // w + 16 // w + 1) for c, w in ((5, 2), (9, 4), (33, 16), (81, 32))]:
+        x = rng.standard_normal((rows, classes)) * 4
         x[1] = x[1].max()   # all tied
         x[2, :: 3] = 30.0   # ties, spread more than 80 below
         x[2, 1 :: 3] = -90.0
@@ -304,10 +319,10 @@ def test_emulated_cuda_rows_of_any_width_match_the_cpu_with_the_same_bits_each_r
         x[4, 0] = np.inf
         x[5, :] = -np.inf
         x = x.astype(dtype)
-        target = rng.integers(0, classes, 11)
+        target = rng.integers(0, classes, rows)
         target[6] = -1
         weight = rng.random(classes).astype(dtype)
-        grad_output = rng.standard_normal(11).astype(dtype)
+        grad_output = rng.standard_normal(rows).astype(dtype)
         loss = softmax_focal_loss_forward(x, target, 2.0, 0.25, weight)
         grad = softmax_focal_loss_backward(x, target, grad_output, 2.0, 0.25, weight)
         runs = []

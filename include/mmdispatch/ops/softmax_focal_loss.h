@@ -49,7 +49,7 @@ inline int mmd_softmax_focal_loss_target_error(int64_t row, int64_t value, int64
  * taken as log1p of the sum without one element at the maximum (whose
  * term is 1): a confident row's sum is 1 + a little, and log of its
  * rounded value kept few of the little's digits (the loss of a row whose
- * target is the maximum is -log_sum times q^gamma: about 1000 ulp off
+ * target is the maximum is -log_sum times q^gamma: thousands of ulps off
  * where the others' terms summed to 1e-4 in float32, and 0 where they
  * summed below half an ulp of 1). The kernels sum `rest`, the terms of the
  * elements below the maximum, and count the `ties` at it (0 for a row of
@@ -74,12 +74,14 @@ template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_target_grad(T 
     return factor * -expm1(log_p);
 }
 
-/* The factor of (delta_ct - p_c) in a row's gradient. */
+/* The factor of (delta_ct - p_c) in a row's gradient; p log(p) / q is
+ * taken as its limit 0 where p = 0 (a target logit of -inf: 0 * inf). */
 template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_factor(T log_p, T gamma,
                                                                       T alpha) {
     const T p = exp(log_p), q = -expm1(log_p);
     const T ratio = q > 0 ? log_p / q : (T)-1;
-    return alpha * mmd_focal_power<mmd_scalar_math<T>>(q, gamma) * (gamma * p * ratio - 1);
+    const T slope = p > 0 ? gamma * p * ratio : (T)0;
+    return alpha * mmd_focal_power<mmd_scalar_math<T>>(q, gamma) * (slope - 1);
 }
 
 #endif
