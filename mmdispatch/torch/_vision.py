@@ -552,6 +552,16 @@ def _level_scale(op, feature, original_size):
     return scale
 
 
+def _level_rows(shape, dtype, indices, pooled, zeros=True):
+    """A (K, C, h, w) result of `dtype` with each level's pooled rows at its
+    indices (index_copy_), the rest 0 (or uninitialised: not zeros)."""
+    first = pooled[0]
+    result = (first.new_zeros if zeros else first.new_empty)(shape, dtype=dtype)
+    for index, rows in zip(indices, pooled):
+        result.index_copy_(0, index, rows.to(dtype))
+    return result
+
+
 class _LevelRows(torch.autograd.Function):
     """MultiScaleRoIAlign's result in eager code: each level's pooled rows
     put in place (index_copy_) in an uninitialised (K, C, h, w) tensor (0
@@ -571,12 +581,7 @@ class _LevelRows(torch.autograd.Function):
         ctx.indices = indices
         ctx.dtypes = [rows.dtype for rows in pooled]
         covered = sum(int(index.numel()) for index in indices)
-        first = pooled[0]
-        result = (first.new_empty if covered == shape[0] else first.new_zeros)(shape,
-                                                                               dtype=dtype)
-        for index, rows in zip(indices, pooled):
-            result.index_copy_(0, index, rows.to(dtype))
-        return result
+        return _level_rows(shape, dtype, indices, pooled, zeros=covered < shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -675,10 +680,7 @@ class _MultiScaleRoIAlign:
             pooled.append(roi_align(feature, rois[index], (h, w), scale, self.sampling_ratio))
         shape, dtype = (rois.shape[0], features[0].shape[1], h, w), features[0].dtype
         if _plain_eager(pooled, range(len(pooled))) is None:   # traced, compiled, transformed
-            result = pooled[0].new_zeros(shape, dtype=dtype)
-            for index, rows in zip(indices, pooled):
-                result.index_copy_(0, index, rows.to(dtype))
-            return result
+            return _level_rows(shape, dtype, indices, pooled)
         return _LevelRows.apply(shape, dtype, indices, *pooled)
 
     def __prepare_scriptable__(self):

@@ -28,42 +28,22 @@ template <typename M> struct VecSoftmaxRow {
     typedef typename M::value V;
     T max, log_sum, others;   /* others: mmd_softmax_others */
 
-    /* count elements from p, the rest of the lanes `pad`. */
-    static MMD_INLINE V load(const T *p, int count, T pad) {
-        if (count == M::lanes) return M::vec::load(p);
-        V v = V() + pad;
-        for (int lane = 0; lane < count; ++lane) v[lane] = p[lane];
-        return v;
-    }
-
-    /* e^y for y <= 0 (the vector exp), the C library's for lanes below
-     * -kSafe (where the vector exp stops: e^y nears the subnormals there)
-     * and for NaN, which stays NaN. */
-    static MMD_INLINE V exp_nonpositive(V y) {
-        V e = M::exponential(y);
-        const typename M::mask outside = ~((y >= -M::C::kSafe) & (y <= (T)0));
-        if (M::any(outside))
-            for (int lane = 0; lane < M::lanes; ++lane)
-                if (outside[lane]) e[lane] = exp(y[lane]);
-        return e;
-    }
-
     /* terms (or null): each element's exp(x - max), written */
     MMD_INLINE VecSoftmaxRow(const T *x, int64_t classes, T *terms = nullptr) {
         V m = V() + (T)-INFINITY;
         for (int64_t c = 0; c < classes; c += M::lanes) {
-            const int count = classes - c < M::lanes ? (int)(classes - c) : M::lanes;
-            const V v = load(x + c, count, (T)-INFINITY);
+            const int count = M::count(classes - c);
+            const V v = M::load(x + c, count, (T)-INFINITY);
             m = M::where(v > m, v, m);   /* NaN skipped: never the maximum */
         }
         max = -INFINITY;
         for (int lane = 0; lane < M::lanes; ++lane) max = m[lane] > max ? m[lane] : max;
         V sum = V(), ties = V();   /* ties: the elements at the maximum, lane by lane */
         for (int64_t c = 0; c < classes; c += M::lanes) {
-            const int count = classes - c < M::lanes ? (int)(classes - c) : M::lanes;
-            const V y = load(x + c, count, max) - max;   /* pad: y = 0, not counted */
+            const int count = M::count(classes - c);
+            const V y = M::load(x + c, count, max) - max;   /* pad: y = 0, not counted */
             const typename M::mask top = y == (T)0;
-            const V term = exp_nonpositive(y);
+            const V term = M::exp_nonpositive(y);
             if (terms) M::store(terms + c, count, term);
             const V e = M::where(top, V(), term);
             const V tie = M::where(top, V() + (T)1, V());
@@ -103,9 +83,9 @@ MMD_X86_CLONES void focal_loss_row(const T *x, int64_t classes, int64_t label, T
         return;
     }
     const T factor = g * scale * mmd_softmax_focal_loss_factor(log_p, gamma, alpha);
-    const T per_term = -(factor / ((T)1 + row.others));
+    const T per_term = mmd_softmax_focal_loss_term_scale(factor, row.others);
     for (int64_t c = 0; c < classes; c += M::lanes) {
-        const int count = classes - c < M::lanes ? (int)(classes - c) : M::lanes;
+        const int count = M::count(classes - c);
         V grad = per_term * M::load(out + c, count);
         if (label - c >= 0 && label - c < count)
             grad[label - c] = mmd_softmax_focal_loss_target_grad(factor, log_p);

@@ -119,16 +119,30 @@ template <typename T, int Bytes = 32> struct VecMath {
         return where(upper, log_f + (T)0.6931471805599453, log_f);
     }
 
-    /* count elements from p (the rest of the lanes 0), and back. */
-    static MMD_INLINE value load(const T *p, int count) {
+    /* The elements of a run of at most `lanes` from `left` remaining. */
+    static MMD_INLINE int count(int64_t left) { return left < lanes ? (int)left : lanes; }
+
+    /* count elements from p (the rest of the lanes `pad`), and back. */
+    static MMD_INLINE value load(const T *p, int count, T pad = 0) {
         if (count == lanes) return vec::load(p);
-        value v = value();
+        value v = value() + pad;
         for (int lane = 0; lane < count; ++lane) v[lane] = p[lane];
         return v;
     }
     static MMD_INLINE void store(T *p, int count, value v) {
         if (count == lanes) return vec::store(p, v);
         for (int lane = 0; lane < count; ++lane) p[lane] = v[lane];
+    }
+
+    /* e^y for y <= 0: exponential, and the C library's exp for lanes below
+     * -kSafe (where e^y nears the subnormals) or NaN, which stays NaN. */
+    static MMD_INLINE value exp_nonpositive(value y) {
+        value e = exponential(y);
+        const mask outside = ~((y >= -C::kSafe) & (y <= (T)0));
+        if (any(outside))
+            for (int lane = 0; lane < lanes; ++lane)
+                if (outside[lane]) e[lane] = exp(y[lane]);
+        return e;
     }
 
     /* v^e, lane by lane (the C library's pow). */
@@ -148,7 +162,7 @@ template <typename M, typename Element, typename Scalar>
 MMD_INLINE void mmd_vec_elements(int64_t begin, int64_t end, const typename M::scalar *x,
                                  const Element &element, const Scalar &scalar) {
     for (int64_t i = begin; i < end; i += M::lanes) {
-        const int count = end - i < M::lanes ? (int)(end - i) : M::lanes;
+        const int count = M::count(end - i);
         const typename M::value xv = M::load(x + i, count);
         element(i, count, xv);
         const typename M::mask outside = ~(M::magnitude(xv) <= M::C::kSafe);

@@ -103,7 +103,7 @@ __global__ void focal_loss_kernel(const T *input, const int64_t *target, const T
         }
         const A factor = to_compute(grad_output[i]) * scale *
                          mmd_softmax_focal_loss_factor(log_p, gamma, alpha);
-        const A per_term = -(factor / ((A)1 + others));
+        const A per_term = mmd_softmax_focal_loss_term_scale(factor, others);
         for (int64_t c = lane; c < classes; c += width)
             result[i * classes + c] = from_compute<T>(
                 c == label ? mmd_softmax_focal_loss_target_grad(factor, log_p)

@@ -73,6 +73,10 @@ template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss(T log_p, T gam
 template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_target_grad(T factor, T log_p) {
     return factor * -expm1(log_p);
 }
+/* -(factor / sum): an other element's gradient per exp(x_c - max). */
+template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_term_scale(T factor, T others) {
+    return -(factor / ((T)1 + others));
+}
 
 /* The factor of (delta_ct - p_c) in a row's gradient; p log(p) / q is
  * taken as its limit 0 where p = 0 (a target logit of -inf: 0 * inf). */
