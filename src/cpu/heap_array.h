@@ -32,6 +32,26 @@ template <typename U> class HeapArray {
     U *data_;
 };
 
+/* n items, in the holder itself where n <= N (no allocation: scratch of
+ * a small call), else on the heap, freed with the holder. */
+template <typename U, int64_t N> class SmallArray {
+  public:
+    explicit SmallArray(int64_t n)
+        : data_(n > N ? (U *)malloc((size_t)n * sizeof(U)) : inline_) {}
+    ~SmallArray() {
+        if (data_ != inline_) free(data_);
+    }
+    SmallArray(const SmallArray &) = delete;
+    SmallArray &operator=(const SmallArray &) = delete;
+    U *get() const { return data_; }
+    U &operator[](int64_t i) const { return data_[i]; }
+    explicit operator bool() const { return data_ != nullptr; }
+
+  private:
+    U inline_[N];
+    U *data_;
+};
+
 }  // namespace
 
 #endif

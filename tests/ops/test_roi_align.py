@@ -204,6 +204,77 @@ def test_fixed_sampling_avg_is_bitwise_the_reference_on_and_off_the_map(dtype, c
         np.testing.assert_array_equal(default, reference)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("channels", [1, 3, 4, 8, 9, 21])
+@pytest.mark.parametrize("layout", ["many rois", "few rois", "adaptive, small bins"])
+def test_avg_by_channel_groups_gives_the_reference_bits(dtype, channels, layout, rng):
+    """The default avg forward and backward take channels 8 (float) or 4
+    (double) at a time through an image's planes interleaved (the
+    backward's read from grad_input, added into and written back), where
+    its rois read them often enough ("many rois"; otherwise a plane at a
+    time), the forward each image's rois in parts where groups and images
+    are fewer than twice the threads (one image of one group here: parts on
+    any machine): every lane the scalar code's sums in its order, so the
+    reference's bits, partial groups, rois off the map, NaN and inf, and a
+    grad_input that is not zeros included (odd plane sizes: the
+    interleaving's last cells come one at a time)."""
+    batch, height, width, count = {"many rois": (2, 12, 15, 300), "few rois": (2, 40, 50, 3),
+                                   "adaptive, small bins": (1, 19, 23, 160)}[layout]
+    x = rng.standard_normal((batch, channels, height, width)).astype(dtype)
+    x[0, -1, 2:4, 3:6], x[-1, 0, 5, 7] = np.nan, -np.inf
+    corner = rng.uniform([-6, -6], [width + 2, height + 2], (count, 2))
+    if layout == "adaptive, small bins":   # bins under 2 cells: grids of 1 or 2, no dense path
+        side, sampling_ratio = rng.uniform(0.2, 4.5, (count, 2)), 0
+    else:
+        side, sampling_ratio = rng.uniform(0.5, min(height, width), (count, 2)), 2
+    rois = np.concatenate([rng.integers(0, batch, (count, 1)), corner, corner + side],
+                          axis=1).astype(dtype)
+    rois[0] = [0, 2, 1, 6, 5]   # on the NaNs
+    grad_out = rng.standard_normal((count, channels, 4, 5)).astype(dtype)
+    grad_out[0, -1, 2, 3] = np.inf   # roi 0, on the map
+    start = rng.standard_normal(x.shape).astype(dtype)   # grad_input adds into what it holds
+    results = {}
+    for backend in CPU_BACKENDS:
+        with mmdispatch.use_backend("cpu", backend):
+            grad = start.copy()
+            unused = np.empty(0, dtype)   # avg mode's argmax
+            mmdispatch.roi_align_backward_impl(grad_out, rois, unused, unused, grad, 4, 5, 1.0,
+                                               sampling_ratio, 1, True)
+            results[backend] = (roi_align(x, rois, (4, 5), 1.0, sampling_ratio), grad)
+    for default, reference in zip(results["default"], results["reference"]):
+        assert np.isfinite(reference).any() and not np.isfinite(reference).all()
+        np.testing.assert_array_equal(default.view(np.uint8), reference.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dense_avg_through_interleaved_planes_gives_the_bits_of_a_plane_at_a_time(dtype, rng):
+    """Adaptive sampling's dense weights run on a group's interleaved planes
+    when an image's rois read them often enough (30 rois here) and a plane
+    at a time when they do not (each roi alone: it reads fewer cells than
+    twice the map's); both ways take the same sums in the same order,
+    forward and backward (each roi alone adding into what the rois before
+    it left), a group whose gradients hold inf taking the samples."""
+    x = rng.standard_normal((2, 11, 60, 80)).astype(dtype)
+    corner = rng.uniform([-10, -10], [150, 110], (30, 2))
+    rois = np.concatenate([rng.integers(0, 2, (30, 1)), corner,
+                           corner + rng.uniform(20, 60, (30, 2))], axis=1).astype(dtype)
+    grad_out = rng.standard_normal((30, 11, 6, 5)).astype(dtype)
+    grad_out[4, 9, 1, 1] = np.inf
+    unused = np.empty(0, dtype)
+    together = roi_align(x, rois, (6, 5), 0.5, 0)
+    grad_together = np.zeros_like(x)
+    mmdispatch.roi_align_backward_impl(grad_out, rois, unused, unused, grad_together, 6, 5, 0.5,
+                                       0, 1, True)
+    alone = np.concatenate([roi_align(x, rois[k:k + 1], (6, 5), 0.5, 0) for k in range(30)])
+    grad_alone = np.zeros_like(x)
+    for k in range(30):
+        mmdispatch.roi_align_backward_impl(grad_out[k:k + 1], rois[k:k + 1], unused, unused,
+                                           grad_alone, 6, 5, 0.5, 0, 1, True)
+    np.testing.assert_array_equal(together.view(np.uint8), alone.view(np.uint8))
+    np.testing.assert_array_equal(grad_together.view(np.uint8), grad_alone.view(np.uint8))
+    assert np.isinf(grad_together).any()
+
+
 @pytest.mark.parametrize("dtype, rtol", [(np.float32, 2e-5), (np.float64, 1e-12)])
 def test_adaptive_avg_pooling_through_dense_weights_matches_the_reference(dtype, rtol, rng):
     """With sampling_ratio=0 the default backend folds each bin's samples into
@@ -236,7 +307,7 @@ def test_infinities_give_the_sample_by_sample_result_with_adaptive_sampling(rng)
     # tap has weight exactly 0
     rois = np.array([[0, 0.5, 0.5, 9.5, 9.5], [0, 2.5, 3, 11, 12.5], [0, 4, 4, 9, 9]])
     grad_out = np.ones((3, 3, 3, 3))
-    grad_out[1, 0, 1, 1] = np.inf
+    grad_out[1, 0, 1, 1] = grad_out[0, 2, 1, 1] = np.inf   # lanes 0 and 2 of a group
     results = {}
     for backend in CPU_BACKENDS:
         with mmdispatch.use_backend("cpu", backend):
