@@ -278,8 +278,6 @@ bool forward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRoi
                    const T *input, T *output, const GroupItem<T> &it) {
     const int64_t bins = call.bins(), plane_size = call.height * call.width;
     const bool interleaved = images.interleave[it.n] && it.first < it.last;
-    /* one image's rois but in a slice of every image's (ImageRois) */
-    const bool one_image = images.sorted || call.batch == 1;
     if (interleaved)
         interleave(input + ((images.sorted ? it.n : 0) * call.channels + it.c0) * plane_size,
                    plane_size, it.count, it.cells);
@@ -296,8 +294,8 @@ bool forward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRoi
         const bool valid =
             all_valid(rows, call.pooled_h * g.grid_h, cols, call.pooled_w * g.grid_w);
         bool dense_roi = use_dense(g, call);
-        if (dense_roi && (finite < 0 || !one_image))
-            finite = all_finite(planes, it.count * plane_size);
+        /* a slice's rois are one image's (ImageRois), so its planes' test holds */
+        if (dense_roi && finite < 0) finite = all_finite(planes, it.count * plane_size);
         dense_roi = dense_roi && finite;
         if (dense_roi && !dense.prepare(rows, cols, g, call.pooled_h, call.pooled_w))
             return false;

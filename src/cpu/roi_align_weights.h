@@ -328,25 +328,31 @@ template <typename T> constexpr int64_t kGroup = GroupVec<T>::lanes;
 
 /* N x N blocks of T (N = 16 / sizeof(T)) transposed in 16-byte registers:
  * r[j] holds row j's N values, and then column j's. */
+#if defined(__clang__)   /* a shuffle of a and b by constant lane indices */
+#define MMD_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define MMD_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (I){__VA_ARGS__})
+#endif
 template <typename T> MMD_INLINE void transpose_block(typename Vec<T, 16>::type *r) {
     typedef typename Vec<T, 16>::type half;
     if constexpr (Vec<T, 16>::lanes == 4) {   /* 4 x 4 floats: unpack pairs, then halves */
         typedef int32_t I __attribute__((vector_size(16)));
-        const half a = __builtin_shuffle(r[0], r[1], I{0, 4, 1, 5});
-        const half b = __builtin_shuffle(r[2], r[3], I{0, 4, 1, 5});
-        const half c = __builtin_shuffle(r[0], r[1], I{2, 6, 3, 7});
-        const half d = __builtin_shuffle(r[2], r[3], I{2, 6, 3, 7});
-        r[0] = __builtin_shuffle(a, b, I{0, 1, 4, 5});
-        r[1] = __builtin_shuffle(a, b, I{2, 3, 6, 7});
-        r[2] = __builtin_shuffle(c, d, I{0, 1, 4, 5});
-        r[3] = __builtin_shuffle(c, d, I{2, 3, 6, 7});
+        const half a = MMD_SHUFFLE(r[0], r[1], 0, 4, 1, 5);
+        const half b = MMD_SHUFFLE(r[2], r[3], 0, 4, 1, 5);
+        const half c = MMD_SHUFFLE(r[0], r[1], 2, 6, 3, 7);
+        const half d = MMD_SHUFFLE(r[2], r[3], 2, 6, 3, 7);
+        r[0] = MMD_SHUFFLE(a, b, 0, 1, 4, 5);
+        r[1] = MMD_SHUFFLE(a, b, 2, 3, 6, 7);
+        r[2] = MMD_SHUFFLE(c, d, 0, 1, 4, 5);
+        r[3] = MMD_SHUFFLE(c, d, 2, 3, 6, 7);
     } else {   /* 2 x 2 doubles */
         typedef int64_t I __attribute__((vector_size(16)));
-        const half a = __builtin_shuffle(r[0], r[1], I{0, 2});
-        r[1] = __builtin_shuffle(r[0], r[1], I{1, 3});
+        const half a = MMD_SHUFFLE(r[0], r[1], 0, 2);
+        r[1] = MMD_SHUFFLE(r[0], r[1], 1, 3);
         r[0] = a;
     }
 }
+#undef MMD_SHUFFLE
 
 /* cells[i * kGroup + l] = planes[l * plane_size + i] for `count` planes
  * (lanes past them repeat the last plane: they are never stored back), or
