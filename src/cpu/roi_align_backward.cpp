@@ -248,8 +248,8 @@ template <typename T>
 bool backward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRois<T> &images,
                     const T *grad_output, T *grad_input, const GroupItem<T> &it) {
     const int64_t bins = call.bins(), plane_size = call.height * call.width;
-    const bool interleaved = images.interleave[it.n] && it.first < it.last;
-    T *image = grad_input + ((images.sorted ? it.n : 0) * call.channels + it.c0) * plane_size;
+    const bool interleaved = it.interleaved;
+    T *image = grad_input + (it.image * call.channels + it.c0) * plane_size;
     if (interleaved) interleave(image, plane_size, it.count, it.cells);
     Scratch<T> scratch;
     Dense<T> dense;

@@ -277,10 +277,10 @@ template <typename T>
 bool forward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRois<T> &images,
                    const T *input, T *output, const GroupItem<T> &it) {
     const int64_t bins = call.bins(), plane_size = call.height * call.width;
-    const bool interleaved = images.interleave[it.n] && it.first < it.last;
+    const bool interleaved = it.interleaved;
     if (interleaved)
-        interleave(input + ((images.sorted ? it.n : 0) * call.channels + it.c0) * plane_size,
-                   plane_size, it.count, it.cells);
+        interleave(input + (it.image * call.channels + it.c0) * plane_size, plane_size, it.count,
+                   it.cells);
     Scratch<T> scratch;
     Dense<T> dense;
     int finite = -1;   /* the group's planes of the image are finite; -1: not checked yet */

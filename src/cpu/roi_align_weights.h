@@ -439,26 +439,26 @@ MMD_INLINE void for_each_group_bin(const Geometry<T> &g, const Axis<T> *rows, co
 constexpr int64_t kMaxInterleaved = (int64_t)8 << 20;
 
 /* The rois by image: slice n's rois are roi(start[n] .. start[n + 1] - 1),
- * and interleave[n] says whether they read their image's cells often
- * enough (4 a sample; twice its cells, as the interleaving reads and
+ * of image images[n], and interleave[n] says whether they read its cells
+ * often enough (4 a sample; twice its cells, as the interleaving reads and
  * writes each once) to pay for interleaving its planes of a group, where
- * they fit kMaxInterleaved: a slice per image (a stable counting sort by
- * batch index), or for one image a slice of every roi in order. */
+ * they fit kMaxInterleaved: a slice per image that has rois (a stable
+ * counting sort by batch index), or for one image a slice of every roi in
+ * order. */
 template <typename T> struct ImageRois {
     bool sorted;
     int64_t slices;
     /* in the holder for up to 16 images and 64 rois (a small call allocates nothing) */
     SmallArray<int64_t, 64> order, image_of;
     SmallArray<int64_t, 17> start;
-    SmallArray<int64_t, 16> next;
+    SmallArray<int64_t, 16> next, images;   /* images[n]: slice n's image */
     SmallArray<unsigned char, 16> interleave;
     SmallArray<double, 16> reads;      /* the cells slice n's rois read */
 
     explicit ImageRois(const Call<T> &call)
-        : sorted(call.batch > 1),
-          slices(sorted ? call.batch : 1), order(sorted ? call.num_rois : 0),
-          image_of(sorted ? call.num_rois : 0), start(slices + 1), next(slices),
-          interleave(slices), reads(slices) {
+        : sorted(call.batch > 1), slices(sorted ? call.batch : 1),
+          order(sorted ? call.num_rois : 0), image_of(sorted ? call.num_rois : 0),
+          start(slices + 1), next(slices), images(slices), interleave(slices), reads(slices) {
         if (!ok()) return;
         const int64_t cells = call.height * call.width;
         const bool fits = cells <= kMaxInterleaved / (int64_t)sizeof(T) / kGroup<T>;
@@ -466,6 +466,7 @@ template <typename T> struct ImageRois {
         for (int64_t n = 0; n < slices; ++n) reads[n] = 0;
         if (!sorted) {
             start[1] = call.num_rois;
+            images[0] = 0;
             reads[0] = fits ? all_reads(call) : 0;
             interleave[0] = reads[0] >= 2.0 * (double)cells;
             return;
@@ -477,14 +478,26 @@ template <typename T> struct ImageRois {
             ++start[g.batch + 1];
             reads[g.batch] += 4.0 * (double)(call.bins() * g.grid_h * g.grid_w);
         }
-        for (int64_t n = 0; n < slices; ++n) {
-            start[n + 1] += start[n];
-            interleave[n] = fits && reads[n] >= 2.0 * (double)cells;
+        /* a slice for each image with rois, in order (in place: slice s <= image n, and
+         * start[n + 1], image n's count, is read before start[s] is written) */
+        int64_t s = 0, total = 0;
+        for (int64_t n = 0; n < call.batch; ++n) {
+            const int64_t count = start[n + 1];
+            if (!count) continue;
+            images[s] = n;
+            reads[s] = reads[n];
+            interleave[s] = fits && reads[s] >= 2.0 * (double)cells;
+            next[n] = start[s] = total;   /* next: by image, the next roi's slot */
+            total += count;
+            ++s;
         }
-        for (int64_t n = 0; n < slices; ++n) next[n] = start[n];
+        start[s] = total;
+        slices = s;
         for (int64_t k = 0; k < call.num_rois; ++k) order[next[image_of[k]]++] = k;
     }
-    bool ok() const { return order && image_of && start && next && interleave && reads; }
+    bool ok() const {
+        return order && image_of && start && next && images && interleave && reads;
+    }
     int64_t roi(int64_t i) const { return sorted ? order[i] : i; }
     bool any_interleaved() const {
         for (int64_t n = 0; n < slices; ++n)
@@ -516,13 +529,15 @@ template <typename T> struct ImageRois {
     }
 };
 
-/* One work item of the group kernels: channels [c0, c0 + count) of slice
- * n's rois roi(first .. last - 1) (ImageRois), with a worker's scratch:
+/* One work item of the group kernels: channels [c0, c0 + count) of a
+ * slice's rois roi(first .. last - 1) (ImageRois), all of `image`, with a
+ * worker's scratch:
  * `cells` (room for an image's interleaved planes where any slice is
  * interleaved), `bins` (a roi's [bins][kGroup] values) and `wide` (a dense
  * roi's row accumulator of kGroup lanes a cell, grown with grow()). */
 template <typename T> struct GroupItem {
-    int64_t c0, count, n, first, last;
+    int64_t c0, count, image, first, last;
+    bool interleaved;   /* from the image's planes interleaved in `cells` */
     T *cells, *bins;
     T **wide;
     size_t *wide_cap;
@@ -548,7 +563,8 @@ int for_each_group_item(const Call<T> &call, const ImageRois<T> &images, bool pa
         if (parts > most) parts = most > 1 ? most : 1;
     }
     const int64_t items = slices * parts, per_range = (items + 2 * threads - 1) / (2 * threads);
-    const int64_t cells = images.any_interleaved() ? call.height * call.width * L : 1;
+    const int64_t plane = call.height * call.width;
+    const int64_t cells = images.any_interleaved() ? plane * L : 1;
     return mmd_parallel_for(
         items, per_range, mmd_worth_threads(items, call.channels * call.num_rois * call.bins()),
         [&](int64_t begin, int64_t end) -> int {
@@ -565,9 +581,19 @@ int for_each_group_item(const Call<T> &call, const ImageRois<T> &images, bool pa
                 const int64_t n = item / parts % images.slices;
                 const int64_t part = item % parts, s = images.start[n];
                 const int64_t len = images.start[n + 1] - s;
-                const GroupItem<T> it{c0, call.channels - c0 < L ? call.channels - c0 : L, n,
-                                      s + len * part / parts, s + len * (part + 1) / parts,
-                                      planes.get(), bins.get(), &wide, &wide_cap};
+                /* a part interleaves where its share of the slice's reads pays */
+                const bool interleaved = images.interleave[n] && len > 0 &&
+                                         images.reads[n] / (double)parts >= 2.0 * (double)plane;
+                const GroupItem<T> it{c0,
+                                      call.channels - c0 < L ? call.channels - c0 : L,
+                                      images.images[n],
+                                      s + len * part / parts,
+                                      s + len * (part + 1) / parts,
+                                      interleaved,
+                                      planes.get(),
+                                      bins.get(),
+                                      &wide,
+                                      &wide_cap};
                 if (!f(it))
                     status = mmd_error(MMD_ERR_MEMORY, "out of memory for interpolation weights");
             }

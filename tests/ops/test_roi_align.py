@@ -207,7 +207,7 @@ def test_fixed_sampling_avg_is_bitwise_the_reference_on_and_off_the_map(dtype, c
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("channels", [1, 3, 4, 8, 9, 21])
 @pytest.mark.parametrize("layout", ["many rois", "few rois", "adaptive, small bins",
-                                    "adaptive, few rois"])
+                                    "adaptive, few rois", "images without rois"])
 def test_avg_by_channel_groups_gives_the_reference_bits(dtype, channels, layout, rng):
     """The default avg forward and backward take channels 8 (float) or 4
     (double) at a time through an image's planes interleaved (the
@@ -221,6 +221,7 @@ def test_avg_by_channel_groups_gives_the_reference_bits(dtype, channels, layout,
     grad_input that is not zeros included (odd plane sizes: the
     interleaving's last cells come one at a time)."""
     batch, height, width, count = {"many rois": (2, 12, 15, 300), "few rois": (2, 40, 50, 3),
+                                   "images without rois": (5, 12, 15, 200),
                                    "adaptive, small bins": (1, 19, 23, 160),
                                    "adaptive, few rois": (2, 40, 50, 3)}[layout]
     x = rng.standard_normal((batch, channels, height, width)).astype(dtype)
@@ -233,6 +234,8 @@ def test_avg_by_channel_groups_gives_the_reference_bits(dtype, channels, layout,
         side, sampling_ratio = rng.uniform(0.5, min(height, width), (count, 2)), 2
     rois = np.concatenate([rng.integers(0, batch, (count, 1)), corner, corner + side],
                           axis=1).astype(dtype)
+    if layout == "images without rois":   # slices only for images 0, 1 and 3
+        rois[:, 0] = rng.choice([1, 3], count)
     rois[0] = [0, 2, 1, 6, 5]   # on the NaNs
     rois[1] = [0, -3, -2, 1, 1]   # partly off the map (small: no dense weights), an inf gradient
     grad_out = rng.standard_normal((count, channels, 4, 5)).astype(dtype)
