@@ -308,14 +308,14 @@ def test_infinities_give_the_sample_by_sample_result_with_adaptive_sampling(rng)
     """0 * inf = NaN where a sample reads an inf pixel with weight 0: the dense
     path would fold that away, so planes and gradients with inf take the
     sample path, and NaN and inf land where the reference puts them."""
-    x = rng.standard_normal((2, 3, 16, 16))
-    x[0, 1, 5, 7] = np.inf
-    x[0, 2, 9, 3] = x[1, 2, 5, 7] = -np.inf   # image 1: only the group's last lane
+    x = rng.standard_normal((3, 3, 16, 16))   # image 0 finite
+    x[1, 1, 5, 7] = np.inf
+    x[1, 2, 9, 3] = x[2, 2, 5, 7] = -np.inf   # image 2: only the group's last lane
     # start 0.5, integer bins: samples fall on pixel centres, where the upper
-    # tap has weight exactly 0
+    # tap has weight exactly 0; the rois on images 1, 2, then 0
     rois = np.array([[0, 0.5, 0.5, 9.5, 9.5], [0, 2.5, 3, 11, 12.5], [0, 4, 4, 9, 9]])
-    rois = np.concatenate([rois, rois + [1, 0, 0, 0, 0]])
-    grad_out = np.ones((6, 3, 3, 3))
+    rois = np.concatenate([rois + [image, 0, 0, 0, 0] for image in (1, 2, 0)])
+    grad_out = np.ones((9, 3, 3, 3))
     grad_out[1, 0, 1, 1] = grad_out[0, 2, 1, 1] = np.inf   # lanes 0 and 2 of a group
     results = {}
     for backend in CPU_BACKENDS:
@@ -325,7 +325,7 @@ def test_infinities_give_the_sample_by_sample_result_with_adaptive_sampling(rng)
                                       aligned=False)
             results[backend] = (out, grad)
     assert np.isnan(results["reference"][0]).any() and np.isinf(results["reference"][0]).any()
-    assert np.isnan(results["reference"][0][3:]).any()   # image 1's rois, through lane 2's inf
+    assert np.isnan(results["reference"][0][3:6]).any()   # image 2's rois, through lane 2's inf
     for default, reference in zip(results["default"], results["reference"]):
         np.testing.assert_array_equal(np.isnan(default), np.isnan(reference))
         np.testing.assert_allclose(default, reference, rtol=1e-12, atol=1e-12)  # inf: equal
