@@ -6,8 +6,7 @@
  * validity tests, or sample by sample; avg pooling (but for the reference
  * backend) a group of channels of an image at a time, into their planes
  * interleaved where the image's rois read them often enough
- * (backward_group; the same bits; the standard workload on 2 threads: sr=2
- * 120 -> 58 ms, sr=0 270 -> 110 ms, with grad_input's zeros). */
+ * (backward_group; the same bits as a plane at a time). */
 #include "roi_align_weights.h"
 
 namespace mmd_roi_align_cpu {
@@ -121,6 +120,22 @@ void scatter_dense(T *plane, int64_t width, const Geometry<T> &g, const Dense<T>
     }
 }
 
+/* The backward of pool_plane_avg (roi_align_forward.cpp): one roi's avg
+ * gradients into one plane, without the group: scatter_valid_roi where
+ * every sample lies on the map, else backward_bin's tests. */
+template <typename T>
+void scatter_plane_avg(T *plane, const Call<T> &call, const Geometry<T> &g, const Axis<T> *rows,
+                       const Axis<T> *cols, bool valid, const T *grad) {
+    if (valid) {
+        scatter_valid_roi(plane, call.width, g, rows, cols, call.pooled_h, call.pooled_w, grad);
+        return;
+    }
+    for (int64_t ph = 0; ph < call.pooled_h; ++ph)
+        for (int64_t pw = 0; pw < call.pooled_w; ++pw)
+            backward_bin(plane, call.height, call.width, g, rows, cols, ph, pw,
+                         (int64_t)MMD_POOL_AVG, grad[ph * call.pooled_w + pw], (T)0, (T)0);
+}
+
 /* Adds every roi's gradient into channel c of grad_input, rois in order:
  * sample by sample (max mode, the reference backend), or for a fixed
  * sampling_ratio's avg that cannot pay for the groups
@@ -140,8 +155,10 @@ bool backward_channel(const Call<T> &call, const RoiTable<T> &table, const T *gr
             return false;
         T *plane = grad_input + (g.batch * call.channels + c) * plane_size;
         const int64_t base = (k * call.channels + c) * bins;
-        if (avg && all_valid(rows, call.pooled_h * g.grid_h, cols, call.pooled_w * g.grid_w)) {
-            scatter_valid_roi(plane, call.width, g, rows, cols, call.pooled_h, call.pooled_w,
+        if (avg) {
+            scatter_plane_avg(plane, call, g, rows, cols,
+                              all_valid(rows, call.pooled_h * g.grid_h, cols,
+                                        call.pooled_w * g.grid_w),
                               grad_output + base);
             continue;
         }
@@ -281,18 +298,10 @@ bool backward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRo
         for (int64_t l = 0; l < it.count; ++l) {
             T *plane = planes + l * plane_size;
             const T *grad_l = grad + l * bins;
-            if (dense_roi) {
+            if (dense_roi)
                 scatter_dense(plane, call.width, g, dense, call.pooled_h, call.pooled_w, grad_l);
-            } else if (valid) {
-                scatter_valid_roi(plane, call.width, g, rows, cols, call.pooled_h,
-                                  call.pooled_w, grad_l);
-            } else {
-                for (int64_t ph = 0; ph < call.pooled_h; ++ph)
-                    for (int64_t pw = 0; pw < call.pooled_w; ++pw)
-                        backward_bin(plane, call.height, call.width, g, rows, cols, ph, pw,
-                                     (int64_t)MMD_POOL_AVG, grad_l[ph * call.pooled_w + pw],
-                                     (T)0, (T)0);
-            }
+            else
+                scatter_plane_avg(plane, call, g, rows, cols, valid, grad_l);
         }
     }
     if (interleaved) deinterleave(it.cells, plane_size, it.count, image);

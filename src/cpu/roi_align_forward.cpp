@@ -6,9 +6,8 @@
  * often enough, from its planes of the group interleaved, so that a
  * vector load reads a cell of every channel of the group and a bin's
  * arithmetic runs once for them, each lane the scalar code's operations in
- * its order (the same bits; the standard workload on 2 threads: sr=2
- * 85 -> 36 ms, sr=0 220 -> 105 ms). Each roi takes the first of these
- * that applies:
+ * its order (the same bits as a plane at a time). Each roi takes the
+ * first of these that applies:
  *   - dense weights (avg, adaptive sampling, the group's planes finite):
  *     each pixel read once per bin row (pool_dense, pool_dense_group);
  *   - avg, the rest: the samples' weights, without validity tests where
