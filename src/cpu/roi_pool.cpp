@@ -1,16 +1,23 @@
-/* roi_pool on CPU. Forward splits (channel, roi) planes over the worker
- * pool, channel-major, and reduces each row of bins column by column first,
- * in vector registers; backward gives each worker whole channels and visits
- * rois in order, so it is race-free and deterministic. */
+/* roi_pool on CPU. Forward takes the channels a group at a time
+ * (channel_groups.h) where an image's rois read its cells often enough: a
+ * bin's cells from the image's planes of the group interleaved, one vector
+ * load a cell for the group's channels (pool_group_roi); else it splits
+ * (channel, roi) planes over the worker pool, channel-major, and reduces
+ * each row of bins column by column first, in vector registers
+ * (pool_plane). Both give every bin the definition's maximum and argmax.
+ * Backward gives each worker whole channels and visits rois in order, so
+ * it is race-free and deterministic. */
 #include <stdint.h>
 #include <string.h>
 
 #include <limits>
+#include <type_traits>
 
 #include "mmdispatch/ops/roi_pool.h"
 #include "mmdispatch/parallel.h"
 #include "mmdispatch/registry.h"
 #include "mmdispatch_generated.h"
+#include "channel_groups.h"
 #include "heap_array.h"
 #include "vec16.h"
 
@@ -276,6 +283,180 @@ int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t 
     return MMD_OK;
 }
 
+/* pool_plane's choice of the row type: int32_t where the height fits it
+ * and T is float (its vector blends of values and rows have one width). */
+template <typename T>
+void pool_plane_rows(const T *plane, int64_t height, int64_t width,
+                     const mmd_pool_geometry<T> &g, int64_t pooled_h, int64_t pooled_w, T *out,
+                     int64_t *argmax, T *col_max, int64_t *col_row) {
+    if (sizeof(T) == 4 && height <= INT32_MAX)
+        pool_plane(plane, height, width, g, pooled_h, pooled_w, out, argmax, col_max,
+                   (int32_t *)col_row);
+    else
+        pool_plane(plane, height, width, g, pooled_h, pooled_w, out, argmax, col_max, col_row);
+}
+
+using mmd_channel_groups::GroupItem;
+using mmd_channel_groups::kGroup;
+
+/* A forward call as the channel groups see it (channel_groups.h). */
+template <typename T> struct PoolCall {
+    typedef T value_type;
+    static constexpr const char *op = "roi_pool", *scratch = "bins";
+    const T *rois;
+    int64_t num_rois, batch, channels, height, width, pooled_h, pooled_w, convention;
+    T spatial_scale;
+
+    int64_t bins() const { return pooled_h * pooled_w; }
+    mmd_pool_geometry<T> geometry(int64_t k) const {
+        mmd_pool_geometry<T> g{};
+        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
+                              &g);
+        return g;
+    }
+    /* Roi k's image and the cells its bins read (valid: check_rois passed). */
+    double roi_reads(int64_t k, int64_t *image) const {
+        const mmd_pool_geometry<T> g = geometry(k);
+        int64_t rows = 0, cols = 0, lo, hi;
+        for (int64_t ph = 0; ph < pooled_h; ++ph) {
+            mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, ph, height, &lo, &hi);
+            rows += hi > lo ? hi - lo : 0;
+        }
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pw, width, &lo, &hi);
+            cols += hi > lo ? hi - lo : 0;
+        }
+        *image = g.batch;
+        return (double)rows * (double)cols;
+    }
+    double all_reads() const {
+        double reads = 0;
+        int64_t image;
+        for (int64_t k = 0; k < num_rois; ++k) reads += roi_reads(k, &image);
+        return reads;
+    }
+};
+template <typename T> using PoolRois = mmd_channel_groups::ImageRois<PoolCall<T>>;
+
+/* The maxima and argmaxima of one roi's bins for a group's `count`
+ * channels, from their interleaved planes `cells`, into the roi's runs of
+ * `out` and `argmax` (channel c0's bins first); `planes` are the group's
+ * planes of the image, for a bin whose lane holds no value above -inf
+ * (scan_bin finds its first -inf or NaN). A bin's cells go round-robin by
+ * column into 4 accumulators (independent chains), each the first
+ * maximum in row-major order of its cells with a strict > (NaN never
+ * taken); the accumulators' merge takes the larger value, and between
+ * equal ones the smaller flat index: the first maximum in row-major
+ * order, as pool_plane's. */
+template <typename T>
+MMD_X86_CLONES void pool_group_roi(const T *cells, const T *planes, int64_t height,
+                                   int64_t width, const mmd_pool_geometry<T> &g,
+                                   int64_t pooled_h, int64_t pooled_w, int64_t count, T *out,
+                                   int64_t *argmax) {
+    typedef mmd_channel_groups::GroupVec<T> V;
+    typedef typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type Lane;
+    typedef Vec<Lane, 32> R;
+    constexpr int64_t L = V::lanes;
+    static_assert(R::lanes == L, "indices and values in the same lanes");
+    constexpr Lane none = std::numeric_limits<Lane>::max();
+    const int64_t bins = pooled_h * pooled_w, plane_size = height * width;
+    for (int64_t ph = 0; ph < pooled_h; ++ph) {
+        int64_t h0, h1;
+        mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, ph, height, &h0, &h1);
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            int64_t w0, w1;
+            mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pw, width, &w0, &w1);
+            const int64_t b = ph * pooled_w + pw;
+            if (h0 >= h1 || w0 >= w1) {   /* an empty bin */
+                for (int64_t l = 0; l < count; ++l) {
+                    out[l * bins + b] = 0;
+                    argmax[l * bins + b] = -1;
+                }
+                continue;
+            }
+            typename V::type best[4];
+            typename R::type at[4];
+            for (int j = 0; j < 4; ++j) {
+                best[j] = typename V::type{} - (T)INFINITY;
+                at[j] = typename R::type{} + none;
+            }
+            const int64_t n = w1 - w0, whole = n / 4 * 4;
+            for (int64_t h = h0; h < h1; ++h) {
+                const T *row = cells + (h * width + w0) * L;
+                typename R::type index = typename R::type{} + (Lane)(h * width + w0);
+                int64_t x = 0;
+                for (; x < whole; x += 4, index += 4) {
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; ++j) {
+                        const typename V::type v = V::load(row + (x + j) * L);
+                        const auto take = v > best[j];
+                        best[j] = take ? v : best[j];
+                        at[j] = take ? index : at[j];
+                    }
+                }
+                for (int j = 0; x < n; ++x, ++j) {
+                    const typename V::type v = V::load(row + x * L);
+                    const auto take = v > best[j];
+                    best[j] = take ? v : best[j];
+                    at[j] = take ? index : at[j];
+                }
+            }
+            /* accumulator j kept the flat index of its cells' column x, not x + j */
+            for (int j = 1; j < 4; ++j) at[j] = at[j] != none ? at[j] + (Lane)j : at[j];
+            for (int j = 1; j < 4; ++j) {
+                const auto take =
+                    (best[j] > best[0]) | ((best[j] == best[0]) & (at[j] < at[0]));
+                best[0] = take ? best[j] : best[0];
+                at[0] = take ? at[j] : at[0];
+            }
+            T value[L];
+            Lane where[L];
+            V::store(value, best[0]);
+            R::store(where, at[0]);
+            for (int64_t l = 0; l < count; ++l) {
+                if (where[l] == none)
+                    scan_bin(planes + l * plane_size, width, h0, h1, w0, w1, &out[l * bins + b],
+                             &argmax[l * bins + b]);
+                else {
+                    out[l * bins + b] = value[l];
+                    argmax[l * bins + b] = (int64_t)where[l];
+                }
+            }
+        }
+    }
+}
+
+/* The forward of a GroupItem: its channels of its slice's rois, from the
+ * image's planes of the group interleaved where the slice's rois read them
+ * often enough (PoolRois), else pool_plane a channel at a time. False when
+ * out of memory. */
+template <typename T>
+bool pool_group(const PoolCall<T> &call, const PoolRois<T> &images, const T *input, T *output,
+                int64_t *argmax, const GroupItem<T> &it) {
+    const int64_t bins = call.bins(), plane_size = call.height * call.width;
+    const T *planes = input + (it.image * call.channels + it.c0) * plane_size;
+    if (it.interleaved) {
+        mmd_channel_groups::interleave(planes, plane_size, it.count, it.cells);
+        for (int64_t i = it.first; i < it.last; ++i) {
+            const int64_t k = images.roi(i), p = (k * call.channels + it.c0) * bins;
+            pool_group_roi(it.cells, planes, call.height, call.width, call.geometry(k),
+                           call.pooled_h, call.pooled_w, it.count, output + p, argmax + p);
+        }
+        return true;
+    }
+    const HeapArray<T> col_max(call.width);
+    const HeapArray<int64_t> col_row(call.width);
+    if (!col_max || !col_row) return false;
+    for (int64_t l = 0; l < it.count; ++l)
+        for (int64_t i = it.first; i < it.last; ++i) {
+            const int64_t k = images.roi(i), p = (k * call.channels + it.c0 + l) * bins;
+            pool_plane_rows(planes + l * plane_size, call.height, call.width, call.geometry(k),
+                            call.pooled_h, call.pooled_w, output + p, argmax + p,
+                            col_max.get(), col_row.get());
+        }
+    return true;
+}
+
 template <typename T>
 int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_tensor *output,
                      const mmd_tensor *argmax, T spatial_scale, int64_t convention) {
@@ -289,6 +470,14 @@ int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_
     T *out = (T *)output->data;
     int64_t *am = (int64_t *)argmax->data;
     const int64_t num_rois = rois->shape[0], planes = num_rois * channels;
+    const PoolCall<T> call{r,        num_rois, batch,    channels,  height,
+                           width,    pooled_h, pooled_w, convention, spatial_scale};
+    if (channels >= kGroup<T> && !PoolRois<T>::few_reads(call)) {
+        const PoolRois<T> images(call);
+        return mmd_channel_groups::for_each_group_item(
+            call, images, true,
+            [&](const GroupItem<T> &it) { return pool_group(call, images, in, out, am, it); });
+    }
     const bool narrow_rows = sizeof(T) == 4 && height <= INT32_MAX;
     return mmd_parallel_for(
         planes, 16, mmd_worth_threads(planes, planes * bins), [&](int64_t begin, int64_t end) {

@@ -369,6 +369,49 @@ def test_every_column_span_of_a_row_pools_as_the_reference(width, dtype):
         np.testing.assert_array_equal(np.signbit(out), np.signbit(ref_out))
 
 
+# Channel groups (the CPU forward): where an image's rois read its cells twice
+# over or more, 8 float32 / 4 float64 channels at a time from the image's planes
+# interleaved; an image of few rois beside them a plane at a time; a slice of
+# many rois on one group split into parts. (batch, channels, rois per image).
+GROUP_LAYOUTS = {
+    "one image, a whole group": (1, 8, [40]),
+    "one image, a group and a part": (1, 13, [40]),
+    "three images, one without rois, one of a roi": (3, 11, [45, 0, 1]),
+    "one group of many rois in parts": (1, 8, [150]),
+}
+
+
+@pytest.mark.parametrize("convention", ["torchvision", "mmcv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS)
+def test_channel_groups_pool_as_the_row_major_scan(layout, dtype, convention):
+    """Maps of a few values (ties, -0.0 beside 0.0, -inf and NaN, all-NaN
+    and only -inf bins) pooled by channel groups: the value, its sign and
+    the argmax are the reference's, for whole and partial groups, images
+    with and without interleaved planes, rois partly or wholly off the map
+    (empty bins) and a slice of rois split into parts."""
+    batch, channels, counts = GROUP_LAYOUTS[layout]
+    rng = np.random.default_rng(len(layout) * 7 + channels)
+    height, width = 12, 15
+    values = np.array([-np.inf, -1.0, -0.0, 0.0, 1.0, np.inf, np.nan], dtype=dtype)
+    x = rng.choice(values, size=(batch, channels, height, width),
+                   p=[0.2, 0.15, 0.15, 0.15, 0.1, 0.05, 0.2])
+    x[0, channels - 1, :4, :5] = np.nan       # all-NaN bins in the group's last lane
+    x[0, 0, 6:, 8:] = -np.inf                 # bins of only -inf
+    scale = 0.5
+    rois = np.concatenate([random_rois(rng, max(count, 5), batch, height, width, scale)[:count]
+                           for count in counts if count])
+    rois[:, 0] = np.repeat(np.arange(batch), counts)
+    rois = rois[rng.permutation(len(rois))].astype(dtype)   # images' rois interleaved
+    for pooled in [(3, 4), (2, 2), (5, 3)]:
+        out, argmax = roi_pool_forward(x, rois, pooled, scale, convention)
+        ref_out, ref_arg = ref_forward(x, rois, *pooled, scale,
+                                       roi_pool_module.CONVENTIONS[convention])
+        np.testing.assert_array_equal(argmax, ref_arg)
+        np.testing.assert_array_equal(out, ref_out)
+        np.testing.assert_array_equal(np.signbit(out), np.signbit(ref_out))
+
+
 # --- properties ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
