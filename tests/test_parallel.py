@@ -11,8 +11,9 @@ import pytest
 
 import mmdispatch
 from mmdispatch.ops import (bbox_overlaps, box_iou_rotated, deform_conv2d,
-                            deform_conv2d_backward, nms, nms_rotated, roi_align, roi_pool,
-                            sigmoid_focal_loss_backward)
+                            deform_conv2d_backward, nms, nms_rotated, ps_roi_align,
+                            ps_roi_align_backward, ps_roi_pool, ps_roi_pool_backward, roi_align,
+                            roi_pool, sigmoid_focal_loss_backward)
 
 # big enough that every op shares its loop out (mmd_worth_threads)
 RNG = np.random.default_rng(0)
@@ -31,6 +32,18 @@ SCORES = RNG.random(3000)
 OFFSET, MASK = RNG.standard_normal((2, 18, 40, 40)), RNG.random((2, 9, 40, 40))
 WEIGHT, BIAS = RNG.standard_normal((40, 32, 3, 3)), RNG.standard_normal(40)
 GRAD = RNG.standard_normal((2, 40, 40, 40))
+# roi_pool's channel groups (rois reading the map many times over), in parts of
+# the rois where threads outnumber groups
+GROUP_X = RNG.standard_normal((1, 16, 30, 30))
+GROUP_XY = RNG.uniform(0, 20, (200, 2))
+GROUP_ROIS = np.concatenate([np.zeros((200, 1)), GROUP_XY,
+                             GROUP_XY + RNG.uniform(5, 15, (200, 2))], 1)
+# the R-FCN ops: 98 = 2 x 7 x 7 channels, the forward's rois in parts
+PS_X = RNG.standard_normal((2, 98, 20, 24))
+PS_XY = RNG.uniform(0, 16, (150, 2))
+PS_ROIS = np.concatenate([RNG.integers(0, 2, (150, 1)), PS_XY,
+                          PS_XY + RNG.uniform(2, 8, (150, 2))], 1)
+PS_GRAD = RNG.standard_normal((150, 2, 7, 7))
 
 
 def outputs():
@@ -38,7 +51,10 @@ def outputs():
             roi_pool(X, ROIS, 7), bbox_overlaps(BOXES, BOXES),
             sigmoid_focal_loss_backward(LOGITS, np.arange(4096) % 9),
             nms(MANY_BOXES, SCORES, 0.3), nms_rotated(ROTATED, SCORES, 0.3),
-            box_iou_rotated(ROTATED[:300], ROTATED)] + (
+            box_iou_rotated(ROTATED[:300], ROTATED), roi_pool(GROUP_X, GROUP_ROIS, 7),
+            ps_roi_pool(PS_X, PS_ROIS, 7), ps_roi_align(PS_X, PS_ROIS, 7, 1.0, 2),
+            ps_roi_pool_backward(PS_GRAD, PS_ROIS, PS_X.shape),
+            ps_roi_align_backward(PS_GRAD, PS_ROIS, PS_X.shape, 1.0, 2)] + (
                 [deform_conv2d(X, OFFSET, WEIGHT, BIAS, 1, 1, 1, MASK),
                  *deform_conv2d_backward(GRAD, X, OFFSET, WEIGHT, 1, 1, 1, MASK)]
                 if mmdispatch._core.cpu_tiles() != "baseline" else [])

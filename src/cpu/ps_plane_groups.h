@@ -28,33 +28,70 @@ namespace {
  * adders busy, few enough for their accumulators to stay in registers. */
 constexpr int kPsGroup = 8;
 
-/* Item i: image n, bin b, and output channels [co, co + count); its planes
- * are first_plane + j * bins for j < count. */
+/* Item i: image n, bin b, output channels [co, co + count), and part
+ * `part` of `parts` of the rois; its planes are first_plane + j * bins for
+ * j < count. */
 struct PsItem {
-    int64_t n, b, co, count;
+    int64_t n, b, co, count, part, parts;
+
+    /* The item's part of the rois [lo, hi) it would take whole. */
+    void rois(int64_t lo, int64_t hi, int64_t *first, int64_t *last) const {
+        *first = lo + (hi - lo) * part / parts;
+        *last = lo + (hi - lo) * (part + 1) / parts;
+    }
 };
 
 struct PsPlaneGroups {
-    int64_t batch, channels, bins, c_out, runs;
+    int64_t batch, channels, bins, c_out, runs, parts;
+    bool split;   /* a range of `bins` items is an (image, run, part)'s every bin */
 
-    /* Runs of at most kPsGroup output channels, or shorter ones where the
-     * call has too few images and bins to give each thread 4 items. */
-    PsPlaneGroups(int64_t batch_, int64_t channels_, int64_t bins_)
+    /* Runs of at most kPsGroup output channels. `split_rois` (a forward,
+     * whose items write the outputs of their rois) on more than one
+     * thread: each (image, run, part of the rois) a worker's range of
+     * items (its every bin), so that no two threads write a roi's output
+     * bins, which share cache lines; the rois in parts of 16 or more where
+     * that makes 4 triples a thread or more (each part's items read their
+     * planes again). Else (a backward, whose items add into their planes:
+     * the rois whole) shorter runs where the call has too few images and
+     * bins to give each thread 4 items. */
+    PsPlaneGroups(int64_t batch_, int64_t channels_, int64_t bins_, bool split_rois = false,
+                  int64_t num_rois = 0)
         : batch(batch_), channels(channels_), bins(bins_), c_out(channels_ / bins_),
-          runs((channels_ / bins_ + kPsGroup - 1) / kPsGroup) {
-        const int64_t wanted = 4 * (int64_t)mmd_max_threads(), per_run = batch * bins;
+          runs((channels_ / bins_ + kPsGroup - 1) / kPsGroup), parts(1), split(false) {
+        const int64_t threads = mmd_max_threads();
+        if (split_rois && threads > 1) {
+            split = true;
+            const int64_t triples = batch * runs, most = batch > 0 ? num_rois / (16 * batch) : 0;
+            if (triples > 0 && triples < 4 * threads)
+                parts = (4 * threads + triples - 1) / triples;
+            if (parts > most) parts = most > 1 ? most : 1;
+            return;
+        }
+        const int64_t wanted = 4 * threads, per_run = batch * bins;
         if (per_run > 0 && runs * per_run < wanted) {
             const int64_t more = (wanted + per_run - 1) / per_run;
             runs = more < c_out ? more : c_out;
         }
     }
 
-    int64_t items() const { return batch * bins * runs; }
-    /* Runs of output channels as even as kPsGroup allows (10 = 5 + 5). */
+    int64_t items() const { return batch * runs * parts * bins; }
+    /* Runs of output channels as even as kPsGroup allows (10 = 5 + 5). Not
+     * split: runs fastest, then bins and images (neighbours share their
+     * bin's cells). Split: bins fastest, then parts, runs and images. */
     PsItem item(int64_t i) const {
-        const int64_t run = i % runs, b = (i / runs) % bins, n = i / runs / bins;
+        int64_t b, run, part = 0, n;
+        if (!split) {
+            run = i % runs;
+            b = (i / runs) % bins;
+            n = i / runs / bins;
+        } else {
+            b = i % bins;
+            part = (i / bins) % parts;
+            run = (i / bins / parts) % runs;
+            n = i / bins / parts / runs;
+        }
         const int64_t co = run * c_out / runs, co_end = (run + 1) * c_out / runs;
-        return PsItem{n, b, co, co_end - co};
+        return PsItem{n, b, co, co_end - co, part, parts};
     }
     int64_t first_plane(const PsItem &it) const { return it.n * channels + it.co * bins + it.b; }
 };
@@ -110,7 +147,8 @@ template <typename T, typename F>
 int ps_for_plane_groups(const PsPlaneGroups &groups, const T *map, int64_t plane_size,
                         int64_t work, const F &f) {
     const int64_t items = groups.items(), plane_bytes = plane_size * (int64_t)sizeof(T);
-    return mmd_parallel_for(items, mmd_even_chunk(items), mmd_worth_threads(items, work),
+    const int64_t chunk = groups.split ? groups.bins : mmd_even_chunk(items);
+    return mmd_parallel_for(items, chunk, mmd_worth_threads(items, work),
                             [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const PsItem it = groups.item(i), after = groups.item(i + 1 < end ? i + 1 : i);

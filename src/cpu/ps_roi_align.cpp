@@ -135,14 +135,15 @@ template <typename T> struct BinSamples {
 };
 
 /* For each chunk of rois (RoiTable) and every item (ps_plane_groups.h):
- * f(size, planes, samples) for each roi of the chunk on the item's image,
- * in order, with `planes` the offset of the item's first plane in the map
+ * f(size, planes, samples) for each roi of the chunk on the item's image
+ * (of the item's part of the chunk, where `split_rois`: the forward), in
+ * order, with `planes` the offset of the item's first plane in the map
  * (the next are bins * plane_size apart). */
 template <typename T, typename F>
-int for_items_and_rois(const Call<T> &call, const T *map, const F &f) {
+int for_items_and_rois(const Call<T> &call, const T *map, bool split_rois, const F &f) {
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     const int64_t plane_size = call.height * call.width;
-    const PsPlaneGroups groups(call.batch, call.channels, bins);
+    const PsPlaneGroups groups(call.batch, call.channels, bins, split_rois, call.num_rois);
     RoiTable<T> table;
     for (int64_t from = 0; from < call.num_rois; from = table.end) {
         int s = table.build(call, from);
@@ -152,7 +153,9 @@ int for_items_and_rois(const Call<T> &call, const T *map, const F &f) {
                                 [&](auto size, const PsItem &it, mmd_block_prefetch &next) {
             const int64_t ph = it.b / call.pooled_w, pw = it.b % call.pooled_w;
             const int64_t planes = groups.first_plane(it) * plane_size;
-            for (int64_t k = table.begin; k < table.end; ++k) {
+            int64_t first, last;
+            it.rois(table.begin, table.end, &first, &last);
+            for (int64_t k = first; k < last; ++k) {
                 const Geometry<T> &g = table.geometry[k - table.begin];
                 if (g.batch != it.n) continue;
                 next.step();
@@ -171,7 +174,7 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t stride = bins * call.height * call.width;
-    return for_items_and_rois(call, input,
+    return for_items_and_rois(call, input, true,
                               [&](auto size, int64_t planes, const BinSamples<T> &b) {
         constexpr int G = decltype(size)::value;
         T sum[G] = {};
@@ -197,7 +200,7 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t stride = bins * call.height * call.width, width = call.width;
-    return for_items_and_rois(call, (const T *)grad_input,
+    return for_items_and_rois(call, (const T *)grad_input, false,
                               [&](auto size, int64_t planes, const BinSamples<T> &b) {
         constexpr int G = decltype(size)::value;
         T grad[G];

@@ -79,23 +79,26 @@ struct Bin {
 };
 
 /* For every item (ps_plane_groups.h): f(size, planes, bin) for each roi on
- * the item's image, in order, with `planes` the offset of the item's first
- * plane in the map (the next are bins * plane_size apart). */
+ * the item's image (its part of them, where `split_rois`: the forward), in
+ * order, with `planes` the offset of the item's first plane in the map
+ * (the next are bins * plane_size apart). */
 template <typename T, typename F> int for_items_and_rois(const Call<T> &call, const T *map,
-                                                         const F &f) {
+                                                         bool split_rois, const F &f) {
     Cells cells(call);
     int s = cells.build(call);
     if (s) return s;
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     const int64_t plane_size = call.height * call.width, K = call.num_rois;
-    const PsPlaneGroups groups(call.batch, call.channels, bins);
+    const PsPlaneGroups groups(call.batch, call.channels, bins, split_rois, K);
     return ps_for_plane_groups(groups, map, plane_size, call.batch * call.channels * K * 4,
                                [&](auto size, const PsItem &it, mmd_block_prefetch &next) {
         const int64_t ph = it.b / call.pooled_w, pw = it.b % call.pooled_w;
         const int64_t planes = groups.first_plane(it) * plane_size;
         const int64_t *row_lo = &cells.row_lo[ph * K], *row_hi = &cells.row_hi[ph * K];
         const int64_t *col_lo = &cells.col_lo[pw * K], *col_hi = &cells.col_hi[pw * K];
-        for (int64_t j = cells.by_image.start[it.n]; j < cells.by_image.start[it.n + 1]; ++j) {
+        int64_t first, last;
+        it.rois(cells.by_image.start[it.n], cells.by_image.start[it.n + 1], &first, &last);
+        for (int64_t j = first; j < last; ++j) {
             next.step();
             const int64_t k = cells.by_image.order[j];
             f(size, planes,
@@ -109,7 +112,8 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t stride = bins * call.height * call.width, width = call.width;
-    return for_items_and_rois(call, input, [&](auto size, int64_t planes, const Bin &bin) {
+    return for_items_and_rois(call, input, true,
+                              [&](auto size, int64_t planes, const Bin &bin) {
         constexpr int G = decltype(size)::value;
         T sum[G] = {};
         for (int64_t h = bin.h0; h < bin.h1; ++h)
@@ -131,7 +135,7 @@ template <typename T> int backward(const Call<T> &call, const T *grad_output, T 
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t stride = bins * call.height * call.width, width = call.width;
-    return for_items_and_rois(call, (const T *)grad_input,
+    return for_items_and_rois(call, (const T *)grad_input, false,
                               [&](auto size, int64_t planes, const Bin &bin) {
         constexpr int G = decltype(size)::value;
         if (bin.empty()) return;
