@@ -108,13 +108,19 @@ MMD_X86_CLONES void deinterleave(const T *cells, int64_t plane_size, int64_t cou
  * map of up to 512 x 512 cells in float (the bench's 200 x 304: 1.9 MB) */
 constexpr int64_t kMaxInterleaved = (int64_t)8 << 20;
 
+/* Reads of an image's cells (C::roi_reads) that pay for interleaving its
+ * planes of a group: as many as it has cells. Measured on one 200 x 304
+ * image of 256 channels (2026-12-02, 2 threads): roi_align's sr=2 forward
+ * gained from about 0.7 reads a cell, roi_pool's forward below 0.5, the
+ * backward by 1. */
+constexpr double kInterleaveReads = 1.0;
+
 /* The rois by image: slice n's rois are roi(start[n] .. start[n + 1] - 1),
  * of image images[n], and interleave[n] says whether they read its cells
- * often enough (C::roi_reads: twice its cells, as the interleaving reads
- * and writes each once) to pay for interleaving its planes of a group, where
- * they fit kMaxInterleaved: a slice per image that has rois (a stable
- * counting sort by batch index), or for one image a slice of every roi in
- * order. */
+ * often enough (kInterleaveReads a cell) to pay for interleaving its planes
+ * of a group, where they fit kMaxInterleaved: a slice per image that has
+ * rois (a stable counting sort by batch index), or for one image a slice
+ * of every roi in order. */
 template <typename C> struct ImageRois {
     typedef typename C::value_type T;
     bool sorted;
@@ -139,7 +145,7 @@ template <typename C> struct ImageRois {
             start[1] = call.num_rois;
             images[0] = 0;
             reads[0] = fits ? call.all_reads() : 0;
-            interleave[0] = reads[0] >= 2.0 * (double)cells;
+            interleave[0] = reads[0] >= kInterleaveReads * (double)cells;
             return;
         }
         for (int64_t k = 0; k < call.num_rois; ++k) {
@@ -157,7 +163,7 @@ template <typename C> struct ImageRois {
             if (!count) continue;
             images[s] = n;
             reads[s] = reads[n];
-            interleave[s] = fits && reads[s] >= 2.0 * (double)cells;
+            interleave[s] = fits && reads[s] >= kInterleaveReads * (double)cells;
             next[n] = start[s] = total;   /* next: by image, the next roi's slot */
             total += count;
             ++s;
@@ -176,15 +182,16 @@ template <typename C> struct ImageRois {
         return false;
     }
 
-    /* Whether the rois read fewer than twice a map's cells in all (no
-     * image can pay for interleaving), or its planes pass kMaxInterleaved:
+    /* Whether the rois read fewer cells in all than kInterleaveReads a
+     * map's cell (no image can pay for interleaving), or its planes pass
+     * kMaxInterleaved:
      * such a call takes its channels one at a time (without this struct's
      * cost, for a small call; the same bits). roi_align asks only for a
      * fixed sampling_ratio, whose all_reads() is arithmetic. */
     static bool few_reads(const C &call) {
         const int64_t cells = call.height * call.width;
         return cells > kMaxInterleaved / (int64_t)sizeof(T) / kGroup<T> ||
-               call.all_reads() < 2.0 * (double)cells;
+               call.all_reads() < kInterleaveReads * (double)cells;
     }
 };
 
@@ -243,7 +250,8 @@ int for_each_group_item(const C &call, const ImageRois<C> &images, bool parts_al
                 const int64_t len = images.start[n + 1] - s;
                 /* a part interleaves where its share of the slice's reads pays */
                 const bool interleaved = images.interleave[n] && len > 0 &&
-                                         images.reads[n] / (double)parts >= 2.0 * (double)plane;
+                                         images.reads[n] / (double)parts >=
+                                             kInterleaveReads * (double)plane;
                 const GroupItem<T> it{c0,
                                       call.channels - c0 < L ? call.channels - c0 : L,
                                       images.images[n],

@@ -259,7 +259,7 @@ def test_dense_avg_through_interleaved_planes_gives_the_bits_of_a_plane_at_a_tim
     """Adaptive sampling's dense weights run on a group's interleaved planes
     when an image's rois read them often enough (30 rois here) and a plane
     at a time when they do not (each roi alone: it reads fewer cells than
-    twice the map's); both ways take the same sums in the same order,
+    the map has); both ways take the same sums in the same order,
     forward and backward (each roi alone adding into what the rois before
     it left), a group whose gradients hold inf taking the samples."""
     x = rng.standard_normal((2, 11, 60, 80)).astype(dtype)

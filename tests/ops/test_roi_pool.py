@@ -369,8 +369,8 @@ def test_every_column_span_of_a_row_pools_as_the_reference(width, dtype):
         np.testing.assert_array_equal(np.signbit(out), np.signbit(ref_out))
 
 
-# Channel groups (the CPU forward): where an image's rois read its cells twice
-# over or more, 8 float32 / 4 float64 channels at a time from the image's planes
+# Channel groups (the CPU forward): where an image's rois read as many cells as
+# it has or more, 8 float32 / 4 float64 channels at a time from the image's planes
 # interleaved; an image of few rois beside them a plane at a time; a slice of
 # many rois on one group split into parts. (batch, channels, rois per image).
 GROUP_LAYOUTS = {
