@@ -44,6 +44,10 @@ PS_XY = RNG.uniform(0, 16, (150, 2))
 PS_ROIS = np.concatenate([RNG.integers(0, 2, (150, 1)), PS_XY,
                           PS_XY + RNG.uniform(2, 8, (150, 2))], 1)
 PS_GRAD = RNG.standard_normal((150, 2, 7, 7))
+# 12 output channels of 2 x 2 bins: runs of 6, each run's rois in parts (3
+# on 3 threads, 4 on 8: the 8 share a factor with the runs, where an item
+# order that mixed runs and parts up would miss some)
+PS_WIDE_X = RNG.standard_normal((2, 48, 20, 24))
 
 
 def outputs():
@@ -54,7 +58,8 @@ def outputs():
             box_iou_rotated(ROTATED[:300], ROTATED), roi_pool(GROUP_X, GROUP_ROIS, 7),
             ps_roi_pool(PS_X, PS_ROIS, 7), ps_roi_align(PS_X, PS_ROIS, 7, 1.0, 2),
             ps_roi_pool_backward(PS_GRAD, PS_ROIS, PS_X.shape),
-            ps_roi_align_backward(PS_GRAD, PS_ROIS, PS_X.shape, 1.0, 2)] + (
+            ps_roi_align_backward(PS_GRAD, PS_ROIS, PS_X.shape, 1.0, 2),
+            ps_roi_pool(PS_WIDE_X, PS_ROIS, 2), ps_roi_align(PS_WIDE_X, PS_ROIS, 2, 1.0, 2)] + (
                 [deform_conv2d(X, OFFSET, WEIGHT, BIAS, 1, 1, 1, MASK),
                  *deform_conv2d_backward(GRAD, X, OFFSET, WEIGHT, 1, 1, 1, MASK)]
                 if mmdispatch._core.cpu_tiles() != "baseline" else [])

@@ -4,9 +4,10 @@
  * items that share a call's (group, image) pairs out over the workers. A
  * call type C gives them its shapes (batch, num_rois, channels, height,
  * width, bins()), `value_type`, `op` and `scratch` (names for the errors:
- * the op, and what its kernels' scratch holds), `roi_reads(k, &image)`
- * (roi k's image and the cells it reads; its roi valid) and
- * `all_reads()` (the cells all rois read). */
+ * the op, and what its kernels' scratch holds), `bin_scratch` (whether
+ * its items use GroupItem::bins), `roi_reads(k, &image)` (roi k's image
+ * and the cells it reads; its roi valid) and `all_reads()` (the cells all
+ * rois read). */
 #ifndef MMDISPATCH_CPU_CHANNEL_GROUPS_H
 #define MMDISPATCH_CPU_CHANNEL_GROUPS_H
 
@@ -120,7 +121,8 @@ constexpr double kInterleaveReads = 1.0;
  * often enough (kInterleaveReads a cell) to pay for interleaving its planes
  * of a group, where they fit kMaxInterleaved: a slice per image that has
  * rois (a stable counting sort by batch index), or for one image a slice
- * of every roi in order. */
+ * of every roi in order. `all_reads`: call.all_reads() where the caller
+ * has it (few_reads), else below 0. */
 template <typename C> struct ImageRois {
     typedef typename C::value_type T;
     bool sorted;
@@ -132,7 +134,7 @@ template <typename C> struct ImageRois {
     SmallArray<unsigned char, 16> interleave;
     SmallArray<double, 16> reads;      /* the cells slice n's rois read */
 
-    explicit ImageRois(const C &call)
+    explicit ImageRois(const C &call, double all_reads = -1)
         : sorted(call.batch > 1), slices(sorted ? call.batch : 1),
           order(sorted ? call.num_rois : 0), image_of(sorted ? call.num_rois : 0),
           start(slices + 1), next(slices), images(slices), interleave(slices), reads(slices) {
@@ -144,7 +146,7 @@ template <typename C> struct ImageRois {
         if (!sorted) {
             start[1] = call.num_rois;
             images[0] = 0;
-            reads[0] = fits ? call.all_reads() : 0;
+            reads[0] = !fits ? 0 : all_reads >= 0 ? all_reads : call.all_reads();
             interleave[0] = reads[0] >= kInterleaveReads * (double)cells;
             return;
         }
@@ -187,11 +189,14 @@ template <typename C> struct ImageRois {
      * kMaxInterleaved:
      * such a call takes its channels one at a time (without this struct's
      * cost, for a small call; the same bits). roi_align asks only for a
-     * fixed sampling_ratio, whose all_reads() is arithmetic. */
-    static bool few_reads(const C &call) {
+     * fixed sampling_ratio, whose all_reads() is arithmetic. `*reads`, if
+     * given: all_reads(), where it was needed, for the constructor. */
+    static bool few_reads(const C &call, double *reads = nullptr) {
         const int64_t cells = call.height * call.width;
-        return cells > kMaxInterleaved / (int64_t)sizeof(T) / kGroup<T> ||
-               call.all_reads() < kInterleaveReads * (double)cells;
+        if (cells > kMaxInterleaved / (int64_t)sizeof(T) / kGroup<T>) return true;
+        const double all = call.all_reads();
+        if (reads) *reads = all;
+        return all < kInterleaveReads * (double)cells;
     }
 };
 
@@ -199,7 +204,8 @@ template <typename C> struct ImageRois {
  * slice's rois roi(first .. last - 1) (ImageRois), all of `image`, with a
  * worker's scratch:
  * `cells` (room for an image's interleaved planes where any slice is
- * interleaved), `bins` (a roi's [bins][kGroup] values) and `wide` (a dense
+ * interleaved), `bins` (a roi's [bins][kGroup] values, where
+ * C::bin_scratch) and `wide` (a dense
  * roi's row accumulator of kGroup lanes a cell, grown with grow()). */
 template <typename T> struct GroupItem {
     int64_t c0, count, image, first, last;
@@ -237,7 +243,7 @@ int for_each_group_item(const C &call, const ImageRois<C> &images, bool parts_al
         [&](int64_t begin, int64_t end) -> int {
             /* a small call's in the holder: 7 x 7 bins of 8 lanes, no planes */
             SmallArray<T, 1> planes(cells);
-            SmallArray<T, 49 * 8> bins(call.bins() * L);
+            SmallArray<T, 49 * 8> bins(C::bin_scratch ? call.bins() * L : 0);
             T *wide = nullptr;
             size_t wide_cap = 0;
             int status = planes && bins ? (int)MMD_OK

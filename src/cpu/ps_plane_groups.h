@@ -49,7 +49,8 @@ struct PsPlaneGroups {
      * whose items write the outputs of their rois) on more than one
      * thread: each (image, run, part of the rois) a worker's range of
      * items (its every bin), so that no two threads write a roi's output
-     * bins, which share cache lines; the rois in parts of 16 or more where
+     * bins of one run, which share cache lines (a roi's runs, over
+     * kPsGroup output channels, meet in one line); the rois in parts of 16 or more where
      * that makes 4 triples a thread or more (each part's items read their
      * planes again). Else (a backward, whose items add into their planes:
      * the rois whole) shorter runs where the call has too few images and

@@ -322,9 +322,10 @@ int backward(const Call<T> &call, const T *grad_output, const T *argmax_y, const
     const RoiTable<T> table(call, call.reference || call.pool_mode != MMD_POOL_AVG
                                       ? 0
                                       : call.sampling_ratio);
+    double reads = -1;   /* all_reads(), where few_reads() found it */
     if (!call.reference && call.pool_mode == MMD_POOL_AVG &&
-        !(call.sampling_ratio > 0 && ImageRois<T>::few_reads(call))) {
-        const ImageRois<T> images(call);
+        !(call.sampling_ratio > 0 && ImageRois<T>::few_reads(call, &reads))) {
+        const ImageRois<T> images(call, reads);
         return for_each_group_item(call, images, false, [&](const GroupItem<T> &it) {
             return backward_group(call, table, images, grad_output, grad_input, it);
         });

@@ -334,9 +334,10 @@ int forward(const Call<T> &call, const T *input, T *output, T *argmax_y, T *argm
      * channel without one (O(pooled * grid) against O(pooled^2 * grid^2)
      * samples). The reference backend computes every roi's weights itself. */
     const RoiTable<T> table(call, call.reference ? 0 : call.sampling_ratio);
+    double reads = -1;   /* all_reads(), where few_reads() found it */
     if (!call.reference && call.pool_mode == MMD_POOL_AVG &&
-        !(call.sampling_ratio > 0 && ImageRois<T>::few_reads(call))) {
-        const ImageRois<T> images(call);
+        !(call.sampling_ratio > 0 && ImageRois<T>::few_reads(call, &reads))) {
+        const ImageRois<T> images(call, reads);
         return for_each_group_item(call, images, true, [&](const GroupItem<T> &it) {
             return forward_group(call, table, images, input, output, it);
         });

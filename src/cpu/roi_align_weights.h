@@ -31,6 +31,7 @@ template <typename T> using Axis = mmd_interp_axis<T>;
 template <typename T> struct Call {
     typedef T value_type;
     static constexpr const char *op = "roi_align", *scratch = "interpolation weights";
+    static constexpr bool bin_scratch = true;   /* channel groups: a roi's bins' sums */
     const T *rois;
     int64_t num_rois, batch, channels, height, width, pooled_h, pooled_w;
     T spatial_scale;

@@ -23,18 +23,63 @@
 
 namespace {
 
-/* Validates every roi before anything is written. */
-template <typename T>
-int check_rois(const mmd_tensor *rois, int64_t batch, T spatial_scale, int64_t pooled_h,
-               int64_t pooled_w, int64_t convention) {
-    const T *r = (const T *)rois->data;
-    for (int64_t k = 0; k < rois->shape[0]; ++k) {
-        mmd_pool_geometry<T> g{};
-        int code = mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
-                                         convention, &g);
-        if (code != MMD_ROI_OK) return mmd_roi_error(code, k, batch);
+/* A call's rois and shapes (height and width: the map's), which the
+ * forward's channel groups take as their call type (channel_groups.h). */
+template <typename T> struct PoolCall {
+    typedef T value_type;
+    static constexpr const char *op = "roi_pool", *scratch = "column maxima";
+    static constexpr bool bin_scratch = false;   /* its group kernels keep no bins */
+    const T *rois;
+    int64_t num_rois, batch, channels, height, width, pooled_h, pooled_w, convention;
+    T spatial_scale;
+
+    int64_t bins() const { return pooled_h * pooled_w; }
+    /* Validates every roi, before anything is written. */
+    int check() const {
+        for (int64_t k = 0; k < num_rois; ++k) {
+            mmd_pool_geometry<T> g{};
+            const int code = mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h,
+                                                   pooled_w, convention, &g);
+            if (code != MMD_ROI_OK) return mmd_roi_error(code, k, batch);
+        }
+        return MMD_OK;
     }
-    return MMD_OK;
+    /* Roi k's geometry (valid: check() passed). */
+    mmd_pool_geometry<T> geometry(int64_t k) const {
+        mmd_pool_geometry<T> g{};
+        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
+                              &g);
+        return g;
+    }
+    /* Roi k's image and the cells its bins read. */
+    double roi_reads(int64_t k, int64_t *image) const {
+        const mmd_pool_geometry<T> g = geometry(k);
+        int64_t rows = 0, cols = 0, lo, hi;
+        for (int64_t ph = 0; ph < pooled_h; ++ph) {
+            mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, ph, height, &lo, &hi);
+            rows += hi > lo ? hi - lo : 0;
+        }
+        for (int64_t pw = 0; pw < pooled_w; ++pw) {
+            mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pw, width, &lo, &hi);
+            cols += hi > lo ? hi - lo : 0;
+        }
+        *image = g.batch;
+        return (double)rows * (double)cols;
+    }
+    double all_reads() const {
+        double reads = 0;
+        int64_t image;
+        for (int64_t k = 0; k < num_rois; ++k) reads += roi_reads(k, &image);
+        return reads;
+    }
+};
+
+/* f(Row()) with pool_plane's row type (below): int32_t where the height
+ * fits it and T is float, so that the vector blends of values and rows
+ * have one width. */
+template <typename T, typename F> auto with_pool_rows(int64_t height, const F &f) {
+    if (sizeof(T) == 4 && height <= INT32_MAX) return f(int32_t());
+    return f(int64_t());
 }
 
 /* The column of [w0, w1) whose (col_max, col_row) ranks first (pool_plane
@@ -262,80 +307,27 @@ MMD_X86_CLONES void pool_plane(const T *plane, int64_t height, int64_t width,
  * workload lies in about 30), and roi-major order read the whole map from
  * memory once per overlapping roi. */
 template <typename T, typename Row>
-int pool_planes(int64_t begin, int64_t end, const T *in, const T *rois, int64_t num_rois,
-                int64_t batch, int64_t channels, int64_t height, int64_t width, T spatial_scale,
-                int64_t convention, int64_t pooled_h, int64_t pooled_w, T *out,
+int pool_planes(int64_t begin, int64_t end, const T *in, const PoolCall<T> &call, T *out,
                 int64_t *argmax) {
-    const HeapArray<T> col_max(width);
-    const HeapArray<Row> col_row(width);
+    const HeapArray<T> col_max(call.width);
+    const HeapArray<Row> col_row(call.width);
     if (!col_max || !col_row)
         return mmd_error(MMD_ERR_MEMORY, "out of memory for a row of %lld cells",
-                         (long long)width);
-    const int64_t bins = pooled_h * pooled_w;
+                         (long long)call.width);
+    const int64_t bins = call.bins(), plane_size = call.height * call.width;
     for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = i / num_rois, k = i % num_rois, p = k * channels + c;
-        mmd_pool_geometry<T> g{};
-        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
-                              &g);
-        pool_plane(in + (g.batch * channels + c) * height * width, height, width, g, pooled_h,
-                   pooled_w, out + p * bins, argmax + p * bins, col_max.get(), col_row.get());
+        const int64_t c = i / call.num_rois, k = i % call.num_rois, p = k * call.channels + c;
+        const mmd_pool_geometry<T> g = call.geometry(k);
+        pool_plane(in + (g.batch * call.channels + c) * plane_size, call.height, call.width, g,
+                   call.pooled_h, call.pooled_w, out + p * bins, argmax + p * bins,
+                   col_max.get(), col_row.get());
     }
     return MMD_OK;
-}
-
-/* pool_plane's choice of the row type: int32_t where the height fits it
- * and T is float (its vector blends of values and rows have one width). */
-template <typename T>
-void pool_plane_rows(const T *plane, int64_t height, int64_t width,
-                     const mmd_pool_geometry<T> &g, int64_t pooled_h, int64_t pooled_w, T *out,
-                     int64_t *argmax, T *col_max, int64_t *col_row) {
-    if (sizeof(T) == 4 && height <= INT32_MAX)
-        pool_plane(plane, height, width, g, pooled_h, pooled_w, out, argmax, col_max,
-                   (int32_t *)col_row);
-    else
-        pool_plane(plane, height, width, g, pooled_h, pooled_w, out, argmax, col_max, col_row);
 }
 
 using mmd_channel_groups::GroupItem;
 using mmd_channel_groups::kGroup;
 
-/* A forward call as the channel groups see it (channel_groups.h). */
-template <typename T> struct PoolCall {
-    typedef T value_type;
-    static constexpr const char *op = "roi_pool", *scratch = "bins";
-    const T *rois;
-    int64_t num_rois, batch, channels, height, width, pooled_h, pooled_w, convention;
-    T spatial_scale;
-
-    int64_t bins() const { return pooled_h * pooled_w; }
-    mmd_pool_geometry<T> geometry(int64_t k) const {
-        mmd_pool_geometry<T> g{};
-        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
-                              &g);
-        return g;
-    }
-    /* Roi k's image and the cells its bins read (valid: check_rois passed). */
-    double roi_reads(int64_t k, int64_t *image) const {
-        const mmd_pool_geometry<T> g = geometry(k);
-        int64_t rows = 0, cols = 0, lo, hi;
-        for (int64_t ph = 0; ph < pooled_h; ++ph) {
-            mmd_roi_pool_bin(g.start_h, g.bin_h, g.mmcv, ph, height, &lo, &hi);
-            rows += hi > lo ? hi - lo : 0;
-        }
-        for (int64_t pw = 0; pw < pooled_w; ++pw) {
-            mmd_roi_pool_bin(g.start_w, g.bin_w, g.mmcv, pw, width, &lo, &hi);
-            cols += hi > lo ? hi - lo : 0;
-        }
-        *image = g.batch;
-        return (double)rows * (double)cols;
-    }
-    double all_reads() const {
-        double reads = 0;
-        int64_t image;
-        for (int64_t k = 0; k < num_rois; ++k) reads += roi_reads(k, &image);
-        return reads;
-    }
-};
 template <typename T> using PoolRois = mmd_channel_groups::ImageRois<PoolCall<T>>;
 
 /* The maxima and argmaxima of one roi's bins for a group's `count`
@@ -444,17 +436,19 @@ bool pool_group(const PoolCall<T> &call, const PoolRois<T> &images, const T *inp
         }
         return true;
     }
-    const HeapArray<T> col_max(call.width);
-    const HeapArray<int64_t> col_row(call.width);
-    if (!col_max || !col_row) return false;
-    for (int64_t l = 0; l < it.count; ++l)
-        for (int64_t i = it.first; i < it.last; ++i) {
-            const int64_t k = images.roi(i), p = (k * call.channels + it.c0 + l) * bins;
-            pool_plane_rows(planes + l * plane_size, call.height, call.width, call.geometry(k),
-                            call.pooled_h, call.pooled_w, output + p, argmax + p,
-                            col_max.get(), col_row.get());
-        }
-    return true;
+    return with_pool_rows<T>(call.height, [&](auto row) {
+        const HeapArray<T> col_max(call.width);
+        const HeapArray<decltype(row)> col_row(call.width);
+        if (!col_max || !col_row) return false;
+        for (int64_t l = 0; l < it.count; ++l)
+            for (int64_t i = it.first; i < it.last; ++i) {
+                const int64_t k = images.roi(i), p = (k * call.channels + it.c0 + l) * bins;
+                pool_plane(planes + l * plane_size, call.height, call.width, call.geometry(k),
+                           call.pooled_h, call.pooled_w, output + p, argmax + p, col_max.get(),
+                           col_row.get());
+            }
+        return true;
+    });
 }
 
 template <typename T>
@@ -463,32 +457,28 @@ int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_
     const int64_t batch = input->shape[0], channels = input->shape[1];
     const int64_t height = input->shape[2], width = input->shape[3];
     const int64_t pooled_h = output->shape[2], pooled_w = output->shape[3];
-    const int64_t bins = pooled_h * pooled_w;
-    int s = check_rois(rois, batch, spatial_scale, pooled_h, pooled_w, convention);
+    const int64_t num_rois = rois->shape[0], planes = num_rois * channels;
+    const PoolCall<T> call{(const T *)rois->data, num_rois, batch,    channels,
+                           height,                width,    pooled_h, pooled_w,
+                           convention,            spatial_scale};
+    int s = call.check();
     if (s || mmd_numel(output) == 0) return s;
-    const T *in = (const T *)input->data, *r = (const T *)rois->data;
+    const T *in = (const T *)input->data;
     T *out = (T *)output->data;
     int64_t *am = (int64_t *)argmax->data;
-    const int64_t num_rois = rois->shape[0], planes = num_rois * channels;
-    const PoolCall<T> call{r,        num_rois, batch,    channels,  height,
-                           width,    pooled_h, pooled_w, convention, spatial_scale};
-    if (channels >= kGroup<T> && !PoolRois<T>::few_reads(call)) {
-        const PoolRois<T> images(call);
+    double reads = -1;   /* all_reads(), where few_reads() found it */
+    if (channels >= kGroup<T> && !PoolRois<T>::few_reads(call, &reads)) {
+        const PoolRois<T> images(call, reads);
         return mmd_channel_groups::for_each_group_item(
             call, images, true,
             [&](const GroupItem<T> &it) { return pool_group(call, images, in, out, am, it); });
     }
-    const bool narrow_rows = sizeof(T) == 4 && height <= INT32_MAX;
-    return mmd_parallel_for(
-        planes, 16, mmd_worth_threads(planes, planes * bins), [&](int64_t begin, int64_t end) {
-            if (narrow_rows)
-                return pool_planes<T, int32_t>(begin, end, in, r, num_rois, batch, channels,
-                                               height, width, spatial_scale, convention,
-                                               pooled_h, pooled_w, out, am);
-            return pool_planes<T, int64_t>(begin, end, in, r, num_rois, batch, channels, height,
-                                           width, spatial_scale, convention, pooled_h,
-                                           pooled_w, out, am);
+    return with_pool_rows<T>(height, [&](auto row) {
+        return mmd_parallel_for(planes, 16, mmd_worth_threads(planes, planes * call.bins()),
+                                [&](int64_t begin, int64_t end) {
+            return pool_planes<T, decltype(row)>(begin, end, in, call, out, am);
         });
+    });
 }
 
 /* Rois ahead of the one being added whose argmax and grad_output rows, and
@@ -508,7 +498,10 @@ int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
     const int64_t plane_size = grad_input->shape[2] * grad_input->shape[3];
     const int64_t pooled_h = grad_output->shape[2], pooled_w = grad_output->shape[3];
     const int64_t bins = pooled_h * pooled_w, num_rois = rois->shape[0];
-    int s = check_rois(rois, batch, spatial_scale, pooled_h, pooled_w, convention);
+    const PoolCall<T> call{(const T *)rois->data,  num_rois, batch,    channels,
+                           grad_input->shape[2],   grad_input->shape[3], pooled_h, pooled_w,
+                           convention,             spatial_scale};
+    int s = call.check();
     if (s) return s;
     const int64_t *am = (const int64_t *)argmax->data;
     const int64_t total = mmd_numel(argmax);
@@ -516,18 +509,13 @@ int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
         if (am[i] < -1 || am[i] >= plane_size)
             return mmd_roi_pool_argmax_error(i, am[i], plane_size);
     if (total == 0 || mmd_numel(grad_input) == 0) return MMD_OK;
-    const T *go = (const T *)grad_output->data, *r = (const T *)rois->data;
+    const T *go = (const T *)grad_output->data;
     T *gi = (T *)grad_input->data;
     /* each roi's image, found once rather than per channel and per use */
     const HeapArray<int64_t> image_of(num_rois);
     if (!image_of)
         return mmd_error(MMD_ERR_MEMORY, "out of memory for %lld rois", (long long)num_rois);
-    for (int64_t k = 0; k < num_rois; ++k) {
-        mmd_pool_geometry<T> g{};
-        mmd_roi_pool_geometry(r + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
-                              &g);
-        image_of[k] = g.batch;
-    }
+    for (int64_t k = 0; k < num_rois; ++k) image_of[k] = call.geometry(k).batch;
     /* roi k's grad_input plane of channel c */
     auto plane_of = [&](int64_t k, int64_t c) {
         return gi + (image_of[k] * channels + c) * plane_size;
