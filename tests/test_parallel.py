@@ -38,14 +38,15 @@ GROUP_X = RNG.standard_normal((1, 16, 30, 30))
 GROUP_XY = RNG.uniform(0, 20, (200, 2))
 GROUP_ROIS = np.concatenate([np.zeros((200, 1)), GROUP_XY,
                              GROUP_XY + RNG.uniform(5, 15, (200, 2))], 1)
-# the R-FCN ops: 98 = 2 x 7 x 7 channels, the forward's rois in parts
+# the R-FCN ops: 98 = 2 x 7 x 7 channels, the forward's rois in parts (of
+# 64 rois or more: 4 on 3 and 8 threads)
 PS_X = RNG.standard_normal((2, 98, 20, 24))
-PS_XY = RNG.uniform(0, 16, (150, 2))
-PS_ROIS = np.concatenate([RNG.integers(0, 2, (150, 1)), PS_XY,
-                          PS_XY + RNG.uniform(2, 8, (150, 2))], 1)
-PS_GRAD = RNG.standard_normal((150, 2, 7, 7))
+PS_XY = RNG.uniform(0, 16, (600, 2))
+PS_ROIS = np.concatenate([RNG.integers(0, 2, (600, 1)), PS_XY,
+                          PS_XY + RNG.uniform(2, 8, (600, 2))], 1)
+PS_GRAD = RNG.standard_normal((600, 2, 7, 7))
 # 12 output channels of 2 x 2 bins: runs of 6, each run's rois in parts (3
-# on 3 threads, 4 on 8: the 8 share a factor with the runs, where an item
+# on 3 threads, 4 on 8: the 4 share a factor with the runs, where an item
 # order that mixed runs and parts up would miss some)
 PS_WIDE_X = RNG.standard_normal((2, 48, 20, 24))
 

@@ -101,16 +101,15 @@ def test_forward_and_backward_match_the_slow_reference(dtype, scale, seed):
 
 # The CPU kernel does one bin of up to 8 output channels' planes at a time
 # (src/cpu/ps_plane_groups.h): 8, 9 and 17 output channels take one run of
-# 8, runs of 4 and 5, and runs of 5, 6 and 6. With 128 rois on 2 images, a
-# forward on more than one thread also takes each run's rois in parts: 2
-# on 2 threads, 4 on 4 or more, counts that share a factor with 2 runs (with
-# coprime counts, an item order that mixed runs and parts up would still
-# visit every pair).
+# 8, runs of 4 and 5, and runs of 5, 6 and 6. With 256 rois on one image, a
+# forward on more than one thread also takes each run's rois in 4 parts, a
+# count that shares a factor with 2 runs (with coprime counts, an item order
+# that mixed runs and parts up would still visit every pair).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("c_out, k", [(8, 9), (9, 9), (17, 9), (9, 128)])
-def test_many_output_channels_match_the_slow_reference(dtype, c_out, k):
+@pytest.mark.parametrize("c_out, n, k", [(8, 2, 9), (9, 2, 9), (17, 2, 9), (9, 1, 256)])
+def test_many_output_channels_match_the_slow_reference(dtype, c_out, n, k):
     rng = np.random.default_rng(c_out)
-    x, rois = random_case(rng, dtype, out=(2, 2), c_out=c_out, h=13, w=15, k=k)
+    x, rois = random_case(rng, dtype, out=(2, 2), c_out=c_out, n=n, h=13, w=15, k=k)
     out = ps_roi_pool(x, rois, (2, 2), 0.5)
     np.testing.assert_allclose(out, ref_forward(x, rois, 2, 2, 0.5), **TOL[dtype])
     grad_out = rng.standard_normal(out.shape).astype(dtype)
@@ -120,21 +119,22 @@ def test_many_output_channels_match_the_slow_reference(dtype, c_out, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_output_channel_is_bit_for_bit_what_it_is_alone(dtype):
-    """17 output channels (runs of 5, 6 and 6) with 40 rois, and 10 (runs of
-    5 and 5) with 128 rois, in parts where more than one thread runs."""
+    """17 output channels (runs of 5, 6 and 6) with 40 rois on 2 images, and
+    10 (runs of 5 and 5) with 256 rois on one, in 4 parts where more than one
+    thread runs."""
     rng = np.random.default_rng(3)
-    for c_out, k in [(17, 40), (10, 128)]:
-        check_channels_alone(rng, dtype, c_out, k)
+    for c_out, n, k in [(17, 2, 40), (10, 1, 256)]:
+        check_channels_alone(rng, dtype, c_out, n, k)
 
 
-def check_channels_alone(rng, dtype, c_out, k):
-    x, rois = random_case(rng, dtype, out=(2, 2), c_out=c_out, h=13, w=15, k=k)
+def check_channels_alone(rng, dtype, c_out, n, k):
+    x, rois = random_case(rng, dtype, out=(2, 2), c_out=c_out, n=n, h=13, w=15, k=k)
     out = ps_roi_pool(x, rois, (2, 2), 0.5)
     grad_out = rng.standard_normal(out.shape).astype(dtype)
     grad = ps_roi_pool_backward(grad_out, rois, x.shape, 0.5)
     for co in range(c_out):
         assert np.array_equal(out[:, co:co + 1], ps_roi_pool(x[:, co * 4:(co + 1) * 4], rois, (2, 2), 0.5), equal_nan=True)
-        assert np.array_equal(grad[:, co * 4:(co + 1) * 4], ps_roi_pool_backward(grad_out[:, co:co + 1], rois, (2, 4, 13, 15), 0.5))
+        assert np.array_equal(grad[:, co * 4:(co + 1) * 4], ps_roi_pool_backward(grad_out[:, co:co + 1], rois, (n, 4, 13, 15), 0.5))
 
 
 def interior_case(rng, dtype, out=(3, 3), c_out=3, n=2, h=20, w=17, k=12):
