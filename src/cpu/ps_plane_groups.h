@@ -60,9 +60,10 @@ struct PsPlaneGroups {
      * items (its every bin), so that no two threads write a roi's output
      * bins of one run, which share cache lines (a roi's runs, over
      * kPsGroup output channels, meet in one line); the rois in parts of
-     * kPsPartRois or more where that makes 4 triples a thread or more.
-     * Else (a backward, whose items add into their planes:
-     * the rois whole) shorter runs where the call has too few images and
+     * kPsPartRois or more where that makes 4 triples a thread or more,
+     * unless that leaves threads idle (one image and run, few rois). Else
+     * (a backward, whose items add into their planes: the rois whole, or
+     * such a forward) shorter runs where the call has too few images and
      * bins to give each thread 4 items. */
     PsPlaneGroups(int64_t batch_, int64_t channels_, int64_t bins_, bool split_rois = false,
                   int64_t num_rois = 0)
@@ -76,7 +77,9 @@ struct PsPlaneGroups {
             if (triples > 0 && triples < 4 * threads)
                 parts = (4 * threads + triples - 1) / triples;
             if (parts > most) parts = most > 1 ? most : 1;
-            return;
+            if (triples * parts >= threads) return;
+            split = false;   /* fewer ranges than threads: ranges of bins, as a backward's */
+            parts = 1;
         }
         const int64_t wanted = 4 * threads, per_run = batch * bins;
         if (per_run > 0 && runs * per_run < wanted) {
