@@ -61,7 +61,8 @@ struct PsPlaneGroups {
      * bins of one run, which share cache lines (a roi's runs, over
      * kPsGroup output channels, meet in one line); the rois in parts of
      * kPsPartRois or more where that makes 4 triples a thread or more,
-     * unless that leaves threads idle (one image and run, few rois). Else
+     * unless the ranges are still fewer than the threads (one image and
+     * one run with under 2 * kPsPartRois rois, on 2 threads). Else
      * (a backward, whose items add into their planes: the rois whole, or
      * such a forward) shorter runs where the call has too few images and
      * bins to give each thread 4 items. */
