@@ -170,7 +170,7 @@ int for_items_and_rois(const Call<T> &call, const T *map, bool split_rois, const
 }
 
 template <typename T> int forward(const Call<T> &call, const T *input, T *output) {
-    int s = mmd_ps_check_rois<Geometry<T>>(call);
+    int s = mmd_check_rois<Geometry<T>>(call);
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t stride = bins * call.height * call.width;
@@ -196,7 +196,7 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
 /* Adds into grad_input (the caller passes it initialised, zeros for a plain
  * gradient); each plane gets the rois in order. */
 template <typename T> int backward(const Call<T> &call, const T *grad_output, T *grad_input) {
-    int s = mmd_ps_check_rois<Geometry<T>>(call);
+    int s = mmd_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t stride = bins * call.height * call.width, width = call.width;

@@ -51,7 +51,7 @@ struct Cells {
             return mmd_error(MMD_ERR_MEMORY, "out of memory for the bins of %lld rois",
                              (long long)call.num_rois);
         int s = by_image.build(call.num_rois, call.batch, [&](int64_t k) {
-            return (int64_t)call.rois[5 * k];   /* checked by mmd_ps_check_rois */
+            return (int64_t)call.rois[5 * k];   /* checked by mmd_check_rois */
         });
         if (s) return s;
         const int64_t K = call.num_rois;
@@ -108,7 +108,7 @@ template <typename T, typename F> int for_items_and_rois(const Call<T> &call, co
 }
 
 template <typename T> int forward(const Call<T> &call, const T *input, T *output) {
-    int s = mmd_ps_check_rois<Geometry<T>>(call);
+    int s = mmd_check_rois<Geometry<T>>(call);
     const int64_t c_out = call.out_channels(), bins = call.pooled_h * call.pooled_w;
     if (s || call.num_rois * c_out * bins == 0) return s;
     const int64_t stride = bins * call.height * call.width, width = call.width;
@@ -131,7 +131,7 @@ template <typename T> int forward(const Call<T> &call, const T *input, T *output
  * gradient): each cell of a bin gets the bin's gradient over its area, the
  * rois in order. */
 template <typename T> int backward(const Call<T> &call, const T *grad_output, T *grad_input) {
-    int s = mmd_ps_check_rois<Geometry<T>>(call);
+    int s = mmd_check_rois<Geometry<T>>(call);
     const int64_t bins = call.pooled_h * call.pooled_w, c_out = call.out_channels();
     if (s || call.num_rois * c_out * bins == 0 || call.height * call.width == 0) return s;
     const int64_t stride = bins * call.height * call.width, width = call.width;

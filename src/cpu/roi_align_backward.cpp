@@ -314,7 +314,7 @@ bool backward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRo
 template <typename T>
 int backward(const Call<T> &call, const T *grad_output, const T *argmax_y, const T *argmax_x,
              T *grad_input) {
-    int s = check_rois(call);
+    int s = mmd_check_rois<Geometry<T>>(call);   /* kernels then see valid geometry */
     if (s || call.num_rois * call.channels * call.bins() == 0 ||
         call.batch * call.channels * call.height * call.width == 0)
         return s;

@@ -328,7 +328,7 @@ bool forward_group(const Call<T> &call, const RoiTable<T> &table, const ImageRoi
 /* argmax_y/argmax_x: null in avg mode. */
 template <typename T>
 int forward(const Call<T> &call, const T *input, T *output, T *argmax_y, T *argmax_x) {
-    int s = check_rois(call);
+    int s = mmd_check_rois<Geometry<T>>(call);   /* kernels then see valid geometry */
     if (s || call.num_rois * call.channels * call.bins() == 0) return s;
     /* Per-roi weights come from the shared table, or are recomputed per
      * channel without one (O(pooled * grid) against O(pooled^2 * grid^2)

@@ -65,17 +65,6 @@ template <typename T> struct Call {
     }
 };
 
-/* Validates every roi (the map is on the host here) and reports the first
- * bad one; kernels then only see valid geometry. */
-template <typename T> int check_rois(const Call<T> &call) {
-    for (int64_t k = 0; k < call.num_rois; ++k) {
-        Geometry<T> g{};
-        const int code = call.geometry(k, &g);
-        if (code != MMD_ROI_OK) return mmd_roi_error(code, k, call.batch);
-    }
-    return MMD_OK;
-}
-
 /* Room for `need` items in *buf; the old contents are not kept (every roi
  * recomputes its weights). `fixed` is storage that is not the heap's (a
  * stack buffer) and is never freed. */

@@ -34,21 +34,15 @@ template <typename T> struct PoolCall {
     T spatial_scale;
 
     int64_t bins() const { return pooled_h * pooled_w; }
-    /* Validates every roi, before anything is written. */
-    int check() const {
-        for (int64_t k = 0; k < num_rois; ++k) {
-            mmd_pool_geometry<T> g{};
-            const int code = mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h,
-                                                   pooled_w, convention, &g);
-            if (code != MMD_ROI_OK) return mmd_roi_error(code, k, batch);
-        }
-        return MMD_OK;
+    /* Roi k's geometry into *g, and its MMD_ROI_* code (mmd_check_rois). */
+    int geometry(int64_t k, mmd_pool_geometry<T> *g) const {
+        return mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w,
+                                     convention, g);
     }
-    /* Roi k's geometry (valid: check() passed). */
+    /* Roi k's geometry (valid: mmd_check_rois passed). */
     mmd_pool_geometry<T> geometry(int64_t k) const {
         mmd_pool_geometry<T> g{};
-        mmd_roi_pool_geometry(rois + 5 * k, batch, spatial_scale, pooled_h, pooled_w, convention,
-                              &g);
+        geometry(k, &g);
         return g;
     }
     /* Roi k's image and the cells its bins read. */
@@ -461,7 +455,7 @@ int roi_pool_forward(const mmd_tensor *input, const mmd_tensor *rois, const mmd_
     const PoolCall<T> call{(const T *)rois->data, num_rois, batch,    channels,
                            height,                width,    pooled_h, pooled_w,
                            convention,            spatial_scale};
-    int s = call.check();
+    int s = mmd_check_rois<mmd_pool_geometry<T>>(call);
     if (s || mmd_numel(output) == 0) return s;
     const T *in = (const T *)input->data;
     T *out = (T *)output->data;
@@ -501,7 +495,7 @@ int roi_pool_backward(const mmd_tensor *grad_output, const mmd_tensor *rois,
     const PoolCall<T> call{(const T *)rois->data,  num_rois, batch,    channels,
                            grad_input->shape[2],   grad_input->shape[3], pooled_h, pooled_w,
                            convention,             spatial_scale};
-    int s = call.check();
+    int s = mmd_check_rois<mmd_pool_geometry<T>>(call);
     if (s) return s;
     const int64_t *am = (const int64_t *)argmax->data;
     const int64_t total = mmd_numel(argmax);

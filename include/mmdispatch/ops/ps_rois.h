@@ -28,18 +28,6 @@ struct mmd_ps_bin {
           pw(index % pooled_w) {}
 };
 
-/* Validates every roi of a host call before anything is written: `call`
- * has num_rois, batch and geometry(k, &g), which fills a Geometry and
- * returns an MMD_ROI_* code. */
-template <typename Geometry, typename Call> inline int mmd_ps_check_rois(const Call &call) {
-    for (int64_t k = 0; k < call.num_rois; ++k) {
-        Geometry g{};
-        const int code = call.geometry(k, &g);
-        if (code != MMD_ROI_OK) return mmd_roi_error(code, k, call.batch);
-    }
-    return MMD_OK;
-}
-
 /* Forward and backward take the same arrays under different names: a
  * feature map (input / grad_input) of C channels, the rois and a pooled
  * array (output / grad_output) of shape (K, C / (pooled_h * pooled_w),

@@ -68,5 +68,17 @@ static inline int mmd_roi_check_map_and_rois(const mmd_tensor *feature,
 
 #ifdef __cplusplus
 }
+
+/* Validates every roi of a host call before anything is written: `call`
+ * has num_rois, batch and geometry(k, &g), which fills a Geometry and
+ * returns an MMD_ROI_* code. */
+template <typename Geometry, typename Call> inline int mmd_check_rois(const Call &call) {
+    for (int64_t k = 0; k < call.num_rois; ++k) {
+        Geometry g{};
+        const int code = call.geometry(k, &g);
+        if (code != MMD_ROI_OK) return mmd_roi_error(code, k, call.batch);
+    }
+    return MMD_OK;
+}
 #endif
 #endif
