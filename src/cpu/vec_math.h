@@ -9,9 +9,11 @@
  * they are within 1.2 ulp of the exact value (series of exp to r^7 or r^13
  * and of atanh to s^9 or s^21, whose remainders stay far below an ulp;
  * measured against long double over 2 * 10^7 arguments each:
- * tools/vec_math_accuracy.py). Elements whose x lies outside (larger,
- * infinite or NaN), where exp's result nears the subnormals, take the
- * scalar formula with the C library's exp and log1p instead. Only IEEE
+ * tools/vec_math_accuracy.py); log_one_plus_wide, log1p on [0, kWide] (a
+ * softmax row's sum of exps less one), within 1.23 ulp. Elements whose x
+ * lies outside (larger, infinite or NaN), where exp's result nears the
+ * subnormals, take the scalar formula with the C library's exp and log1p
+ * instead. Only IEEE
  * operations, and no FMA in any clone of MMD_X86_CLONES: each gives the
  * same bits (a build whose compiler may fuse multiply-adds, such as
  * -march=native or arm64, gives others), and an element's value does not
@@ -37,6 +39,7 @@ template <> struct VecMathConstants<float> {
     /* ln 2 in 16 bits and the rest: n * kLn2High is exact for |n| < 256 */
     static constexpr float kLn2High = 0.693145751953125f, kLn2Low = 1.428606765330187e-06f;
     static constexpr int kExpTerms = 7, kAtanhTerms = 4;
+    static constexpr float kWide = 4194304.0f;      /* 2^22: 1 + kWide < 2^kMantissa */
 };
 template <> struct VecMathConstants<double> {
     typedef int64_t bits;
@@ -46,6 +49,7 @@ template <> struct VecMathConstants<double> {
     /* ln 2 in 42 bits and the rest: n * kLn2High is exact for |n| < 2048 */
     static constexpr double kLn2High = 0.6931471805598903, kLn2Low = 5.497923018708371e-14;
     static constexpr int kExpTerms = 13, kAtanhTerms = 10;
+    static constexpr double kWide = 2251799813685248.0;   /* 2^51 */
 };
 
 /* 1/k!, and 2/(2k + 1) (atanh's series), correctly rounded to double
@@ -105,18 +109,36 @@ template <typename T, int Bytes = 32> struct VecMath {
         return power * ((T)1 + (r + r * r * tail));
     }
 
-    /* log(1 + e) for e in [0, 1]: log(1 + f) with f = e below 1/2, else
-     * ln 2 + log(1 + f) with f = (e - 1) / 2 (exact); log(1 + f) =
-     * 2 atanh(s), s = f / (2 + f), |s| < 0.2, taken as
-     * f - (f^2/2 - s (f^2/2 + R)), R = 2 atanh(s) - 2 s over s
+    /* log(1 + f) for |f| <= 1/2: 2 atanh(s), s = f / (2 + f), |s| < 0.2,
+     * taken as f - (f^2/2 - s (f^2/2 + R)), R = 2 atanh(s) - 2 s over s
      * = (2/3) s^2 + (2/5) s^4 + .... */
-    static MMD_INLINE value log_one_plus(value e) {
-        const mask upper = e >= (T)0.5;
-        const value f = where(upper, (e - (T)1) * (T)0.5, e);
+    static MMD_INLINE value log_one_plus_small(value f) {
         const value s = f / ((T)2 + f), z = s * s, half_square = (T)0.5 * f * f;
         const value rest = z * series<mmd_atanh_coefficient, 1, C::kAtanhTerms>(z);
-        const value log_f = f - (half_square - s * (half_square + rest));
+        return f - (half_square - s * (half_square + rest));
+    }
+
+    /* log(1 + e) for e in [0, 1]: log(1 + f) with f = e below 1/2, else
+     * ln 2 + log(1 + f) with f = (e - 1) / 2 (exact). */
+    static MMD_INLINE value log_one_plus(value e) {
+        const mask upper = e >= (T)0.5;
+        const value log_f = log_one_plus_small(where(upper, (e - (T)1) * (T)0.5, e));
         return where(upper, log_f + (T)0.6931471805599453, log_f);
+    }
+
+    /* log(1 + e) for e in [0, kWide]: u = 1 + e rounded is 2^k m with m in
+     * [sqrt(1/2), sqrt(2)) (k from u's bits less sqrt(1/2)'s: the exponent
+     * once m passes sqrt(2)), so log(1 + e) = k ln 2 + log(1 + f) with
+     * f = m - 1 (exact), plus d / u for what rounding u lost,
+     * d = e - (u - 1) (exact: u - 1 is, as u <= 1 + kWide < 2^kMantissa, and
+     * e is within a factor 2 of it). */
+    static MMD_INLINE value log_one_plus_wide(value e) {
+        const value u = (T)1 + e, d = e - (u - (T)1);
+        const bits low = (bits)(value() + (T)0.70710678118654752);
+        const bits k = ((bits)u - low) >> C::kMantissa;
+        const value m = (value)((bits)u - (k << C::kMantissa));
+        const value n = __builtin_convertvector(k, value);
+        return n * C::kLn2High + (log_one_plus_small(m - (T)1) + (n * C::kLn2Low + d / u));
     }
 
     /* The elements of a run of at most `lanes` from `left` remaining. */
@@ -143,6 +165,15 @@ template <typename T, int Bytes = 32> struct VecMath {
             for (int lane = 0; lane < lanes; ++lane)
                 if (outside[lane]) e[lane] = exp(y[lane]);
         return e;
+    }
+
+    /* exponential(y) for y <= 0 (or NaN), with the lanes where that does
+     * not hold (y below -kSafe, or NaN) added to `outside`: a loop that
+     * takes exp_nonpositive of those instead tests them once, after its
+     * last vector, not after each. */
+    static MMD_INLINE value exp_nonpositive_inside(value y, mask &outside) {
+        outside |= ~(y >= -C::kSafe);
+        return exponential(y);
     }
 
     /* v^e, lane by lane (the C library's pow). */

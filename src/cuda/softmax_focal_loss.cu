@@ -93,21 +93,19 @@ __global__ void focal_loss_kernel(const T *input, const int64_t *target, const T
         }
         const A others = mmd_softmax_others(group_reduce<false>(rest, width, mask),
                                             group_reduce<false>(ties, width, mask));
-        const A log_sum = log1p(others);
-        const A log_p = (to_compute(x[label]) - max) - log_sum;
+        const mmd_softmax_focal_target<mmd_scalar_math<A>> f(to_compute(x[label]) - max, others);
         const A scale = weight ? to_compute(weight[label]) : (A)1;
         if (grad_output == nullptr) {
             if (lane == 0)
-                result[i] = from_compute<T>(scale * mmd_softmax_focal_loss(log_p, gamma, alpha));
+                result[i] = from_compute<T>(scale * mmd_softmax_focal_loss(f, gamma, alpha));
             continue;
         }
         const A factor = to_compute(grad_output[i]) * scale *
-                         mmd_softmax_focal_loss_factor(log_p, gamma, alpha);
+                         mmd_softmax_focal_loss_factor(f, gamma, alpha);
         const A per_term = mmd_softmax_focal_loss_term_scale(factor, others);
         for (int64_t c = lane; c < classes; c += width)
             result[i * classes + c] = from_compute<T>(
-                c == label ? mmd_softmax_focal_loss_target_grad(factor, log_p)
-                           : per_term * exp(to_compute(x[c]) - max));
+                c == label ? factor * f.q : per_term * exp(to_compute(x[c]) - max));
     }
 }
 

@@ -173,6 +173,60 @@ def test_confident_rows_keep_their_small_loss_and_gradient_to_a_few_ulps(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("classes", [1, 3, 7, 8, 9, 16, 17, 81])
+def test_each_row_is_bit_for_bit_what_it_is_alone_whatever_shares_its_vector(dtype, classes):
+    """The CPU kernel takes a row's per-row math (log1p of its sum, its
+    target's q and p) on a vector of 8 or 4 rows, and the rows whose sum or
+    target lie outside the vector math's domain (NaN, infinity, a target
+    far below the maximum) in scalar: each row, loss and gradient, has the
+    bits it has on its own, next to any such rows, ignored rows, ties and
+    rows of a block's tail; and matches the reference where finite. Rows of
+    classes below, at and past a vector's length, and with a tail vector
+    that overlaps the last whole one."""
+    rng = np.random.default_rng(classes)
+    n = 29
+    x = rng.standard_normal((n, classes)) * 3
+    target = rng.integers(0, classes, n)
+    far = 200.0 if dtype == np.float32 else 1000.0   # beyond kSafe (80 or 700)
+    x[1, target[1]] = np.nan
+    x[2, :] = np.nan
+    x[3, target[3]] = -np.inf
+    x[4, :] = -np.inf
+    x[5, target[5]] = x[5].max() - far
+    x[6, target[6]] = x[6].max() + far
+    x[7, :] = x[7].max()   # all tied
+    x[8, 0] = np.inf
+    target[[9, 17, 18]] = -1
+    x[10, target[10]] = x[10].max() + 1e-3
+    x = x.astype(dtype)
+    weight = rng.random(classes).astype(dtype) + 0.5
+    grad_output = rng.standard_normal(n).astype(dtype)
+    with np.errstate(invalid="ignore"):
+        loss = softmax_focal_loss_forward(x, target, 2.0, 0.25, weight)
+        grad = softmax_focal_loss_backward(x, target, grad_output, 2.0, 0.25, weight)
+    for i in range(n):
+        one = slice(i, i + 1)
+        alone = softmax_focal_loss_forward(x[one], target[one], 2.0, 0.25, weight)
+        grad_alone = softmax_focal_loss_backward(x[one], target[one], grad_output[one], 2.0,
+                                                 0.25, weight)
+        assert loss[one].tobytes() == alone.tobytes(), (i, loss[i], alone)
+        assert grad[one].tobytes() == grad_alone.tobytes(), (i, grad[i], grad_alone)
+    finite = np.isfinite(x).all(axis=1) & (target >= 0)
+    finite[5] = dtype == np.float32 or classes == 1   # the reference's p underflows: 0 * inf
+    shifted = x[5].astype(np.float64) - x[5].max()
+    log_p = shifted[target[5]] - np.log(np.exp(shifted).sum())
+    np.testing.assert_allclose(loss[5], -0.25 * (-np.expm1(log_p)) ** 2 * log_p
+                               * weight[target[5]], rtol=1e-6)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref, ref_grad = ref_loss_and_grad(x, target, 2.0, 0.25, weight, grad_output)
+    np.testing.assert_allclose(loss[finite], ref[finite], **tolerance(dtype))
+    np.testing.assert_allclose(grad[finite], ref_grad[finite], **tolerance(dtype))
+    assert not loss[[9, 17, 18]].any() and not grad[[9, 17, 18]].any()
+    assert np.isnan(loss[[1, 2, 4]]).all()
+    assert loss[3] == (np.inf if classes > 1 else -np.nan) or classes == 1 and np.isnan(loss[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_target_logit_of_minus_infinity_gives_an_infinite_loss_and_the_gradients_limit(dtype):
     """p = 0: the loss is -alpha * log(0) = inf, and the gradient's limit is
     finite (p log(p) / q -> 0): -alpha at the target, alpha * p_c at the

@@ -95,8 +95,9 @@ inline int mmd_binary_focal_loss_backward_check(const mmd_tensor *input,
  * scalar (M::scalar, float or double: mmd_scalar_math, for CUDA and the
  * CPU's scalar elements) or a vector of them (the CPU's, src/cpu/
  * vec_math.h), whose comparisons give M::where's first argument. M has
- * `magnitude` (fabs), `exponential` (exp), `log_one_plus` (log1p) and
- * `power` (pow: r^gamma). */
+ * `magnitude` (fabs), `exponential` (exp), `log_one_plus` (log1p of a
+ * value in [0, 1]), `log_one_plus_wide` (log1p of one in [0, kWide]:
+ * softmax_focal_loss.h) and `power` (pow: r^gamma). */
 template <typename T> struct mmd_scalar_math {
     typedef T value;
     typedef T scalar;
@@ -104,6 +105,7 @@ template <typename T> struct mmd_scalar_math {
     static MMD_HOSTDEV T magnitude(T v) { return fabs(v); }
     static MMD_HOSTDEV T exponential(T v) { return exp(v); }
     static MMD_HOSTDEV T log_one_plus(T v) { return log1p(v); }
+    static MMD_HOSTDEV T log_one_plus_wide(T v) { return log1p(v); }
     static MMD_HOSTDEV T power(T v, T e) { return pow(v, e); }
 };
 

@@ -8,8 +8,9 @@
  *     -alpha * q^gamma * log(p)   (times weight[target] with a (C,) weight).
  * log(p) is computed as a log-softmax (x_t - max - log(sum(exp(x - max))),
  * the log as log1p: see mmd_softmax_others), so large logits neither take
- * log(0) nor overflow (MMCV clamps p to FLT_MIN instead), and q as
- * -expm1(log p). The gradient, scaled by the row's grad_output, is
+ * log(0) nor overflow (MMCV clamps p to FLT_MIN instead), and q from the
+ * sum of the other classes' terms (mmd_softmax_focal_target). The
+ * gradient, scaled by the row's grad_output, is
  *     d loss / d x_c = alpha * q^gamma * (gamma * p * log(p) / q - 1) * (delta_ct - p_c),
  * with log(p) / q taken as -1 where q = 0 (its limit), and 1 - p_t as q.
  * T, the compute type, is float or double. */
@@ -59,33 +60,56 @@ template <typename T> MMD_HOSTDEV inline T mmd_softmax_others(T rest, T ties) {
     return ties > 1 ? rest + (ties - 1) : rest;   /* the sum but one term of 1 */
 }
 
-/* A row's loss, from log(p) of its target class. */
-template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss(T log_p, T gamma, T alpha) {
-    const T q = -expm1(log_p);
-    return -alpha * mmd_focal_power<mmd_scalar_math<T>>(q, gamma) * log_p;
+/* What a row's loss and gradient take from its target class t, given
+ * y = x_t - max and `others` (mmd_softmax_others; the row's sum of exps is
+ * S = 1 + others): log p = y - log1p(others), p = e^y / S and
+ * q = 1 - p = (S - e^y) / S, where S - e^y is `others` for a target at the
+ * maximum (y = 0: its term is the 1 that others leaves out) and
+ * 1 + (others - e^y) otherwise (at least 1: no digits cancel), so a q near 0
+ * (p near 1) keeps its digits where 1 - p would round them away. Over a
+ * math policy M (mmd_scalar_math, or the CPU's vectors of rows: there
+ * `log_one_plus_wide` and `exponential` hold for others in [0, kWide] and
+ * y in [-kSafe, 0], and other rows take the scalar policy). */
+template <typename M> struct mmd_softmax_focal_target {
+    typedef typename M::value V;
+    typedef typename M::scalar T;
+    V log_p, p, q;
+    MMD_HOSTDEV mmd_softmax_focal_target(V y, V others) {
+        const V sum = (T)1 + others, term = M::exponential(y);
+        log_p = y - M::log_one_plus_wide(others);
+        p = term / sum;
+        q = M::where(y == (T)0, others, (T)1 + (others - term)) / sum;
+    }
+};
+
+/* A row's loss. */
+template <typename M>
+MMD_HOSTDEV inline typename M::value mmd_softmax_focal_loss(const mmd_softmax_focal_target<M> &f,
+                                                            typename M::scalar gamma,
+                                                            typename M::scalar alpha) {
+    return -alpha * mmd_focal_power<M>(f.q, gamma) * f.log_p;
 }
 
-/* The gradient's elements: for c not the target, -factor * p_c, taken as
- * -(factor / sum) * exp(x_c - max) (the sum 1 + mmd_softmax_others), whose
- * error does not grow with |x_c - max - log_sum| as exp of that difference
- * does; the target's is mmd_softmax_focal_loss_target_grad, q = 1 - p_t as
- * -expm1(log p_t) (1 - p_t kept few digits where p_t nears 1). */
-template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_target_grad(T factor, T log_p) {
-    return factor * -expm1(log_p);
+/* The factor of (delta_ct - p_c) in a row's gradient:
+ * alpha * q^gamma * (gamma * p * log(p) / q - 1), log(p) / q taken as its
+ * limit -1 where q = 0 and p log(p) / q as its limit 0 where p = 0 (a
+ * target logit of -inf: 0 * inf). The gradient's elements: the target's
+ * factor * q; another's -factor * p_c, taken as -(factor / S) *
+ * exp(x_c - max) (mmd_softmax_focal_loss_term_scale), whose error does not
+ * grow with |x_c - max - log S| as exp of that difference does. */
+template <typename M>
+MMD_HOSTDEV inline typename M::value mmd_softmax_focal_loss_factor(
+        const mmd_softmax_focal_target<M> &f, typename M::scalar gamma,
+        typename M::scalar alpha) {
+    typedef typename M::value V;
+    typedef typename M::scalar T;
+    const V ratio = M::where(f.q > (T)0, f.log_p / f.q, V() + (T)-1);
+    const V slope = M::where(f.p > (T)0, gamma * f.p * ratio, V());
+    return alpha * mmd_focal_power<M>(f.q, gamma) * (slope - (T)1);
 }
-/* -(factor / sum): an other element's gradient per exp(x_c - max). */
-template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_term_scale(T factor, T others) {
-    return -(factor / ((T)1 + others));
-}
-
-/* The factor of (delta_ct - p_c) in a row's gradient; p log(p) / q is
- * taken as its limit 0 where p = 0 (a target logit of -inf: 0 * inf). */
-template <typename T> MMD_HOSTDEV inline T mmd_softmax_focal_loss_factor(T log_p, T gamma,
-                                                                      T alpha) {
-    const T p = exp(log_p), q = -expm1(log_p);
-    const T ratio = q > 0 ? log_p / q : (T)-1;
-    const T slope = p > 0 ? gamma * p * ratio : (T)0;
-    return alpha * mmd_focal_power<mmd_scalar_math<T>>(q, gamma) * (slope - 1);
+/* -(factor / S): an other element's gradient per exp(x_c - max). */
+template <typename V> MMD_HOSTDEV inline V mmd_softmax_focal_loss_term_scale(V factor, V others) {
+    return -(factor / (1 + others));
 }
 
 #endif
